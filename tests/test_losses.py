@@ -1,0 +1,287 @@
+"""The GRPO math against closed forms worked out by hand on tiny tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from verst.train.losses import (
+    LossConfig,
+    aggregate,
+    entropy_from_logits,
+    group_advantages,
+    grpo_advantages,
+    kl_penalty,
+    logprobs_from_logits,
+    policy_loss,
+)
+
+
+def close(actual: torch.Tensor, expected: list | float, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(
+        actual.float(), torch.tensor(expected, dtype=torch.float32), atol=atol, rtol=0
+    )
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_defaults_and_clip_high() -> None:
+    cfg = LossConfig()
+    assert cfg.advantage_estimator == "grpo"
+    assert cfg.clip_high == 0.2
+    assert not cfg.needs_reference_model
+    assert LossConfig(eps_clip_high=0.28).clip_high == 0.28
+    assert LossConfig(kl_loss_coef=0.01).needs_reference_model
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"eps_clip": 0.0}, "eps_clip"),
+        ({"eps_clip": 1.0}, "eps_clip"),
+        ({"eps_clip_high": -0.1}, "eps_clip_high"),
+        ({"kl_loss_coef": -1.0}, "kl_loss_coef"),
+        ({"entropy_coef": -0.5}, "entropy_coef"),
+        ({"kl_loss_type": "k4"}, "kl_loss_type"),
+        ({"loss_aggregation": "sum"}, "loss_aggregation"),
+        ({"not_a_field": 1}, "not_a_field"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        LossConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_grpo_advantages_without_std() -> None:
+    # row 0: mean 2 -> [-1, 0, 1]; row 1: mean 1 -> [-1, -1, 2]
+    rewards_P_G = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 3.0]])
+    close(
+        grpo_advantages(rewards_P_G, std_normalization=False),
+        [[-1.0, 0.0, 1.0], [-1.0, -1.0, 2.0]],
+    )
+
+
+def test_grpo_advantages_with_unbiased_std() -> None:
+    rewards_P_G = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 3.0]])
+    # row 0: var = (1 + 0 + 1) / (3 - 1) = 1 -> std 1
+    # row 1: var = (1 + 1 + 4) / 2 = 3 -> std sqrt(3) = 1.7320508
+    s3 = 1.7320508
+    close(
+        grpo_advantages(rewards_P_G, std_normalization=True, eps=0.0),
+        [[-1.0, 0.0, 1.0], [-1 / s3, -1 / s3, 2 / s3]],
+    )
+    # eps lands in the denominator: std 1 + eps 1 halves row 0
+    close(grpo_advantages(rewards_P_G[:1], std_normalization=True, eps=1.0), [[-0.5, 0.0, 0.5]])
+
+
+def test_grpo_group_of_one_and_equal_rewards_are_zero() -> None:
+    for std in (True, False):
+        close(grpo_advantages(torch.tensor([[5.0], [-2.0]]), std_normalization=std), [[0.0], [0.0]])
+        out = grpo_advantages(torch.tensor([[0.7, 0.7, 0.7, 0.7]]), std_normalization=std)
+        close(out, [[0.0, 0.0, 0.0, 0.0]])
+        out = grpo_advantages(torch.tensor([[0.7, 0.7], [1.0, 1.0]]), std_normalization=std, eps=0)
+        close(out, [[0.0, 0.0], [0.0, 0.0]])
+
+
+def test_group_advantages_ragged() -> None:
+    # group 7: [1, 3] mean 2 -> [-1, 1], unbiased std sqrt(2) -> [-0.7071068, 0.7071068]
+    # group 2: [4] singleton -> 0
+    # group 5: [0, 0, 3] mean 1 -> [-1, -1, 2], std sqrt(3)
+    rewards_N = torch.tensor([1.0, 4.0, 0.0, 3.0, 0.0, 3.0])
+    group_ids_N = torch.tensor([7, 2, 5, 7, 5, 5])
+    close(
+        group_advantages(rewards_N, group_ids_N, std_normalization=False),
+        [-1.0, 0.0, -1.0, 1.0, -1.0, 2.0],
+    )
+    r2, s3 = 0.70710678, 1.7320508
+    close(
+        group_advantages(rewards_N, group_ids_N, std_normalization=True, eps=0.0),
+        [-r2, 0.0, -1 / s3, r2, -1 / s3, 2 / s3],
+    )
+
+
+def test_group_advantages_matches_table_version() -> None:
+    rewards_P_G = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.2, 0.9, 0.4, 0.1]])
+    group_ids_N = torch.arange(3).repeat_interleave(4)
+    for std in (True, False):
+        close(
+            group_advantages(rewards_P_G.flatten(), group_ids_N, std_normalization=std),
+            grpo_advantages(rewards_P_G, std_normalization=std).flatten().tolist(),
+        )
+
+
+# ---------------------------------------------------------------- KL
+
+
+def test_kl_penalty_kinds() -> None:
+    # d = logp - ref at three points: 0, ln 2, -ln 2
+    ln2 = math.log(2.0)
+    logp_B_T = torch.tensor([[-1.0, -1.0 + ln2, -1.0 - ln2]])
+    ref_B_T = torch.full((1, 3), -1.0)
+    close(kl_penalty(logp_B_T, ref_B_T, "k1"), [[0.0, ln2, -ln2]])
+    # k2 = d^2 / 2: ln2^2 = 0.480453 -> 0.2402265
+    close(kl_penalty(logp_B_T, ref_B_T, "k2"), [[0.0, 0.2402265, 0.2402265]])
+    # k3 = exp(-d) - (-d) - 1: d=ln2 -> 0.5 + ln2 - 1 = 0.1931472; d=-ln2 -> 2 - ln2 - 1 = 0.3068528
+    close(kl_penalty(logp_B_T, ref_B_T, "k3"), [[0.0, 0.1931472, 0.3068528]])
+    close(kl_penalty(logp_B_T, ref_B_T, "low_var_kl"), [[0.0, 0.1931472, 0.3068528]])
+
+
+def test_low_var_kl_is_clamped() -> None:
+    # d = -5: k3 = e^5 - 5 - 1 = 142.41 -> clamped to 10
+    logp_B_T = torch.tensor([[-6.0]])
+    ref_B_T = torch.tensor([[-1.0]])
+    close(kl_penalty(logp_B_T, ref_B_T, "k3"), [[math.exp(5) - 6]], atol=1e-3)
+    close(kl_penalty(logp_B_T, ref_B_T, "low_var_kl"), [[10.0]])
+
+
+# ---------------------------------------------------------------- policy loss
+
+
+def _ratios(*ratios: float) -> tuple[torch.Tensor, torch.Tensor]:
+    logp_B_T = torch.tensor([[math.log(r) for r in ratios]])
+    return logp_B_T, torch.zeros_like(logp_B_T)
+
+
+def test_policy_loss_positive_advantage() -> None:
+    # A = 2, eps 0.2: ratio 1.1 inside -> -2.2; 0.5 below -> max(-1.0, -1.6) = -1.0 (unclipped);
+    # 1.5 above -> max(-3.0, -2.4) = -2.4 (clipped)
+    logp_B_T, old_B_T = _ratios(1.1, 0.5, 1.5)
+    loss_B_T, clipped_B_T = policy_loss(
+        logp_B_T, old_B_T, torch.full((1, 3), 2.0), eps_clip=0.2, eps_clip_high=None
+    )
+    close(loss_B_T, [[-2.2, -1.0, -2.4]])
+    close(clipped_B_T, [[0.0, 0.0, 1.0]])
+
+
+def test_policy_loss_negative_advantage() -> None:
+    # A = -1: ratio 1.1 -> 1.1; 0.5 below -> max(0.5, 0.8) = 0.8 (clipped);
+    # 1.5 above -> max(1.5, 1.2) = 1.5 (unclipped)
+    logp_B_T, old_B_T = _ratios(1.1, 0.5, 1.5)
+    loss_B_T, clipped_B_T = policy_loss(
+        logp_B_T, old_B_T, torch.full((1, 3), -1.0), eps_clip=0.2, eps_clip_high=None
+    )
+    close(loss_B_T, [[1.1, 0.8, 1.5]])
+    close(clipped_B_T, [[0.0, 1.0, 0.0]])
+
+
+def test_policy_loss_clip_higher_is_asymmetric() -> None:
+    # A = 1, eps 0.2, eps_high 0.28: ratio 1.25 now inside -> -1.25; 1.4 -> clip at 1.28;
+    # 0.7 -> max(-0.7, -0.8) = -0.7 (lower bound unchanged, unclipped for A > 0)
+    logp_B_T, old_B_T = _ratios(1.25, 1.4, 0.7)
+    loss_B_T, clipped_B_T = policy_loss(
+        logp_B_T, old_B_T, torch.ones(1, 3), eps_clip=0.2, eps_clip_high=0.28
+    )
+    close(loss_B_T, [[-1.25, -1.28, -0.7]])
+    close(clipped_B_T, [[0.0, 1.0, 0.0]])
+    # A = -1 with the same clip: 0.7 is clipped at the unchanged lower bound 0.8
+    loss_B_T, clipped_B_T = policy_loss(
+        logp_B_T, old_B_T, -torch.ones(1, 3), eps_clip=0.2, eps_clip_high=0.28
+    )
+    close(loss_B_T, [[1.25, 1.4, 0.8]])
+    close(clipped_B_T, [[0.0, 0.0, 1.0]])
+
+
+def test_policy_loss_gradient_on_policy_and_extreme_ratio() -> None:
+    # At ratio 1, d(-A * ratio)/d logp = -A.
+    logp_B_T = torch.zeros(1, 2, requires_grad=True)
+    loss_B_T, _ = policy_loss(
+        logp_B_T, torch.zeros(1, 2), torch.tensor([[0.5, -2.0]]), eps_clip=0.2
+    )
+    loss_B_T.sum().backward()
+    close(logp_B_T.grad, [[-0.5, 2.0]])
+    # A log-ratio of 1000 is clamped to 20 before exp: finite.
+    loss_B_T, _ = policy_loss(
+        torch.tensor([[1000.0]]), torch.zeros(1, 1), torch.tensor([[-1.0]]), eps_clip=0.2
+    )
+    close(loss_B_T, [[math.exp(20.0)]], atol=1.0)
+
+
+# ---------------------------------------------------------------- aggregation
+
+VALUES_B_T = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0], [7.0, 8.0, 9.0]])
+MASK_B_T = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_aggregate_token_mean_and_seq_mean() -> None:
+    # tokens: 1 + 2 + 3 + 4 = 10 over 4 tokens -> 2.5
+    close(aggregate(VALUES_B_T, MASK_B_T, "token_mean"), 2.5)
+    # sequences: mean [1, 2, 3] = 2, mean [4] = 4, empty -> 0; (2 + 4 + 0) / 3 = 2
+    close(aggregate(VALUES_B_T, MASK_B_T, "seq_mean"), 2.0)
+    # explicit normalisers: 10 / 8 and 6 / 6
+    close(aggregate(VALUES_B_T, MASK_B_T, "token_mean", token_normaliser=8.0), 1.25)
+    close(aggregate(VALUES_B_T, MASK_B_T, "seq_mean", num_sequences=6), 1.0)
+
+
+def test_aggregate_empty_and_nan_padding_give_no_nan() -> None:
+    empty_B_T = torch.zeros(2, 3)
+    for mode in ("token_mean", "seq_mean"):
+        close(aggregate(torch.ones(2, 3), empty_B_T, mode), 0.0)
+    values_B_T = torch.tensor([[1.0, float("nan")], [float("inf"), 3.0]], requires_grad=True)
+    mask_B_T = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    out = aggregate(values_B_T, mask_B_T, "token_mean")
+    close(out, 2.0)
+    out.backward()
+    close(values_B_T.grad, [[0.5, 0.0], [0.0, 0.5]])
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean"])
+def test_aggregate_micro_batches_sum_to_full_batch(mode: str) -> None:
+    torch.manual_seed(0)
+    values_B_T = torch.randn(6, 5, requires_grad=True)
+    mask_B_T = (torch.rand(6, 5) > 0.4).float()
+    mask_B_T[4] = 0.0  # one empty response
+    full = aggregate(values_B_T, mask_B_T, mode)
+    (full_grad,) = torch.autograd.grad(full, values_B_T)
+    num_tokens = float(mask_B_T.sum())
+    parts = [
+        aggregate(
+            values_B_T[rows],
+            mask_B_T[rows],
+            mode,
+            token_normaliser=num_tokens,
+            num_sequences=6,
+        )
+        for rows in (slice(0, 1), slice(1, 4), slice(4, 6))
+    ]
+    total = torch.stack(parts).sum()
+    (split_grad,) = torch.autograd.grad(total, values_B_T)
+    torch.testing.assert_close(total, full)
+    torch.testing.assert_close(split_grad, full_grad)
+
+
+# ---------------------------------------------------------------- logits helpers
+
+
+def test_logprobs_from_logits_matches_log_softmax() -> None:
+    torch.manual_seed(0)
+    logits_B_T_V = torch.randn(2, 4, 11, dtype=torch.bfloat16) * 3
+    tokens_B_T = torch.randint(0, 11, (2, 4))
+    for temperature in (1.0, 0.7):
+        expected_B_T = torch.log_softmax(logits_B_T_V.float() / temperature, dim=-1).gather(
+            -1, tokens_B_T.unsqueeze(-1)
+        )
+        out_B_T = logprobs_from_logits(logits_B_T_V, tokens_B_T, temperature)
+        assert out_B_T.dtype == torch.float32
+        torch.testing.assert_close(out_B_T, expected_B_T.squeeze(-1))
+
+
+def test_logprobs_closed_form() -> None:
+    # logits [0, ln 3] -> probs [1/4, 3/4]
+    logits_B_T_V = torch.tensor([[[0.0, math.log(3.0)]]])
+    close(logprobs_from_logits(logits_B_T_V, torch.tensor([[1]])), [[math.log(0.75)]])
+
+
+def test_entropy_from_logits() -> None:
+    # uniform over 4 -> ln 4; probs [1/4, 3/4] -> -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.5623351;
+    # a -inf logit contributes nothing: [0, 0, -inf] -> ln 2
+    logits_B_T_V = torch.tensor(
+        [[[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), -1e9, -1e9], [0.0, 0.0, -math.inf, -math.inf]]]
+    )
+    close(entropy_from_logits(logits_B_T_V), [[math.log(4.0), 0.5623351, math.log(2.0)]])
