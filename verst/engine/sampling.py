@@ -1,0 +1,92 @@
+"""Sampling parameters and the batched next-token sampler.
+
+Owns `SamplingParams` (SGLang's field names) and `sample_next_tokens`, which draws one token per
+row with per-row temperature / top-p / top-k, without Python loops or host syncs.
+
+Promise: the log-prob returned for a token is the one the trainer recomputes, i.e.
+`log_softmax(logits / T)[token]` over the full vocabulary in float32 (before top-p / top-k
+truncation), and `log_softmax(logits)[token]` for greedy rows (T == 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the engine's EOS
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample_next_tokens(
+    logits_B_V: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_p_B: torch.Tensor | None,
+    top_k_B: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return `(tokens_B int64, logprobs_B float32)`.
+
+    `top_p_B` / `top_k_B` may be None when no row truncates (the caller knows this on the host),
+    which skips the vocabulary sort. Rows with temperature 0 take the argmax.
+    """
+    logits_B_V = logits_B_V.float()
+    greedy_B = temperature_B <= 0
+    # Greedy rows divide by 1 so their log-probs are plain log_softmax(logits).
+    temp_B = torch.where(greedy_B, torch.ones_like(temperature_B), temperature_B).float()
+    scaled_B_V = logits_B_V / temp_B.unsqueeze(-1)
+    logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
+    probs_B_V = logprobs_B_V.exp()
+
+    # Exponential-race sampling (argmax of p / Exp(1)) equals multinomial sampling but needs
+    # no host sync and no cumsum over the unsorted vocabulary.
+    if top_p_B is None and top_k_B is None:
+        noise_B_V = torch.empty_like(probs_B_V).exponential_(generator=generator)
+        sampled_B = (probs_B_V / noise_B_V).argmax(dim=-1)
+    else:
+        probs_sorted_B_V, idx_sorted_B_V = probs_B_V.sort(dim=-1, descending=True)
+        vocab = probs_B_V.shape[-1]
+        if top_k_B is not None:
+            ranks_V = torch.arange(vocab, device=probs_B_V.device)
+            k_B = torch.where(top_k_B > 0, top_k_B, vocab)
+            probs_sorted_B_V = probs_sorted_B_V.masked_fill(
+                ranks_V.unsqueeze(0) >= k_B.unsqueeze(-1), 0.0
+            )
+        if top_p_B is not None:
+            # Same rule as SGLang: drop a token once the mass strictly before it exceeds top_p;
+            # the most likely token always survives.
+            before_B_V = probs_sorted_B_V.cumsum(dim=-1) - probs_sorted_B_V
+            probs_sorted_B_V = probs_sorted_B_V.masked_fill(
+                before_B_V > top_p_B.float().unsqueeze(-1), 0.0
+            )
+        noise_B_V = torch.empty_like(probs_sorted_B_V).exponential_(generator=generator)
+        pick_B = (probs_sorted_B_V / noise_B_V).argmax(dim=-1, keepdim=True)
+        sampled_B = idx_sorted_B_V.gather(-1, pick_B).squeeze(-1)
+
+    tokens_B = torch.where(greedy_B, logits_B_V.argmax(dim=-1), sampled_B)
+    token_logprobs_B = logprobs_B_V.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
+    return tokens_B, token_logprobs_B
