@@ -1,0 +1,46 @@
+"""Procedural tasks: prompt sets generated in-process, with fixed, disjoint train/dev/test splits.
+
+A task is a function `(split, seed, **kwargs) -> list[{"prompt": str, "label": str}]` in
+`TASKS`. The same seed always gives the same splits, and the splits never share a prompt.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+SPLITS = ("train", "dev", "test")
+
+
+def _split_rows(rows: list[dict], split: str, *, test: int = 200, dev: int = 200) -> list[dict]:
+    if split == "test":
+        return rows[:test]
+    if split == "dev":
+        return rows[test : test + dev]
+    return rows[test + dev :]
+
+
+def addition(split: str, seed: int, digits: int = 2) -> list[dict]:
+    """All sums a+b with a, b < 10**digits, zero-padded ("07+58=" → "65"), shuffled by `seed`.
+
+    test is the first 200 shuffled pairs, dev the next 200, train the rest.
+    """
+    if digits < 1:
+        raise ValueError(f"addition: digits must be >= 1, got {digits}")
+    n = 10**digits
+    pairs = [(a, b) for a in range(n) for b in range(n)]
+    random.Random(seed).shuffle(pairs)
+    rows = [{"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "label": str(a + b)} for a, b in pairs]
+    return _split_rows(rows, split)
+
+
+TASKS: dict[str, Callable[..., list[dict]]] = {"addition": addition}
+
+
+def make_task(name: str, split: str, seed: int, **kwargs) -> list[dict]:
+    """The rows of procedural task `name` for `split` ("train", "dev" or "test")."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r} for task {name!r}; use one of {SPLITS}")
+    return TASKS[name](split, seed, **kwargs)
