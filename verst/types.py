@@ -63,7 +63,8 @@ class Sample:
             values = getattr(self, name)
             if len(values) != self.response_length:
                 raise ValueError(
-                    f"{name} has length {len(values)}, expected response_length {self.response_length}"
+                    f"{name} has length {len(values)}, "
+                    f"expected response_length {self.response_length}"
                 )
 
     def clone_prompt(self, index: int) -> Sample:

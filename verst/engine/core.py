@@ -147,18 +147,22 @@ class Engine:
             return [self._output(r, [], [], FINISH_LENGTH) for r in requests]
         max_prompt = max(prompt_lens)
 
-        # Left padding; the attention mask is preallocated for the whole run and sliced per step.
-        input_ids_B_L = torch.full((B, max_prompt), self.pad_token_id, dtype=torch.long)
-        mask_B_S = torch.zeros((B, max_prompt + max_steps), dtype=torch.long)
-        for i, req in enumerate(requests):
-            input_ids_B_L[i, max_prompt - prompt_lens[i] :] = torch.tensor(req.input_ids)
-            mask_B_S[i, max_prompt - prompt_lens[i] :] = 1
-        input_ids_B_L = input_ids_B_L.to(device)
-        mask_B_S = mask_B_S.to(device)
+        # Left padding; the attention mask is built for the whole run (decode columns all ones:
+        # finished rows attend to their pad tokens, which is harmless) and sliced per step.
+        pad = self.pad_token_id
+        input_ids_B_L = torch.tensor(
+            [[pad] * (max_prompt - len(r.input_ids)) + r.input_ids for r in requests],
+            dtype=torch.long,
+        ).to(device)
+        mask_B_S = torch.tensor(
+            [[0] * (max_prompt - n) + [1] * (n + max_steps) for n in prompt_lens],
+            dtype=torch.long,
+        ).to(device)
         position_ids_B_L = (mask_B_S[:, :max_prompt].cumsum(-1) - 1).clamp(min=0)
         prompt_lens_B = torch.tensor(prompt_lens, device=device)
 
         temperature_B = torch.tensor([p.temperature for p in params], device=device)
+        any_sampled = any(p.temperature > 0 for p in params)
         top_p_B = top_k_B = None
         if any(p.top_p < 1.0 for p in params):
             top_p_B = torch.tensor([p.top_p for p in params], device=device)
@@ -184,7 +188,7 @@ class Engine:
         logits_B_V = self._forward(input_ids_B_L, mask_B_S[:, :max_prompt], position_ids_B_L, cache)
         for step in range(max_steps):
             tokens_B, token_logprobs_B = sample_next_tokens(
-                logits_B_V, temperature_B, top_p_B, top_k_B, self.generator
+                logits_B_V, temperature_B, top_p_B, top_k_B, self.generator, any_sampled=any_sampled
             )
             tokens_B_N[:, step] = tokens_B
             logprobs_B_N[:, step] = token_logprobs_B
@@ -196,7 +200,6 @@ class Engine:
             if step == max_steps - 1 or bool(done_B.all()):  # the one host sync per step
                 break
             fed_B = torch.where(done_B, pad_B, tokens_B)
-            mask_B_S[:, max_prompt + step] = 1
             logits_B_V = self._forward(
                 fed_B.unsqueeze(-1),
                 mask_B_S[:, : max_prompt + step + 1],

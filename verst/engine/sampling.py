@@ -48,11 +48,14 @@ def sample_next_tokens(
     top_p_B: torch.Tensor | None,
     top_k_B: torch.Tensor | None,
     generator: torch.Generator | None,
+    *,
+    any_sampled: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return `(tokens_B int64, logprobs_B float32)`.
 
     `top_p_B` / `top_k_B` may be None when no row truncates (the caller knows this on the host),
-    which skips the vocabulary sort. Rows with temperature 0 take the argmax.
+    which skips the vocabulary sort. Rows with temperature 0 take the argmax; `any_sampled=False`
+    (every row greedy, known on the host) skips the random draw entirely.
     """
     logits_B_V = logits_B_V.float()
     greedy_B = temperature_B <= 0
@@ -60,6 +63,9 @@ def sample_next_tokens(
     temp_B = torch.where(greedy_B, torch.ones_like(temperature_B), temperature_B).float()
     scaled_B_V = logits_B_V / temp_B.unsqueeze(-1)
     logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
+    if not any_sampled:
+        tokens_B = logits_B_V.argmax(dim=-1)
+        return tokens_B, logprobs_B_V.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
     probs_B_V = logprobs_B_V.exp()
 
     # Exponential-race sampling (argmax of p / Exp(1)) equals multinomial sampling but needs

@@ -151,7 +151,7 @@ def aggregate(
     mode: Aggregation,
     *,
     token_normaliser: float | None = None,
-    num_sequences: int | None = None,
+    num_sequences: float | None = None,
 ) -> Tensor:
     """Reduce per-token values to a scalar loss.
 
@@ -171,7 +171,7 @@ def aggregate(
     if mode == "seq_mean":
         per_seq_B = masked_B_T.sum(dim=-1) / mask_B_T.sum(dim=-1).clamp(min=1.0)
         n = values_B_T.shape[0] if num_sequences is None else num_sequences
-        return per_seq_B.sum() / max(n, 1)
+        return per_seq_B.sum() / max(n, 1.0)
     raise ValueError(f"unknown loss_aggregation {mode!r}")
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from verst.cli import main
+
+sys.exit(main())

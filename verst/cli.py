@@ -1,0 +1,122 @@
+"""The `verst` command: `verst train`, `verst model create-tiny`.
+
+Config errors, missing files and non-finite losses end the command with a one-paragraph message
+and exit code 2 (bad input) or 1 (the run failed), never a traceback for the user's mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from verst.config import ConfigError, help_text, load_config
+
+TRAIN_EPILOG = """overrides: section.field=value, e.g. trainer.lr=1e-5 rollout.temperature=0.8
+
+config fields (YAML keys / overrides):
+"""
+
+
+def _train_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="run RL training from a YAML config",
+        description="Run the synchronous RL loop: rollout → reward → train → weight sync.",
+        epilog=TRAIN_EPILOG + help_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("config", nargs="?", help="YAML config file (omit to use defaults)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides: section.field=value")
+    parser.add_argument(
+        "--run-dir", type=Path, help="output directory (default runs/<config name>)"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="delete an existing run directory first"
+    )
+
+
+def _model_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("model", help="model utilities")
+    commands = parser.add_subparsers(dest="model_command", required=True)
+    tiny = commands.add_parser(
+        "create-tiny", help="write a tiny random-weight HF model and tokenizer to DIR"
+    )
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--family", choices=["qwen3", "llama"], default="qwen3")
+    tiny.add_argument("--hidden-size", type=int, default=128)
+    tiny.add_argument("--num-layers", type=int, default=4)
+    tiny.add_argument("--seed", type=int, default=0)
+
+
+def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """argparse cannot tell `CONFIG` from a first override; an `=` decides."""
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:
+        overrides.insert(0, config)
+        config = None
+    return config, overrides
+
+
+def _prepare_run_dir(args: argparse.Namespace, config: str | None) -> Path:
+    run_dir = args.run_dir or Path("runs") / (Path(config).stem if config else "default")
+    has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+    if args.resume and not has_run:
+        raise ConfigError(f"--resume: {run_dir} holds no run to resume")
+    if has_run and not args.resume:
+        if not args.overwrite:
+            raise ConfigError(
+                f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to "
+                "start over, or --run-dir for a new directory"
+            )
+        shutil.rmtree(run_dir)
+    return run_dir
+
+
+def _train(args: argparse.Namespace) -> int:
+    config, overrides = _split_config_and_overrides(args)
+    cfg = load_config(config, overrides)
+    run_dir = _prepare_run_dir(args, config)
+    from verst.loop import train  # heavy imports only once the config is known to be valid
+
+    train(cfg, run_dir, resume=args.resume)
+    return 0
+
+
+def _create_tiny(args: argparse.Namespace) -> int:
+    from verst.models.tiny import TinyModelConfig, create_tiny
+
+    cfg = TinyModelConfig(
+        family=args.family, hidden_size=args.hidden_size, num_layers=args.num_layers
+    )
+    create_tiny(args.dir, cfg, seed=args.seed)
+    print(f"wrote a tiny {args.family} model and tokenizer to {args.dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="verst", description="RL post-training for LLMs")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _train_parser(subparsers)
+    _model_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+        return _create_tiny(args)
+    except (ConfigError, FileNotFoundError, ImportError) as error:
+        print(f"verst: error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        from verst.train.trainer import NonFiniteLossError
+
+        if isinstance(error, NonFiniteLossError):
+            print(f"verst: run stopped: {error}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The root config: composes each part's section, loads YAML, applies dotted overrides, prints help.
+
+`load_config("examples/quickstart.yaml", ["trainer.lr=1e-5"])` returns a validated `RunConfig`
+or raises `ConfigError` whose message names the offending field, before any work starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from verst.configbase import ConfigBase
+from verst.data.source import DataSourceConfig
+from verst.eval.evaluate import EvalConfig
+from verst.models.loading import ModelConfig
+from verst.models.tiny import TinyModelConfig
+from verst.rollout.generate import RolloutConfig
+from verst.train.checkpoint import CheckpointConfig
+from verst.train.losses import LossConfig
+from verst.train.sft import WarmStartConfig
+from verst.train.trainer import TrainerConfig
+
+
+class ConfigError(ValueError):
+    """A config value or combination is invalid; the message names the field."""
+
+
+class SyncConfig(ConfigBase):
+    transport: Literal["colocated"] = Field(
+        "colocated",
+        description="how new weights reach the engines; colocated = same process and device",
+    )
+
+
+class RunConfig(ConfigBase):
+    seed: int = Field(0, description="seed for model init, data order, sampling and dropout")
+    num_steps: int = Field(100, ge=1, description="RL steps (rollout → train → sync) to run")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads per process; unset = torch's default"
+    )
+    model: ModelConfig = Field(
+        default_factory=lambda: ModelConfig(tiny=TinyModelConfig()), description="the policy model"
+    )
+    data: DataSourceConfig = Field(
+        default_factory=lambda: DataSourceConfig(task="addition"),
+        description="training prompts",
+    )
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation")
+    loss: LossConfig = Field(default_factory=LossConfig, description="RL objective")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="optimiser")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="weight transport")
+    warm_start: WarmStartConfig = Field(
+        default_factory=WarmStartConfig, description="optional SFT before RL"
+    )
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="checkpoint cadence"
+    )
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> RunConfig:
+        if self.rollout.n_samples_per_prompt < 2 and self.loss.advantage_estimator == "grpo":
+            raise ValueError(
+                "rollout.n_samples_per_prompt must be >= 2 for grpo: a group of one has "
+                "advantage 0 and nothing is learned"
+            )
+        return self
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """`a.b=1` → ("a.b", 1); values are parsed as YAML, so `x=null`, `x=[1,2]` work."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.field=value")
+        parsed.append((key.strip(), yaml.safe_load(raw) if raw else ""))
+    return parsed
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for detail in error.errors():
+        field = ".".join(str(part) for part in detail["loc"]) or "(root)"
+        lines.append(f"  {field}: {detail['msg']}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def config_from_dict(tree: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        tree = loaded or {}
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    return config_from_dict(tree)
+
+
+def dump_config(cfg: RunConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    candidates = get_args(annotation) if get_origin(annotation) is not None else (annotation,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _show(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def describe_fields(
+    section: BaseModel | None = None, prefix: str = ""
+) -> list[tuple[str, str, str]]:
+    """(dotted name, default, description) for every leaf field of the default config."""
+    section = section if section is not None else RunConfig()
+    rows = []
+    for name, field in type(section).model_fields.items():
+        dotted = f"{prefix}{name}"
+        value = getattr(section, name)
+        section_type = _section_type(field.annotation)
+        if isinstance(value, BaseModel):
+            rows.extend(describe_fields(value, prefix=f"{dotted}."))
+        elif section_type is not None:  # an optional section, unset by default
+            rows.append((dotted, "null", field.description or ""))
+        else:
+            rows.append((dotted, _show(value), field.description or ""))
+    return rows
+
+
+def help_text() -> str:
+    rows = describe_fields()
+    width = max(len(name) for name, _, _ in rows)
+    return "\n".join(
+        f"  {name:<{width}}  {desc} [default: {default}]" for name, default, desc in rows
+    )

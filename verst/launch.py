@@ -1,0 +1,204 @@
+"""Builds the components of a run from its config: model, trainer, engine, sync, data, eval.
+
+Placement `local`: one process (or one per rank under torchrun) holds a trainer and an engine
+on the same device; the engine's copy of the model shares the trainer's storage when it can.
+The `Run` also owns checkpoint save and restore, since both touch every component.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from verst.config import RunConfig
+from verst.data.source import DataSource
+from verst.engine import Engine, SamplingParams
+from verst.eval.evaluate import Evaluator
+from verst.models.loading import eos_token_ids, load_model_and_tokenizer
+from verst.rollout.rewards import load_reward_fn
+from verst.sync.colocated import ColocatedSync
+from verst.train import distributed
+from verst.train.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    load_weights,
+    save_checkpoint,
+)
+from verst.train.trainer import Trainer, compute_dtype
+
+REFERENCE_DIR = "reference"
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    run_dir: Path
+    device: torch.device
+    tokenizer: PreTrainedTokenizerBase
+    shell: PreTrainedModel  # unsharded twin of the policy, used for its config when saving
+    trainer: Trainer
+    engine: Engine
+    sync: ColocatedSync
+    data: DataSource
+    sampling_params: SamplingParams
+    reward_fn: Callable
+    evaluator: Evaluator | None
+    warm_start_data: DataSource | None
+    dev_evaluator: Evaluator | None
+    eos_ids: list[int]
+
+    @property
+    def rank_slice(self) -> slice:
+        return slice(distributed.rank(), None, distributed.world_size())
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode_answer(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos_ids[0]]
+
+    def dev_accuracy(self) -> float:
+        assert self.dev_evaluator is not None
+        self.sync.push(self.engine.weight_version)
+        return self.dev_evaluator.run(self.engine)["eval/accuracy"]
+
+    # --- reference model -------------------------------------------------------------------------
+
+    def freeze_reference(self) -> None:
+        """Snapshot the policy as the KL reference (after any warm start), on disk for resume."""
+        if self.cfg.loss.kl_loss_coef <= 0:
+            return
+        weights = self.trainer.full_state_dict()
+        if distributed.rank() == 0:
+            self.shell.save_pretrained(self.run_dir / REFERENCE_DIR, state_dict=weights)
+        distributed.barrier()
+        self.trainer.set_reference(copy.deepcopy(self.shell))
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def save(self, step: int, version: int, *, keep_existing: bool = False) -> Path:
+        """Save the current state as checkpoint `step` (collective: every rank calls it)."""
+        existing = [p for p in list_checkpoints(self.run_dir) if p.name == f"step_{step:06d}"]
+        if keep_existing and existing:
+            return existing[0]
+        state = {
+            "step": step,
+            "weight_version": version,
+            "trainer": self.trainer.optimizer_state(),
+            "data": self.data.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "engine": self.engine.generator.get_state(),
+            },
+        }
+        return save_checkpoint(
+            self.run_dir,
+            step,
+            weights=self.trainer.full_state_dict(),
+            shell=self.shell,
+            tokenizer=self.tokenizer,
+            state=state,
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+
+    def restore_latest(self) -> tuple[int, int]:
+        """Load the newest complete checkpoint; returns (step, weight version)."""
+        checkpoints = list_checkpoints(self.run_dir)
+        if not checkpoints:
+            raise FileNotFoundError(
+                f"--resume: no checkpoint under {self.run_dir / 'checkpoints'} to resume from"
+            )
+        weights, state = load_checkpoint(checkpoints[-1])
+        self.trainer.load_state(weights, state["trainer"])
+        self.data.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        self.engine.generator.set_state(state["rng"]["engine"])
+        if self.cfg.loss.kl_loss_coef > 0:
+            reference = copy.deepcopy(self.shell)
+            reference.load_state_dict(load_weights(self.run_dir / REFERENCE_DIR))
+            self.trainer.reference = reference.to(self.device, self.trainer.dtype).eval()
+        _truncate_metrics(self.run_dir / "metrics.jsonl", state["step"])
+        return state["step"], state["weight_version"]
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records logged after the checkpoint we resume from, so each step appears once."""
+    if distributed.rank() != 0 or not path.is_file():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= step
+    ]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def build(cfg: RunConfig, run_dir: Path) -> Run:
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    device = distributed.resolve_device(cfg.trainer.device)
+    distributed.init_distributed(device)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device)
+    shell = copy.deepcopy(model)
+    engine_model = copy.deepcopy(model).to(dtype=compute_dtype(cfg.trainer.dtype, device)).eval()
+    trainer = Trainer(
+        model,
+        cfg.trainer,
+        cfg.loss,
+        total_steps=cfg.num_steps,
+        pad_token_id=tokenizer.pad_token_id,
+        temperature=cfg.rollout.temperature,
+        device=device,
+    )
+    eos_ids = eos_token_ids(shell, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    engine = Engine(
+        engine_model, eos_token_ids=eos_ids, pad_token_id=pad_id, seed=cfg.seed + distributed.rank()
+    )
+    reward_fn = load_reward_fn(cfg.rollout.reward)
+    eval_reward_fn = load_reward_fn(cfg.eval.reward) if cfg.eval.reward else reward_fn
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def evaluator_for(data_cfg) -> Evaluator:
+        prompts = DataSource(data_cfg, tokenizer, n_samples_per_prompt=1, seed=cfg.seed)
+        return Evaluator(cfg.eval, prompts.prompts_in_order(), eval_reward_fn, decode, device)
+
+    warm = cfg.warm_start
+    return Run(
+        cfg=cfg,
+        run_dir=run_dir,
+        device=device,
+        tokenizer=tokenizer,
+        shell=shell,
+        trainer=trainer,
+        engine=engine,
+        sync=ColocatedSync(trainer, engine),
+        data=DataSource(
+            cfg.data,
+            tokenizer,
+            n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+            seed=cfg.seed,
+        ),
+        sampling_params=cfg.rollout.sampling_params(),
+        reward_fn=reward_fn,
+        evaluator=evaluator_for(cfg.eval.data) if cfg.eval.interval_steps > 0 else None,
+        warm_start_data=DataSource(warm.data, tokenizer, n_samples_per_prompt=1, seed=cfg.seed)
+        if warm.enabled
+        else None,
+        dev_evaluator=evaluator_for(warm.dev_data) if warm.enabled else None,
+        eos_ids=eos_ids,
+    )

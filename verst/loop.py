@@ -1,0 +1,96 @@
+"""The synchronous RL loop: rollout → reward → train → sync, one step at a time.
+
+`train(cfg, run_dir, resume=...)` is what `verst train` runs. The components are built in
+`verst/launch.py`; this file holds only the order of events, so it reads like the algorithm.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from verst import launch
+from verst.config import RunConfig, dump_config
+from verst.monitor.metrics import MetricsLogger
+from verst.rollout.generate import generate_groups
+from verst.rollout.metrics import rollout_metrics
+from verst.train.losses import group_advantages
+from verst.train.sft import warm_start
+from verst.train.trainer import NonFiniteLossError, TrainItem
+from verst.types import Group
+
+
+def train_items(groups: list[Group], std_normalization: bool) -> list[TrainItem]:
+    samples = [s for group in groups for s in group]
+    rewards = torch.tensor([s.reward or 0.0 for s in samples], dtype=torch.float64)
+    group_ids = torch.tensor([s.group_index for s in samples])
+    advantages = group_advantages(rewards, group_ids, std_normalization=std_normalization)
+    return [TrainItem.from_sample(s, float(a)) for s, a in zip(samples, advantages, strict=True)]
+
+
+def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = launch.build(cfg, run_dir)
+    step, version = run.restore_latest() if resume else (0, 0)
+    with MetricsLogger(run_dir, cfg.num_steps, start_step=step) as log:
+        if step == 0:
+            dump_config(cfg, run_dir / "config.yaml")
+            first = {"step": 0}
+            if cfg.warm_start.enabled:
+                first |= warm_start(
+                    cfg.warm_start,
+                    run.trainer,
+                    run.warm_start_data,
+                    run.encode_answer,
+                    run.dev_accuracy,
+                    log.info,
+                )
+            run.freeze_reference()
+            version += 1
+            run.sync.push(version)
+            first["weight_version"] = version
+            if run.evaluator is not None:
+                first |= run.evaluator.run(run.engine)
+            log.log(first)
+        else:
+            run.sync.push(version)
+            log.info(f"resumed from step {step} (weight version {version}) in {run_dir}")
+
+        while step < cfg.num_steps:
+            step += 1
+            started = time.perf_counter()
+            groups = run.data.take(cfg.rollout.prompts_per_step)[run.rank_slice]
+            generate_groups(run.engine, run.decode, groups, run.sampling_params, run.reward_fn)
+            rolled = time.perf_counter()
+            items = train_items(groups, cfg.loss.grpo_std_normalization)
+            try:
+                metrics = run.trainer.step(items, step=step)
+            except NonFiniteLossError as error:
+                saved = run.save(step - 1, version, keep_existing=True)
+                raise NonFiniteLossError(f"{error}; last good checkpoint: {saved}") from None
+            trained = time.perf_counter()
+            version += 1
+            run.sync.push(version)
+            synced = time.perf_counter()
+
+            metrics = {"step": step, "weight_version": version} | metrics
+            metrics |= rollout_metrics(groups, run.device)
+            metrics |= {
+                "perf/rollout_time_s": rolled - started,
+                "perf/train_time_s": trained - rolled,
+                "perf/sync_time_s": synced - trained,
+                "perf/step_time_s": synced - started,
+            }
+            if run.evaluator is not None and (
+                step == cfg.num_steps or step % cfg.eval.interval_steps == 0
+            ):
+                metrics |= run.evaluator.run(run.engine)
+            if step == cfg.num_steps or (
+                cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0
+            ):
+                run.save(step, version)
+            log.log(metrics)
+    log.info(f"done: {cfg.num_steps} steps; checkpoints in {run_dir / 'checkpoints'}")
+    return run_dir

@@ -1,0 +1,89 @@
+"""The default rollout: every sample of every group goes to the engine, then gets its reward.
+
+A group comes back with each Sample's response ids, log-probs, loss mask, status (COMPLETED when
+the model stopped, TRUNCATED at the token limit), weight version and reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from pydantic import Field, field_validator
+
+from verst.configbase import ConfigBase
+from verst.engine import Engine, GenerateRequest, SamplingParams
+from verst.rollout.rewards import compute_rewards
+from verst.types import Group, Sample, Status
+
+
+class RolloutConfig(ConfigBase):
+    prompts_per_step: int = Field(16, ge=1, description="prompts (groups) per RL step")
+    n_samples_per_prompt: int = Field(8, ge=1, description="samples per prompt (the group size)")
+    max_new_tokens: int = Field(256, ge=1, description="response length limit in tokens")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_k: int = Field(-1, description="sample among the k likeliest tokens; -1 = off")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="token ids that end a response, besides EOS"
+    )
+    reward: str = Field(
+        "exact_match",
+        description="reward function: a built-in name (exact_match, numeric_match) or pkg.mod:fn",
+    )
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("top_k must be -1 (off) or a positive number of tokens")
+        return value
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop_token_ids=list(self.stop_token_ids),
+        )
+
+
+def fill_sample(
+    sample: Sample,
+    output_ids: list[int],
+    logprobs: list[float],
+    finish_reason: str,
+    weight_version: int,
+    response_text: str,
+) -> None:
+    sample.tokens = sample.prompt_tokens + list(output_ids)
+    sample.response_length = len(output_ids)
+    sample.loss_mask = [1] * len(output_ids)
+    sample.rollout_logprobs = list(logprobs)
+    sample.status = Status.COMPLETED if finish_reason == "stop" else Status.TRUNCATED
+    sample.weight_versions = [weight_version]
+    sample.metadata["response_text"] = response_text
+
+
+def generate_groups(
+    engine: Engine,
+    decode: Callable[[list[int]], str],
+    groups: list[Group],
+    params: SamplingParams,
+    reward_fn: Callable,
+) -> list[Group]:
+    """Generate every sample in one engine call, fill it in place, and score it."""
+    samples = [sample for group in groups for sample in group]
+    requests = [GenerateRequest(input_ids=s.prompt_tokens, sampling_params=params) for s in samples]
+    for sample, out in zip(samples, engine.generate(requests), strict=True):
+        fill_sample(
+            sample,
+            out.output_ids,
+            out.output_token_logprobs,
+            out.finish_reason,
+            out.weight_version,
+            decode(out.output_ids),
+        )
+    asyncio.run(compute_rewards(samples, reward_fn))
+    return groups
