@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(args)
         return _create_tiny(args)
-    except (ConfigError, FileNotFoundError, ImportError) as error:
+    except (ConfigError, FileNotFoundError, ImportError, ValueError) as error:
         print(f"verst: error: {error}", file=sys.stderr)
         return 2
     except Exception as error:

@@ -102,9 +102,35 @@ def _format_validation_error(error: ValidationError) -> str:
     return "invalid config:\n" + "\n".join(lines)
 
 
+def merge_with_defaults(
+    defaults: dict[str, Any], given: dict[str, Any], section: type[BaseModel]
+) -> dict[str, Any]:
+    """Deep-merge what the user gave over a section's defaults.
+
+    A section may name `exclusive_fields` (alternatives such as a file path or a procedural
+    task): when the user sets any of them, the defaults of all of them are dropped, so choosing
+    `data.path` replaces the default task instead of colliding with it.
+    """
+    merged = dict(defaults)
+    exclusive = getattr(section, "exclusive_fields", ())
+    if any(name in given for name in exclusive):
+        for name in exclusive:
+            merged.pop(name, None)
+    for name, value in given.items():
+        field = section.model_fields.get(name)
+        child = _section_type(field.annotation) if field is not None else None
+        if child is not None and isinstance(value, dict) and isinstance(merged.get(name), dict):
+            merged[name] = merge_with_defaults(merged[name], value, child)
+        else:
+            merged[name] = value
+    return merged
+
+
 def config_from_dict(tree: dict[str, Any]) -> RunConfig:
+    """Validate `tree` (YAML + overrides) merged over the default config."""
     try:
-        return RunConfig.model_validate(tree)
+        defaults = RunConfig().model_dump()
+        return RunConfig.model_validate(merge_with_defaults(defaults, tree, RunConfig))
     except ValidationError as error:
         raise ConfigError(_format_validation_error(error)) from None
 

@@ -12,7 +12,7 @@ import copy
 import json
 import random
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 from transformers import PreTrainedTokenizerBase
@@ -47,6 +47,8 @@ class DataSourceConfig(ConfigBase):
     max_prompts: int | None = Field(
         None, gt=0, description="use only the first N prompts of the file or split"
     )
+
+    exclusive_fields: ClassVar[tuple[str, ...]] = ("path", "task")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> DataSourceConfig:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
 from verst.engine import Engine, SamplingParams
 from verst.rollout.generate import generate_groups
+from verst.rollout.rewards import check_reward_fn
 from verst.train import distributed
 from verst.types import Sample
 
@@ -35,6 +36,14 @@ class EvalConfig(ConfigBase):
     reward: str | None = Field(
         None, description="reward function for scoring; unset = the rollout's reward"
     )
+
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_importable(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_reward_fn(value)
+        return value
 
 
 class Evaluator:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from pydantic import Field, model_validator
@@ -29,6 +30,8 @@ class ModelConfig(ConfigBase):
     tiny: TinyModelConfig | None = Field(
         None, description="build a random tiny model in-process instead of loading `path`"
     )
+
+    exclusive_fields: ClassVar[tuple[str, ...]] = ("path", "tiny")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ModelConfig:

@@ -13,7 +13,7 @@ from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
 from verst.engine import Engine, GenerateRequest, SamplingParams
-from verst.rollout.rewards import compute_rewards
+from verst.rollout.rewards import check_reward_fn, compute_rewards
 from verst.types import Group, Sample, Status
 
 
@@ -31,6 +31,12 @@ class RolloutConfig(ConfigBase):
         "exact_match",
         description="reward function: a built-in name (exact_match, numeric_match) or pkg.mod:fn",
     )
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_importable(cls, value: str) -> str:
+        check_reward_fn(value)
+        return value
 
     @field_validator("top_k")
     @classmethod

@@ -79,6 +79,14 @@ def load_reward_fn(path: str) -> RewardFn:
     return fn
 
 
+def check_reward_fn(path: str) -> None:
+    """Raise ValueError (config-time friendly) when `path` does not name a callable reward."""
+    try:
+        load_reward_fn(path)
+    except ImportError as error:
+        raise ValueError(str(error)) from None
+
+
 def _fail(sample: Sample, reason: str) -> None:
     sample.reward = 0.0
     sample.status = Status.FAILED

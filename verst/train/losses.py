@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 from torch import Tensor
 
 from verst.configbase import ConfigBase
@@ -32,31 +32,23 @@ class LossConfig(ConfigBase):
     grpo_std_normalization: bool = Field(
         True, description="divide GRPO advantages by the group std; false = Dr.GRPO"
     )
-    eps_clip: float = Field(0.2, description="PPO clip range below 1: ratio >= 1 - eps_clip")
+    eps_clip: float = Field(
+        0.2, gt=0, lt=1, description="PPO clip range below 1: ratio >= 1 - eps_clip"
+    )
     eps_clip_high: float | None = Field(
-        None, description="PPO clip range above 1 (DAPO clip-higher); None = eps_clip"
+        None, gt=0, description="PPO clip range above 1 (DAPO clip-higher); None = eps_clip"
     )
     loss_aggregation: Aggregation = Field(
         "token_mean",
         description="token_mean: mean over all tokens (DAPO); seq_mean: mean of sequence means",
     )
     kl_loss_coef: float = Field(
-        0.0, description="weight of the KL-to-reference loss term; > 0 needs a reference model"
+        0.0,
+        ge=0,
+        description="weight of the KL loss to the reference (the policy as RL starts)",
     )
     kl_loss_type: KLType = Field("k3", description="KL estimator: k1 | k2 | k3 | low_var_kl")
-    entropy_coef: float = Field(0.0, description="weight of the entropy bonus (subtracted)")
-
-    @model_validator(mode="after")
-    def _check(self) -> LossConfig:
-        if not 0.0 < self.eps_clip < 1.0:
-            raise ValueError(f"eps_clip must be in (0, 1), got {self.eps_clip}")
-        if self.eps_clip_high is not None and self.eps_clip_high <= 0.0:
-            raise ValueError(f"eps_clip_high must be > 0, got {self.eps_clip_high}")
-        if self.kl_loss_coef < 0.0:
-            raise ValueError(f"kl_loss_coef must be >= 0, got {self.kl_loss_coef}")
-        if self.entropy_coef < 0.0:
-            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
-        return self
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus (subtracted)")
 
     @property
     def clip_high(self) -> float:

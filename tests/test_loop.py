@@ -1,0 +1,116 @@
+"""End to end through the public CLI: a few RL steps, resume, NaN handling, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from verst.cli import main
+from verst.train.checkpoint import list_checkpoints, load_checkpoint
+from verst.train.trainer import Trainer
+
+SMALL = [
+    "num_steps=4",
+    "num_threads=1",
+    "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
+    "intermediate_size: 64, max_position_embeddings: 32}",
+    "rollout.prompts_per_step=4",
+    "rollout.n_samples_per_prompt=4",
+    "rollout.max_new_tokens=4",
+    "trainer.lr=1e-3",
+    "warm_start.enabled=true",
+    "warm_start.max_steps=2",
+    "warm_start.batch_size=8",
+    "warm_start.check_interval_steps=1",
+    "warm_start.target_accuracy=1.0",
+    "warm_start.dev_data.max_prompts=8",
+    "eval.interval_steps=2",
+    "eval.data.max_prompts=8",
+    "eval.max_new_tokens=4",
+    "checkpoint.interval_steps=2",
+    "checkpoint.keep_last=3",
+]
+REQUIRED = (
+    "step", "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm",
+    "train/train_rollout_logprob_abs_diff", "perf/step_time_s", "weight_version",
+)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_smoke_run_writes_metrics_checkpoints_and_config(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", *SMALL, "--run-dir", str(run_dir)]) == 0
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert "eval/accuracy" in rows[0] and rows[0]["warm_start/steps"] == 2
+    for row in rows[1:]:
+        assert all(key in row for key in REQUIRED), row.keys()
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-4
+    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all("eval/accuracy" in rows[i] for i in (2, 4))
+    assert (run_dir / "config.yaml").is_file()
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002", "step_000004"]
+    # a checkpoint is an HF directory any loader reads
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(list_checkpoints(run_dir)[-1])
+    AutoTokenizer.from_pretrained(list_checkpoints(run_dir)[-1])
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    assert main(["train", *SMALL, "--run-dir", str(straight)]) == 0
+    assert main(["train", *SMALL, "num_steps=2", "--run-dir", str(interrupted)]) == 0
+    # the resumed run must see the same data order and sampling randomness
+    assert main(["train", *SMALL, "--run-dir", str(interrupted), "--resume"]) == 0
+    a, b = records(straight), records(interrupted)
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss"):
+        assert [r[key] for r in a[1:]] == pytest.approx([r[key] for r in b[1:]], abs=1e-6), key
+    final_a, _ = load_checkpoint(list_checkpoints(straight)[-1])
+    final_b, _ = load_checkpoint(list_checkpoints(interrupted)[-1])
+    for name, tensor in final_a.items():
+        torch.testing.assert_close(final_b[name], tensor, atol=1e-6, rtol=1e-5)
+
+
+def test_refuses_to_overwrite_a_run(tmp_path: Path, capsys) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", *SMALL, "num_steps=1", "--run-dir", str(run_dir)]) == 0
+    assert main(["train", *SMALL, "num_steps=1", "--run-dir", str(run_dir)]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_nan_loss_stops_names_the_step_and_keeps_a_good_checkpoint(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Fault injection: the loss turns NaN at step 3 (as after a numerical blow-up)."""
+    real = Trainer._rl_loss
+
+    def blow_up(self, micro, token_norm, seq_norm):
+        loss, stats = real(self, micro, token_norm, seq_norm)
+        if self.scheduler.last_epoch == 2:  # the third RL step
+            loss = loss * float("nan")
+        return loss, stats
+
+    monkeypatch.setattr(Trainer, "_rl_loss", blow_up)
+    run_dir = tmp_path / "run"
+    assert main(["train", *SMALL, "checkpoint.interval_steps=0", "--run-dir", str(run_dir)]) == 1
+    err = capsys.readouterr().err
+    assert "step 3" in err and "step_000002" in err
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002"]
+    assert [r["step"] for r in records(run_dir)] == [0, 1, 2]
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path: Path, capsys) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": oops}\n')
+    code = main(["train", *SMALL, "data={path: %s}" % data, "--run-dir", str(tmp_path / "r")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "prompts.jsonl" in err and ":2" in err or "line 2" in err

@@ -1,0 +1,150 @@
+"""FSDP2 trainer: micro-batching is exact, colocated sync is exact, NaN stops before the update."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from verst.engine import Engine, GenerateRequest, SamplingParams
+from verst.models.tiny import TinyModelConfig, build_tiny_model
+from verst.sync.colocated import ColocatedSync
+from verst.train.losses import LossConfig
+from verst.train.trainer import (
+    NonFiniteLossError,
+    Trainer,
+    TrainerConfig,
+    TrainItem,
+    pack_micro_batches,
+)
+
+CPU = torch.device("cpu")
+TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                       intermediate_size=64, max_position_embeddings=64)
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    return build_tiny_model(TINY, vocab_size=40, seed=seed)
+
+
+def make_trainer(model: torch.nn.Module, **overrides) -> Trainer:
+    cfg = TrainerConfig(lr=1e-2, device="cpu", **overrides)
+    return Trainer(model, cfg, LossConfig(), total_steps=10, pad_token_id=0, device=CPU)
+
+
+def items(seed: int = 0) -> list[TrainItem]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(6):
+        prompt = torch.randint(3, 40, (3 + i % 3,), generator=gen).tolist()
+        response = torch.randint(3, 40, (1 + i % 4,), generator=gen).tolist()
+        out.append(TrainItem(
+            tokens=prompt + response, response_length=len(response),
+            loss_mask=[1] * len(response),
+            rollout_logprobs=(-torch.rand(len(response), generator=gen) * 3).tolist(),
+            advantage=float(i % 3 - 1),
+        ))
+    return out
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    # on the CPU the "full" state dict of a world of one may alias the live parameters
+    return {k: v.clone() for k, v in trainer.full_state_dict().items()}
+
+
+def test_pack_micro_batches_respects_the_budget() -> None:
+    lengths = [5, 9, 3, 9, 4, 1]
+    batches = pack_micro_batches(lengths, token_budget=18)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for batch in batches:
+        assert max(lengths[i] for i in batch) * len(batch) <= 18
+    assert pack_micro_batches([30], token_budget=8) == [[0]]  # a long sequence still trains
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_micro_batches_give_the_same_step_as_one_batch(aggregation: str) -> None:
+    whole = make_trainer(tiny_model())
+    split = make_trainer(tiny_model(), micro_batch_tokens=8)
+    for trainer in (whole, split):
+        trainer.loss_cfg = LossConfig(loss_aggregation=aggregation)
+    m_whole = whole.step(items(), step=1)
+    m_split = split.step(items(), step=1)
+    assert m_whole["train/loss"] == pytest.approx(m_split["train/loss"], abs=1e-6)
+    assert m_whole["train/grad_norm"] == pytest.approx(m_split["train/grad_norm"], rel=1e-5)
+    for name, tensor in weights(whole).items():
+        torch.testing.assert_close(tensor, weights(split)[name], atol=1e-6, rtol=1e-5)
+
+
+def test_step_moves_weights_and_reports_metrics() -> None:
+    trainer = make_trainer(tiny_model())
+    before = weights(trainer)
+    metrics = trainer.step(items(), step=1)
+    after = weights(trainer)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    for key in ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/grad_norm",
+                "train/train_rollout_logprob_abs_diff", "train/lr"):
+        assert key in metrics
+
+
+def test_non_finite_loss_raises_before_the_update() -> None:
+    trainer = make_trainer(tiny_model())
+    before = weights(trainer)
+    bad = items()
+    bad[0].advantage = float("nan")
+    with pytest.raises(NonFiniteLossError, match="step 7"):
+        trainer.step(bad, step=7)
+    after = weights(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _engine_matches_trainer(engine: Engine, trainer: Trainer) -> None:
+    engine_params = dict(engine.model.named_parameters())
+    for name, tensor in weights(trainer).items():
+        if name in engine_params:
+            assert torch.equal(engine_params[name].detach().to(tensor.dtype), tensor), name
+
+
+def test_colocated_sync_shares_storage_and_stays_exact() -> None:
+    model = tiny_model()
+    engine = Engine(copy.deepcopy(model).eval(), eos_token_ids=[0], pad_token_id=0)
+    trainer = make_trainer(model)
+    sync = ColocatedSync(trainer, engine)
+    assert sync.zero_copy
+    trainer.step(items(), step=1)
+    sync.push(2)
+    assert engine.weight_version == 2
+    _engine_matches_trainer(engine, trainer)
+
+
+def test_colocated_sync_copies_when_dtypes_differ() -> None:
+    model = tiny_model()
+    engine = Engine(copy.deepcopy(model).double().eval(), eos_token_ids=[0], pad_token_id=0)
+    trainer = make_trainer(model)
+    sync = ColocatedSync(trainer, engine)
+    assert not sync.zero_copy
+    trainer.step(items(), step=1)
+    sync.push(2)
+    assert engine.weight_version == 2
+    _engine_matches_trainer(engine, trainer)
+
+
+def test_trainer_logprobs_match_the_engine() -> None:
+    """On-policy data: the trainer's recomputed log-probs equal the engine's (fp32)."""
+    model = tiny_model(seed=3)
+    engine = Engine(copy.deepcopy(model).eval(), eos_token_ids=[0], pad_token_id=0, seed=1)
+    trainer = make_trainer(model)
+    ColocatedSync(trainer, engine)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    outputs = engine.generate([
+        GenerateRequest(input_ids=p, sampling_params=SamplingParams(max_new_tokens=5, ignore_eos=True))
+        for p in prompts
+    ])
+    batch = [
+        TrainItem(tokens=p + o.output_ids, response_length=len(o.output_ids),
+                  loss_mask=[1] * len(o.output_ids), rollout_logprobs=o.output_token_logprobs,
+                  advantage=1.0)
+        for p, o in zip(prompts, outputs, strict=True)
+    ]
+    metrics = trainer.step(batch, step=1)
+    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
