@@ -80,7 +80,14 @@ def test_cli_reports_config_errors_before_any_work(tmp_path: Path, capsys) -> No
 
 
 def test_cli_names_a_reward_that_cannot_be_imported(tmp_path: Path, capsys) -> None:
-    code = main(["train", str(QUICKSTART), "rollout.reward=verst.nothing:here",
-                 "--run-dir", str(tmp_path / "r")])
+    code = main(
+        [
+            "train",
+            str(QUICKSTART),
+            "rollout.reward=verst.nothing:here",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ]
+    )
     assert code == 2
     assert "verst.nothing:here" in capsys.readouterr().err

@@ -34,8 +34,14 @@ SMALL = [
     "checkpoint.keep_last=3",
 ]
 REQUIRED = (
-    "step", "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm",
-    "train/train_rollout_logprob_abs_diff", "perf/step_time_s", "weight_version",
+    "step",
+    "rollout/reward_mean",
+    "rollout/response_len_mean",
+    "train/loss",
+    "train/grad_norm",
+    "train/train_rollout_logprob_abs_diff",
+    "perf/step_time_s",
+    "weight_version",
 )
 
 
@@ -110,7 +116,7 @@ def test_nan_loss_stops_names_the_step_and_keeps_a_good_checkpoint(
 def test_malformed_jsonl_names_file_and_line(tmp_path: Path, capsys) -> None:
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": oops}\n')
-    code = main(["train", *SMALL, "data={path: %s}" % data, "--run-dir", str(tmp_path / "r")])
+    code = main(["train", *SMALL, f"data.path={data}", "--run-dir", str(tmp_path / "r")])
     assert code == 2
     err = capsys.readouterr().err
     assert "prompts.jsonl" in err and ":2" in err or "line 2" in err

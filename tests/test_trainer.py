@@ -20,8 +20,14 @@ from verst.train.trainer import (
 )
 
 CPU = torch.device("cpu")
-TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                       intermediate_size=64, max_position_embeddings=64)
+TINY = TinyModelConfig(
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
@@ -39,12 +45,15 @@ def items(seed: int = 0) -> list[TrainItem]:
     for i in range(6):
         prompt = torch.randint(3, 40, (3 + i % 3,), generator=gen).tolist()
         response = torch.randint(3, 40, (1 + i % 4,), generator=gen).tolist()
-        out.append(TrainItem(
-            tokens=prompt + response, response_length=len(response),
-            loss_mask=[1] * len(response),
-            rollout_logprobs=(-torch.rand(len(response), generator=gen) * 3).tolist(),
-            advantage=float(i % 3 - 1),
-        ))
+        out.append(
+            TrainItem(
+                tokens=prompt + response,
+                response_length=len(response),
+                loss_mask=[1] * len(response),
+                rollout_logprobs=(-torch.rand(len(response), generator=gen) * 3).tolist(),
+                advantage=float(i % 3 - 1),
+            )
+        )
     return out
 
 
@@ -82,8 +91,14 @@ def test_step_moves_weights_and_reports_metrics() -> None:
     metrics = trainer.step(items(), step=1)
     after = weights(trainer)
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    for key in ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/grad_norm",
-                "train/train_rollout_logprob_abs_diff", "train/lr"):
+    for key in (
+        "train/loss",
+        "train/pg_loss",
+        "train/pg_clipfrac",
+        "train/grad_norm",
+        "train/train_rollout_logprob_abs_diff",
+        "train/lr",
+    ):
         assert key in metrics
 
 
@@ -136,14 +151,22 @@ def test_trainer_logprobs_match_the_engine() -> None:
     trainer = make_trainer(model)
     ColocatedSync(trainer, engine)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    outputs = engine.generate([
-        GenerateRequest(input_ids=p, sampling_params=SamplingParams(max_new_tokens=5, ignore_eos=True))
-        for p in prompts
-    ])
+    outputs = engine.generate(
+        [
+            GenerateRequest(
+                input_ids=p, sampling_params=SamplingParams(max_new_tokens=5, ignore_eos=True)
+            )
+            for p in prompts
+        ]
+    )
     batch = [
-        TrainItem(tokens=p + o.output_ids, response_length=len(o.output_ids),
-                  loss_mask=[1] * len(o.output_ids), rollout_logprobs=o.output_token_logprobs,
-                  advantage=1.0)
+        TrainItem(
+            tokens=p + o.output_ids,
+            response_length=len(o.output_ids),
+            loss_mask=[1] * len(o.output_ids),
+            rollout_logprobs=o.output_token_logprobs,
+            advantage=1.0,
+        )
         for p, o in zip(prompts, outputs, strict=True)
     ]
     metrics = trainer.step(batch, step=1)
