@@ -160,3 +160,15 @@ def test_load_object():
         load_object("os.path:nope")
     with pytest.raises(ValueError, match="'justaname'"):
         load_object("justaname")
+
+
+def test_cli_create_tiny_writes_a_model_verst_train_can_load(tmp_path) -> None:
+    from verst.cli import main
+    from verst.config import load_config
+    from verst.models.loading import load_model_and_tokenizer
+
+    assert main(["model", "create-tiny", str(tmp_path / "m"), "--family", "llama"]) == 0
+    cfg = load_config(None, [f"model.path={tmp_path / 'm'}"])
+    model, tokenizer = load_model_and_tokenizer(cfg.model, seed=0)
+    assert model.config.model_type == "llama"
+    assert tokenizer.decode(tokenizer("07+58=")["input_ids"]) == "07+58="

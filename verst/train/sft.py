@@ -14,6 +14,7 @@ from pydantic import Field
 
 from verst.configbase import ConfigBase
 from verst.data.source import DataSource, DataSourceConfig
+from verst.train import distributed
 from verst.train.trainer import Trainer, TrainItem
 from verst.types import Sample
 
@@ -62,7 +63,7 @@ def warm_start(
     loss = float("nan")
     step = 0
     for step in range(1, cfg.max_steps + 1):
-        groups = source.take(cfg.batch_size)
+        groups = source.take(cfg.batch_size)[distributed.rank() :: distributed.world_size()]
         items = [sft_item(g[0], encode_answer(str(g[0].label))) for g in groups]
         loss = trainer.sft_step(items, optimizer, step=step)
         if step % cfg.check_interval_steps == 0 or step == cfg.max_steps:
