@@ -210,3 +210,29 @@ def test_sampler_rows_differ_and_truncation_holds():
     assert set(rows[:, 2].tolist()) <= set(nucleus)
     expected = torch.log_softmax(logits_B_V, -1).gather(-1, tokens_B[:, None]).squeeze(-1)
     torch.testing.assert_close(logprobs_B, expected)
+
+
+def test_group_samples_share_one_prefill_and_stay_exact(model):
+    """n samples of one prompt (plus another prompt) in one batch: sampled outputs keep exact
+    log-probs, and greedy outputs equal each prompt generated alone."""
+    engine = make_engine(model, seed=3)
+    group = [PROMPTS[1]] * 5 + [PROMPTS[0]] * 3
+    sampled = engine.generate(
+        [
+            GenerateRequest(input_ids=p, sampling_params=SamplingParams(max_new_tokens=6))
+            for p in group
+        ]
+    )
+    assert len({tuple(o.output_ids) for o in sampled[:5]}) > 1  # samples differ
+    for prompt, out in zip(group, sampled, strict=True):
+        expected = full_forward_logprobs(model, prompt, out.output_ids, 1.0)
+        torch.testing.assert_close(
+            torch.tensor(out.output_token_logprobs), expected, atol=1e-5, rtol=0
+        )
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    together = engine.generate(
+        [GenerateRequest(input_ids=p, sampling_params=greedy) for p in group]
+    )
+    for prompt, out in zip(group, together, strict=True):
+        alone = engine.generate([GenerateRequest(input_ids=prompt, sampling_params=greedy)])[0]
+        assert out.output_ids == alone.output_ids

@@ -16,15 +16,14 @@ The request / output shapes are those a future scheduler (continuous batching, p
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from uuid import uuid4
 
 import torch
-import transformers
 
 from verst.engine.sampling import SamplingParams, sample_next_tokens
+from verst.models.forward import cached_forward, new_cache
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -70,12 +69,6 @@ class Engine:
         self.weight_version = 0
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        params = inspect.signature(model.forward).parameters
-        # transformers 5.x renamed `past_key_values` to `cache`; accept both.
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._has_logits_to_keep = "logits_to_keep" in params
-        cache_params = inspect.signature(transformers.DynamicCache.__init__).parameters
-        self._cache_takes_config = "config" in cache_params
 
     @property
     def device(self) -> torch.device:
@@ -119,22 +112,11 @@ class Engine:
             outputs.extend(self._generate_batch(requests[start : start + self.max_batch_size]))
         return outputs
 
-    def _new_cache(self) -> transformers.DynamicCache:
-        if self._cache_takes_config:
-            return transformers.DynamicCache(config=self.model.config)
-        return transformers.DynamicCache()
-
-    def _forward(self, input_ids_B_T, attention_mask_B_S, position_ids_B_T, cache):
-        kwargs = {
-            "input_ids": input_ids_B_T,
-            "attention_mask": attention_mask_B_S,
-            "position_ids": position_ids_B_T,
-            self._cache_kwarg: cache,
-            "use_cache": True,
-        }
-        if self._has_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
-        return self.model(**kwargs).logits[:, -1, :]
+    def _forward(self, input_ids_B_T, attention_mask_B_S, position_ids_B_T, cache) -> torch.Tensor:
+        logits = cached_forward(
+            self.model, input_ids_B_T, attention_mask_B_S, position_ids_B_T, cache, last_only=True
+        )
+        return logits[:, -1, :]
 
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
         device = self.device
@@ -184,8 +166,26 @@ class Engine:
         gen_len_B = torch.zeros(B, dtype=torch.long, device=device)
         pad_B = torch.full((B,), self.pad_token_id, dtype=torch.long, device=device)
 
-        cache = self._new_cache()
-        logits_B_V = self._forward(input_ids_B_L, mask_B_S[:, :max_prompt], position_ids_B_L, cache)
+        # Requests with the same prompt (the n samples of a group) share one prefill: the
+        # distinct prompts run once and their KV cache rows are then repeated per request.
+        distinct: dict[tuple[int, ...], int] = {}
+        first_row: list[int] = []
+        for row, req in enumerate(requests):
+            if distinct.setdefault(tuple(req.input_ids), len(distinct)) == len(first_row):
+                first_row.append(row)
+        cache = new_cache(self.model)
+        logits_B_V = self._forward(
+            input_ids_B_L[first_row],
+            mask_B_S[first_row, :max_prompt],
+            position_ids_B_L[first_row],
+            cache,
+        )
+        if len(first_row) < B:
+            index_B = torch.tensor(
+                [distinct[tuple(req.input_ids)] for req in requests], device=device
+            )
+            cache.batch_select_indices(index_B)
+            logits_B_V = logits_B_V[index_B]
         for step in range(max_steps):
             tokens_B, token_logprobs_B = sample_next_tokens(
                 logits_B_V, temperature_B, top_p_B, top_k_B, self.generator, any_sampled=any_sampled

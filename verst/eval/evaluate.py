@@ -37,7 +37,6 @@ class EvalConfig(ConfigBase):
         None, description="reward function for scoring; unset = the rollout's reward"
     )
 
-
     @field_validator("reward")
     @classmethod
     def _reward_importable(cls, value: str | None) -> str | None:

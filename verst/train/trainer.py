@@ -26,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from verst.configbase import ConfigBase
+from verst.models.forward import cached_forward, new_cache
 from verst.train import distributed
 from verst.train.losses import (
     LossConfig,
@@ -88,14 +89,21 @@ class TrainItem:
 
 @dataclass
 class MicroBatch:
-    """Right-padded tensors; per-token fields align with `targets_B_T` (tokens shifted by one)."""
+    """K distinct prompts (left-padded) and N responses (right-padded) that continue them.
 
-    input_ids_B_L: torch.Tensor
-    attention_mask_B_L: torch.Tensor
-    targets_B_T: torch.Tensor
-    loss_mask_B_T: torch.Tensor
-    rollout_logprobs_B_T: torch.Tensor
-    advantages_B_T: torch.Tensor
+    Samples of one group share their prompt, so the prompt is run once and its KV cache is
+    shared by all N responses: the forward and backward cost of the prompt is paid per group,
+    not per sample. Per-token fields are [N, R], aligned with `response_ids_N_R`.
+    """
+
+    prompt_ids_K_P: torch.Tensor
+    prompt_mask_K_P: torch.Tensor
+    prompt_index_N: torch.Tensor  # which prompt each response continues
+    response_ids_N_R: torch.Tensor
+    response_mask_N_R: torch.Tensor
+    loss_mask_N_R: torch.Tensor
+    rollout_logprobs_N_R: torch.Tensor
+    advantages_N_R: torch.Tensor
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -116,32 +124,35 @@ def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     return batches
 
 
+def _pad_right(rows: list[list], width: int, value: float) -> list[list]:
+    return [row + [value] * (width - len(row)) for row in rows]
+
+
 def collate(items: list[TrainItem], pad_token_id: int, device: torch.device) -> MicroBatch:
-    length = max(len(item.tokens) for item in items)
-    batch = len(items)
-    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((batch, length), dtype=torch.long)
-    loss_mask = torch.zeros((batch, length - 1))
-    rollout_logprobs = torch.zeros((batch, length - 1))
-    advantages = torch.zeros((batch, length - 1))
-    for row, item in enumerate(items):
-        n = len(item.tokens)
-        input_ids[row, :n] = torch.tensor(item.tokens)
-        attention[row, :n] = 1
-        # the response token at position p is predicted by the logits at position p - 1
-        start = n - item.response_length - 1
-        end = n - 1
-        loss_mask[row, start:end] = torch.tensor(item.loss_mask, dtype=torch.float32)
-        rollout_logprobs[row, start:end] = torch.tensor(item.rollout_logprobs)
-        advantages[row, start:end] = item.advantage
-    return MicroBatch(
-        input_ids.to(device),
-        attention.to(device),
-        input_ids[:, 1:].to(device),
-        loss_mask.to(device),
-        rollout_logprobs.to(device),
-        advantages.to(device),
+    prompts: dict[tuple[int, ...], int] = {}
+    prompt_index = []
+    for item in items:
+        prompt = tuple(item.tokens[: len(item.tokens) - item.response_length])
+        prompt_index.append(prompts.setdefault(prompt, len(prompts)))
+    width_p = max(len(p) for p in prompts)
+    width_r = max(1, max(item.response_length for item in items))
+    responses = [item.tokens[len(item.tokens) - item.response_length :] for item in items]
+    advantages_N = torch.tensor([item.advantage for item in items], dtype=torch.float32)
+    tensors = (
+        torch.tensor([[pad_token_id] * (width_p - len(p)) + list(p) for p in prompts]),
+        torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts]),
+        torch.tensor(prompt_index),
+        torch.tensor(_pad_right(responses, width_r, pad_token_id)),
+        torch.tensor(_pad_right([[1] * len(r) for r in responses], width_r, 0)),
+        torch.tensor(
+            _pad_right([item.loss_mask for item in items], width_r, 0), dtype=torch.float32
+        ),
+        torch.tensor(
+            _pad_right([item.rollout_logprobs for item in items], width_r, 0.0), dtype=torch.float32
+        ),
+        advantages_N[:, None].expand(-1, width_r),  # padding is masked out of every sum
     )
+    return MicroBatch(*(t.to(device) for t in tensors))
 
 
 def _lr_lambda(cfg: TrainerConfig, total_steps: int) -> Callable[[int], float]:
@@ -163,10 +174,13 @@ def _lr_lambda(cfg: TrainerConfig, total_steps: int) -> Callable[[int], float]:
 
 def _shard(model: torch.nn.Module, dtype: torch.dtype) -> None:
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # a world of one holds whole parameters anyway: resharding after forward would only
+    # repeat the (copying) all-gather in the next forward and in backward
+    reshard = distributed.world_size() > 1
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers or []:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
 
 
 class Trainer:
@@ -206,6 +220,7 @@ class Trainer:
             lr=lr,
             betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
             eps=self.cfg.adam_eps,
+            foreach=True,
             weight_decay=self.cfg.weight_decay,
         )
 
@@ -229,8 +244,28 @@ class Trainer:
     # --- forward -------------------------------------------------------------------------------
 
     def _logits(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-        out = model(input_ids=micro.input_ids_B_L, attention_mask=micro.attention_mask_B_L)
-        return out.logits[:, :-1].float() / self.temperature
+        """Temperature-scaled fp32 logits [N, R, V]; position j predicts response token j."""
+        cache = new_cache(model)
+        prompt_positions = (micro.prompt_mask_K_P.cumsum(-1) - 1).clamp(min=0)
+        last_K_1_V = cached_forward(
+            model,
+            micro.prompt_ids_K_P,
+            micro.prompt_mask_K_P,
+            prompt_positions,
+            cache,
+            last_only=True,
+        )
+        index_N = micro.prompt_index_N
+        cache.batch_select_indices(index_N)  # each response continues its own prompt's KV
+        prompt_lengths_N_1 = micro.prompt_mask_K_P.sum(-1, keepdim=True)[index_N]
+        width_r = micro.response_ids_N_R.shape[1]
+        positions_N_R = prompt_lengths_N_1 + torch.arange(width_r, device=self.device)
+        mask_N_S = torch.cat([micro.prompt_mask_K_P[index_N], micro.response_mask_N_R], dim=1)
+        response_logits = cached_forward(
+            model, micro.response_ids_N_R, mask_N_S, positions_N_R, cache
+        )
+        logits = torch.cat([last_K_1_V[index_N], response_logits[:, :-1]], dim=1)
+        return logits.float() / self.temperature
 
     def _micro_batches(self, items: list[TrainItem]) -> Iterator[tuple[bool, MicroBatch]]:
         groups = pack_micro_batches(
@@ -280,7 +315,7 @@ class Trainer:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """This micro-batch's share of the batch loss, and its share of each metric."""
         cfg = self.loss_cfg
-        mask = micro.loss_mask_B_T
+        mask = micro.loss_mask_N_R
 
         def reduce(values_B_T: torch.Tensor) -> torch.Tensor:
             return aggregate(
@@ -292,11 +327,11 @@ class Trainer:
             )
 
         logits = self._logits(self.model, micro)
-        logprobs = logprobs_from_logits(logits, micro.targets_B_T)
+        logprobs = logprobs_from_logits(logits, micro.response_ids_N_R)
         pg, clipped = policy_loss(
             logprobs,
-            micro.rollout_logprobs_B_T,
-            micro.advantages_B_T,
+            micro.rollout_logprobs_N_R,
+            micro.advantages_N_R,
             eps_clip=cfg.eps_clip,
             eps_clip_high=cfg.clip_high,
         )
@@ -307,7 +342,7 @@ class Trainer:
                 raise RuntimeError("loss.kl_loss_coef > 0 but no reference model was set")
             with torch.no_grad():
                 ref_logits = self._logits(self.reference, micro)
-                ref_logprobs = logprobs_from_logits(ref_logits, micro.targets_B_T)
+                ref_logprobs = logprobs_from_logits(ref_logits, micro.response_ids_N_R)
             kl = reduce(kl_penalty(logprobs, ref_logprobs, cfg.kl_loss_type))
             loss = loss + cfg.kl_loss_coef * kl
             stats["kl_loss"] = kl.item()
@@ -316,7 +351,7 @@ class Trainer:
             loss = loss - cfg.entropy_coef * entropy
             stats["entropy"] = entropy.item()
         with torch.no_grad():
-            diff_B_T = (logprobs - micro.rollout_logprobs_B_T).abs()
+            diff_B_T = (logprobs - micro.rollout_logprobs_N_R).abs()
             stats["pg_clipfrac"] = ((clipped * mask).sum() / token_norm).item()
             stats["train_rollout_logprob_abs_diff"] = ((diff_B_T * mask).sum() / token_norm).item()
         stats["loss"] = loss.item()
@@ -330,8 +365,8 @@ class Trainer:
         total = 0.0
         for is_last, micro in self._micro_batches(items):
             self.model.set_requires_gradient_sync(is_last)
-            logprobs = logprobs_from_logits(self._logits(self.model, micro), micro.targets_B_T)
-            loss = -(logprobs * micro.loss_mask_B_T).sum() / token_norm
+            logprobs = logprobs_from_logits(self._logits(self.model, micro), micro.response_ids_N_R)
+            loss = -(logprobs * micro.loss_mask_N_R).sum() / token_norm
             loss.backward()
             total += loss.item()
         self._clip_and_check(total, step)
