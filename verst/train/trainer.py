@@ -176,11 +176,12 @@ def _shard(model: torch.nn.Module, dtype: torch.dtype) -> None:
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     # a world of one holds whole parameters anyway: resharding after forward would only
     # repeat the (copying) all-gather in the next forward and in backward
-    reshard = distributed.world_size() > 1
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    # (and needs no per-layer groups, whose only purpose is to bound gathered memory)
+    sharded = distributed.world_size() > 1
+    layers = getattr(getattr(model, "model", None), "layers", None) if sharded else None
     for layer in layers or []:
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=sharded)
 
 
 class Trainer:
@@ -256,15 +257,22 @@ class Trainer:
             last_only=True,
         )
         index_N = micro.prompt_index_N
+        first_N_1_V = last_K_1_V[index_N]
+        width_r = micro.response_ids_N_R.shape[1]
+        if width_r == 1:
+            return first_N_1_V.float() / self.temperature
+        # The last response token predicts nothing we train on, and nothing attends to it:
+        # only tokens 0..R-2 need a forward pass.
         cache.batch_select_indices(index_N)  # each response continues its own prompt's KV
         prompt_lengths_N_1 = micro.prompt_mask_K_P.sum(-1, keepdim=True)[index_N]
-        width_r = micro.response_ids_N_R.shape[1]
-        positions_N_R = prompt_lengths_N_1 + torch.arange(width_r, device=self.device)
-        mask_N_S = torch.cat([micro.prompt_mask_K_P[index_N], micro.response_mask_N_R], dim=1)
-        response_logits = cached_forward(
-            model, micro.response_ids_N_R, mask_N_S, positions_N_R, cache
+        positions_N_T = prompt_lengths_N_1 + torch.arange(width_r - 1, device=self.device)
+        mask_N_S = torch.cat(
+            [micro.prompt_mask_K_P[index_N], micro.response_mask_N_R[:, :-1]], dim=1
         )
-        logits = torch.cat([last_K_1_V[index_N], response_logits[:, :-1]], dim=1)
+        response_logits = cached_forward(
+            model, micro.response_ids_N_R[:, :-1], mask_N_S, positions_N_T, cache
+        )
+        logits = torch.cat([first_N_1_V, response_logits], dim=1)
         return logits.float() / self.temperature
 
     def _micro_batches(self, items: list[TrainItem]) -> Iterator[tuple[bool, MicroBatch]]:
