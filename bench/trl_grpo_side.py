@@ -11,7 +11,7 @@ split into gradient-accumulation micro-batches of that many completions. The los
 `loss_type="dapo"` by default: token-level mean over the whole step, which is verst's
 `loss_aggregation="token_mean"`.
 
-Run `python bench/trl_grpo_side.py` to time it on a tiny random Qwen3 built in a temp dir.
+Run `python bench/trl_grpo_side.py` to time it on verst's tiny random Qwen3 in a temp dir.
 """
 
 from __future__ import annotations
@@ -175,47 +175,6 @@ def run_trl_grpo(
     }
 
 
-def build_tiny_model(model_dir: str, seed: int = 0) -> None:
-    """Save a random 4-layer Qwen3 and a char-level tokenizer for arithmetic prompts."""
-    import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (
-        GenerationConfig,
-        PreTrainedTokenizerFast,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    eos = "<|endoftext|>"
-    vocab = {eos: 0, **{ch: i + 1 for i, ch in enumerate("0123456789+-*= ")}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=eos))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=eos, pad_token=eos, unk_token=eos
-    )
-    hf_tok.save_pretrained(model_dir)
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(vocab),
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=384,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model.save_pretrained(model_dir)
-
-
 def addition_prompts(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
     """`n` two-digit addition prompts like "07+58=" with their answers."""
     rng = random.Random(seed)
@@ -226,11 +185,13 @@ def addition_prompts(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
 def main() -> None:
     import torch
 
+    from verst.models.tiny import create_tiny
+
     torch.set_num_threads(2)
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
-        build_tiny_model(model_dir)
+        create_tiny(model_dir, seed=0)
         prompts, labels = addition_prompts(256)
         result = run_trl_grpo(
             model_dir,

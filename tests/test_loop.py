@@ -14,6 +14,7 @@ from verst.train.trainer import Trainer
 
 SMALL = [
     "num_steps=4",
+    "trainer.device=cpu",  # these tests check fp32 CPU numerics, also on a GPU machine
     "num_threads=1",
     "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
     "intermediate_size: 64, max_position_embeddings: 32}",

@@ -28,7 +28,8 @@ def resolve_device(name: str) -> torch.device:
 def init_distributed(device: torch.device) -> None:
     if dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # one group serving both device types, so CPU and CUDA collectives work in one process
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -172,16 +173,19 @@ def _lr_lambda(cfg: TrainerConfig, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def _shard(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def _shard(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # an explicit mesh: fully_shard's default mesh is on CUDA whenever CUDA is available,
+    # which would move a model meant for the CPU
+    mesh = init_device_mesh(device.type, (distributed.world_size(),))
     # a world of one holds whole parameters anyway: resharding after forward would only
     # repeat the (copying) all-gather in the next forward and in backward
     # (and needs no per-layer groups, whose only purpose is to bound gathered memory)
     sharded = distributed.world_size() > 1
     layers = getattr(getattr(model, "model", None), "layers", None) if sharded else None
     for layer in layers or []:
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=True)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=sharded)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=sharded)
 
 
 class Trainer:
@@ -207,7 +211,7 @@ class Trainer:
         distributed.init_distributed(device)
         model.to(device=device, dtype=torch.float32)  # master weights stay fp32
         model.train()
-        _shard(model, self.dtype)
+        _shard(model, self.dtype, device)
         self.model = model
         self.optimizer = self.make_optimizer(cfg.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
