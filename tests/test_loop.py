@@ -154,3 +154,25 @@ def test_torchrun_two_ranks_on_gloo(tmp_path: Path) -> None:
     assert rows[1]["rollout/num_samples"] == 16  # both ranks' samples counted once
     assert rows[2]["train/train_rollout_logprob_abs_diff"] < 1e-4
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002"]
+
+
+def test_custom_data_and_reward_example_runs(tmp_path: Path, monkeypatch) -> None:
+    """examples/times_tables.yaml: a JSONL file and a reward named by import path."""
+    repo = Path(__file__).parent.parent
+    monkeypatch.chdir(repo)
+    run_dir = tmp_path / "run"
+    args = [
+        "train",
+        "examples/times_tables.yaml",
+        "num_steps=2",
+        "trainer.device=cpu",
+        "warm_start.max_steps=1",
+        "warm_start.check_interval_steps=1",
+        "eval.data.max_prompts=8",
+        "--run-dir",
+        str(run_dir),
+    ]
+    assert main(args) == 0
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert 0.0 <= rows[1]["rollout/reward_mean"] <= 1.0

@@ -7,6 +7,8 @@ by such a path. Errors name the path and say whether the module or the attribute
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 
@@ -23,8 +25,14 @@ def _split(path: str) -> tuple[str, str]:
 
 
 def load_object(path: str) -> Any:
-    """Import and return the object named by `path` ('pkg.mod:name', attributes may be dotted)."""
+    """Import and return the object named by `path` ('pkg.mod:name', attributes may be dotted).
+
+    Modules are looked up on sys.path and in the current directory, as `python -m` would, so
+    a `my_rewards.py` beside the config works from the `verst` command too.
+    """
     module_name, attr = _split(path.strip())
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
