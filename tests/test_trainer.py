@@ -16,6 +16,7 @@ from verst.train.trainer import (
     Trainer,
     TrainerConfig,
     TrainItem,
+    balance_micro_batches,
     pack_micro_batches,
 )
 
@@ -69,6 +70,13 @@ def test_pack_micro_batches_respects_the_budget() -> None:
     for batch in batches:
         assert max(lengths[i] for i in batch) * len(batch) <= 18
     assert pack_micro_batches([30], token_budget=8) == [[0]]  # a long sequence still trains
+
+
+def test_balance_micro_batches_spreads_tokens_and_allows_empty_groups() -> None:
+    groups = balance_micro_batches([9, 8, 2, 2, 1], count=2)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
+    assert sorted(sum([9, 8, 2, 2, 1][i] for i in g) for g in groups) == [11, 11]
+    assert balance_micro_batches([5], count=3)[1:] == [[], []]
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")

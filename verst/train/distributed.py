@@ -53,6 +53,14 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def all_reduce_max(value: int, device: torch.device) -> int:
+    if world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

@@ -10,27 +10,42 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from verst.configbase import ConfigBase
+from verst.train.advantages import group_advantages as group_advantages
+from verst.train.advantages import grpo_advantages as grpo_advantages
 
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
-Aggregation = Literal["token_mean", "seq_mean"]
+Aggregation = Literal["token_mean", "seq_mean", "constant"]
+AdvantageEstimator = Literal[
+    "grpo", "dr_grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+]
+MisLevel = Literal["token", "sequence", "geometric"]
+MisMode = Literal["truncate", "mask"]
 
 # exp() of a log-ratio beyond this overflows float32 to inf and poisons the gradient.
 _LOG_RATIO_CLAMP = 20.0
 _LOW_VAR_KL_CLAMP = 10.0
+_WHITENED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 class LossConfig(ConfigBase):
-    """How advantages are estimated and how the policy loss is built and reduced."""
+    """How advantages are estimated and how the policy loss is built and reduced.
 
-    advantage_estimator: Literal["grpo"] = Field(
-        "grpo", description="advantage estimator: grpo = reward minus group mean (÷ group std)"
+    Dr.GRPO proper is `advantage_estimator="dr_grpo"` with `loss_aggregation="constant"`;
+    dr_grpo with token_mean / seq_mean is allowed (only the std division is dropped then).
+    GSPO proper reduces with seq_mean: its token-level form then has the sequence-level gradient.
+    """
+
+    advantage_estimator: AdvantageEstimator = Field(
+        "grpo",
+        description="grpo | dr_grpo | gspo | reinforce_plus_plus | "
+        "reinforce_plus_plus_baseline | ppo (GAE with a critic)",
     )
     grpo_std_normalization: bool = Field(
-        True, description="divide GRPO advantages by the group std; false = Dr.GRPO"
+        True, description="grpo and gspo: divide advantages by the group std (dr_grpo never does)"
     )
     eps_clip: float = Field(
         0.2, gt=0, lt=1, description="PPO clip range below 1: ratio >= 1 - eps_clip"
@@ -38,9 +53,18 @@ class LossConfig(ConfigBase):
     eps_clip_high: float | None = Field(
         None, gt=0, description="PPO clip range above 1 (DAPO clip-higher); None = eps_clip"
     )
+    eps_clip_c: float | None = Field(
+        None, gt=1, description="dual-clip PPO: for A < 0 the loss is capped at -A*eps_clip_c"
+    )
     loss_aggregation: Aggregation = Field(
         "token_mean",
-        description="token_mean: mean over all tokens (DAPO); seq_mean: mean of sequence means",
+        description="token_mean: mean over all tokens (DAPO); seq_mean: mean of sequence means; "
+        "constant: sum / (constant_normaliser * sequences) (Dr.GRPO)",
+    )
+    constant_normaliser: float | None = Field(
+        None,
+        gt=0,
+        description="divisor per sequence of the constant aggregation; None = max_new_tokens",
     )
     kl_loss_coef: float = Field(
         0.0,
@@ -48,7 +72,52 @@ class LossConfig(ConfigBase):
         description="weight of the KL loss to the reference (the policy as RL starts)",
     )
     kl_loss_type: KLType = Field("k3", description="KL estimator: k1 | k2 | k3 | low_var_kl")
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL as reward shaping: per-token reward -kl_coef*KL (ppo, ++ only)"
+    )
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus (subtracted)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount of ppo (GAE) and reinforce++")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda of ppo")
+    value_clip: float = Field(0.2, gt=0, description="ppo critic: clip range of the value update")
+    normalize_advantages: bool | None = Field(
+        None,
+        description="whiten advantages over the batch; None = on for the reinforce++ variants",
+    )
+    use_tis: bool = Field(
+        False, description="truncated importance sampling of train vs rollout log-probs"
+    )
+    tis_clip_low: float = Field(0.0, ge=0, description="TIS weights are clamped to at least this")
+    tis_clip_high: float = Field(2.0, gt=0, description="TIS weights are clamped to at most this")
+    mis_level: MisLevel | None = Field(
+        None, description="masked importance sampling level: token | sequence | geometric"
+    )
+    mis_mode: MisMode = Field(
+        "truncate", description="MIS: truncate = clamp weights; mask = zero out-of-range weights"
+    )
+    mis_low: float = Field(0.0, ge=0, description="MIS lower bound of the accepted weight")
+    mis_high: float = Field(2.0, gt=0, description="MIS upper bound of the accepted weight")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> LossConfig:
+        if self.kl_coef > 0 and self.kl_loss_coef > 0:
+            raise ValueError(
+                "kl_coef (KL as reward) and kl_loss_coef (KL as loss) are mutually exclusive: "
+                "set one of them to 0"
+            )
+        if self.kl_coef > 0 and self.advantage_estimator in ("grpo", "dr_grpo", "gspo"):
+            raise ValueError(
+                f"kl_coef shapes per-token rewards, which advantage_estimator="
+                f"{self.advantage_estimator!r} ignores; use kl_loss_coef instead"
+            )
+        if self.use_tis and self.mis_level is not None:
+            raise ValueError(
+                "use_tis and mis_level are mutually exclusive: pick one mismatch correction"
+            )
+        if self.tis_clip_low >= self.tis_clip_high:
+            raise ValueError("tis_clip_low must be below tis_clip_high")
+        if self.mis_low >= self.mis_high:
+            raise ValueError("mis_low must be below mis_high")
+        return self
 
     @property
     def clip_high(self) -> float:
@@ -56,47 +125,21 @@ class LossConfig(ConfigBase):
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
 
     @property
+    def whiten_advantages(self) -> bool:
+        """Whether advantages are whitened over the batch (normalize_advantages, or its default)."""
+        if self.normalize_advantages is None:
+            return self.advantage_estimator in _WHITENED_ESTIMATORS
+        return self.normalize_advantages
+
+    @property
     def needs_reference_model(self) -> bool:
-        """Whether the trainer must keep a frozen reference model."""
-        return self.kl_loss_coef > 0.0
+        """Whether the trainer must keep a frozen reference model (KL as loss or as reward)."""
+        return self.kl_loss_coef > 0.0 or self.kl_coef > 0.0
 
-
-def grpo_advantages(rewards_P_G: Tensor, *, std_normalization: bool, eps: float = 1e-6) -> Tensor:
-    """GRPO advantages for a full table of P prompts × G samples: (r − group mean) [/ (std + eps)].
-
-    The std is the unbiased one (torch.std, divisor G − 1), as in Miles and verl. A group of
-    one has advantage 0 (nothing to compare with), and so does a group of equal rewards; such
-    groups are never divided, so they stay exactly 0 for any eps, including 0.
-    """
-    rewards_P_G = rewards_P_G.float()
-    centered_P_G = rewards_P_G - rewards_P_G.mean(dim=-1, keepdim=True)
-    if std_normalization and rewards_P_G.shape[-1] > 1:
-        std_P_1 = rewards_P_G.std(dim=-1, keepdim=True)
-        centered_P_G = torch.where(std_P_1 > 0, centered_P_G / (std_P_1 + eps), 0.0)
-    return centered_P_G
-
-
-def group_advantages(
-    rewards_N: Tensor, group_ids_N: Tensor, *, std_normalization: bool, eps: float = 1e-6
-) -> Tensor:
-    """GRPO advantages for a flat list of samples whose groups may differ in size.
-
-    `group_ids_N` holds any integer id per sample; samples sharing an id form a group. The
-    results equal `grpo_advantages` applied group by group (unbiased std; singletons → 0).
-    """
-    rewards_N = rewards_N.float()
-    _, inverse_N = torch.unique(group_ids_N, return_inverse=True)
-    num_groups = int(inverse_N.max().item()) + 1 if inverse_N.numel() else 0
-    zeros_K = rewards_N.new_zeros(num_groups)
-    counts_K = zeros_K.index_add(0, inverse_N, torch.ones_like(rewards_N))
-    sums_K = zeros_K.index_add(0, inverse_N, rewards_N)
-    mean_N = (sums_K / counts_K)[inverse_N]
-    centered_N = rewards_N - mean_N
-    if not std_normalization:
-        return centered_N
-    sq_K = zeros_K.index_add(0, inverse_N, centered_N.square())
-    std_N = (sq_K / (counts_K - 1).clamp(min=1)).sqrt()[inverse_N]
-    return torch.where(std_N > 0, centered_N / (std_N + eps), 0.0)
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the trainer must train a value model (ppo's GAE)."""
+        return self.advantage_estimator == "ppo"
 
 
 def kl_penalty(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor, kind: KLType) -> Tensor:

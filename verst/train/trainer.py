@@ -125,6 +125,24 @@ def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     return batches
 
 
+def balance_micro_batches(lengths: list[int], count: int) -> list[list[int]]:
+    """`count` groups of indices with near-equal token totals (longest first, into the
+    lightest group); groups stay empty when there are fewer items than `count`."""
+    groups: list[list[int]] = [[] for _ in range(count)]
+    totals = [0] * count
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        lightest = totals.index(min(totals))
+        groups[lightest].append(index)
+        totals[lightest] += lengths[index]
+    return groups
+
+
+def _masked_out(item: TrainItem) -> TrainItem:
+    return TrainItem(
+        item.tokens, item.response_length, [0] * item.response_length, item.rollout_logprobs, 0.0
+    )
+
+
 def _pad_right(rows: list[list], width: int, value: float) -> list[list]:
     return [row + [value] * (width - len(row)) for row in rows]
 
@@ -280,12 +298,16 @@ class Trainer:
         return logits.float() / self.temperature
 
     def _micro_batches(self, items: list[TrainItem]) -> Iterator[tuple[bool, MicroBatch]]:
-        groups = pack_micro_batches(
-            [len(item.tokens) for item in items], self.cfg.micro_batch_tokens
+        """Micro-batches within the token budget; every rank yields the same number of them,
+        since each one is a round of FSDP collectives (a rank short of items repeats one with
+        its loss mask zeroed)."""
+        lengths = [len(item.tokens) for item in items]
+        count = distributed.all_reduce_max(
+            len(pack_micro_batches(lengths, self.cfg.micro_batch_tokens)), self.device
         )
-        for position, indices in enumerate(groups):
-            is_last = position == len(groups) - 1
-            yield is_last, collate([items[i] for i in indices], self.pad_token_id, self.device)
+        for position, indices in enumerate(balance_micro_batches(lengths, count)):
+            batch = [items[i] for i in indices] or [_masked_out(items[0])]
+            yield position == count - 1, collate(batch, self.pad_token_id, self.device)
 
     def _global_counts(self, items: list[TrainItem]) -> tuple[float, float]:
         """Masked tokens and sequences over all ranks, divided by the world size.
