@@ -49,11 +49,57 @@ def test_config_defaults_and_clip_high() -> None:
         ({"kl_loss_type": "k4"}, "kl_loss_type"),
         ({"loss_aggregation": "sum"}, "loss_aggregation"),
         ({"not_a_field": 1}, "not_a_field"),
+        ({"advantage_estimator": "a2c"}, "advantage_estimator"),
+        ({"eps_clip_c": 1.0}, "eps_clip_c"),
+        ({"constant_normaliser": 0.0}, "constant_normaliser"),
+        ({"kl_coef": -0.1}, "kl_coef"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"lam": -0.1}, "lam"),
+        ({"value_clip": 0.0}, "value_clip"),
+        ({"tis_clip_low": -1.0}, "tis_clip_low"),
+        ({"mis_level": "batch"}, "mis_level"),
+        ({"mis_mode": "clip"}, "mis_mode"),
+        ({"mis_high": 0.0}, "mis_high"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValidationError, match=field):
         LossConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        (
+            {"kl_coef": 0.1, "kl_loss_coef": 0.1, "advantage_estimator": "ppo"},
+            ("kl_coef", "kl_loss_coef"),
+        ),
+        ({"use_tis": True, "mis_level": "token"}, ("use_tis", "mis_level")),
+        ({"kl_coef": 0.1}, ("kl_coef", "advantage_estimator='grpo'", "kl_loss_coef")),
+        ({"tis_clip_low": 3.0}, ("tis_clip_low", "tis_clip_high")),
+        ({"mis_low": 2.0, "mis_high": 1.0}, ("mis_low", "mis_high")),
+    ],
+)
+def test_config_cross_field_errors_name_both_fields(kwargs: dict, names: tuple) -> None:
+    with pytest.raises(ValidationError) as info:
+        LossConfig(**kwargs)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_config_properties() -> None:
+    assert LossConfig(kl_coef=0.1, advantage_estimator="ppo").needs_reference_model
+    assert LossConfig(advantage_estimator="ppo").needs_critic
+    assert not LossConfig(advantage_estimator="gspo").needs_critic
+    # whitening: auto = on exactly for the ++ variants; explicit values win
+    assert LossConfig(advantage_estimator="reinforce_plus_plus").whiten_advantages
+    assert LossConfig(advantage_estimator="reinforce_plus_plus_baseline").whiten_advantages
+    assert not LossConfig(advantage_estimator="ppo").whiten_advantages
+    assert LossConfig(normalize_advantages=True).whiten_advantages
+    cfg = LossConfig(advantage_estimator="reinforce_plus_plus", normalize_advantages=False)
+    assert not cfg.whiten_advantages
+    # Dr.GRPO with a per-token mean is allowed (documented as not Dr.GRPO proper)
+    assert LossConfig(advantage_estimator="dr_grpo", loss_aggregation="seq_mean")
 
 
 # ---------------------------------------------------------------- advantages

@@ -1,7 +1,8 @@
-"""The RL math of the trainer: advantages, KL penalties, the clipped policy loss, reductions.
+"""The RL math of the trainer: its config, KL penalties, the policy and value losses, reductions.
 
 Everything here is a pure function of tensors (no model, no optimizer), tested against closed
-forms. Per-token tensors are `[B, T]` (sequences × response tokens) and come with a
+forms; the advantage estimators live in `verst.train.advantages` (re-exported here for
+the GRPO pair). Per-token tensors are `[B, T]` (sequences × response tokens) and come with a
 `mask_B_T` of 1 for tokens the model generated and 0 for padding / tool output.
 """
 
