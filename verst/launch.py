@@ -22,6 +22,8 @@ from verst.data.source import DataSource
 from verst.engine import Engine, SamplingParams
 from verst.eval.evaluate import Evaluator
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
+from verst.rollout.dynamic import fill_batch
+from verst.rollout.generate import generate_groups
 from verst.rollout.rewards import load_reward_fn
 from verst.sync.colocated import ColocatedSync
 from verst.train import distributed
@@ -32,6 +34,7 @@ from verst.train.checkpoint import (
     save_checkpoint,
 )
 from verst.train.trainer import Trainer, compute_dtype
+from verst.types import Group
 
 REFERENCE_DIR = "reference"
 
@@ -57,6 +60,24 @@ class Run:
     @property
     def rank_slice(self) -> slice:
         return slice(distributed.rank(), None, distributed.world_size())
+
+    def draw_groups(self) -> list[Group]:
+        """This rank's share of one step's prompts, generated and scored."""
+        groups = self.data.take(self.cfg.rollout.prompts_per_step)[self.rank_slice]
+        return generate_groups(
+            self.engine, self.decode, groups, self.sampling_params, self.reward_fn
+        )
+
+    def rollout(self) -> tuple[list[Group], dict[str, float]]:
+        """The step's groups, with DAPO dynamic sampling when it is on."""
+        if not self.cfg.rollout.dynamic_sampling:
+            return self.draw_groups(), {}
+        return fill_batch(
+            self.draw_groups,
+            self.cfg.rollout.prompts_per_step,
+            max_rounds=self.cfg.rollout.max_sampling_rounds,
+            device=self.device,
+        )
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -14,7 +14,6 @@ import torch
 from verst import launch
 from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
-from verst.rollout.generate import generate_groups
 from verst.rollout.metrics import rollout_metrics
 from verst.train.losses import group_advantages
 from verst.train.sft import warm_start
@@ -61,8 +60,7 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
         while step < cfg.num_steps:
             step += 1
             started = time.perf_counter()
-            groups = run.data.take(cfg.rollout.prompts_per_step)[run.rank_slice]
-            generate_groups(run.engine, run.decode, groups, run.sampling_params, run.reward_fn)
+            groups, sampling_metrics = run.rollout()
             rolled = time.perf_counter()
             items = train_items(groups, cfg.loss.grpo_std_normalization)
             try:
@@ -76,7 +74,7 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
             synced = time.perf_counter()
 
             metrics = {"step": step, "weight_version": version} | metrics
-            metrics |= rollout_metrics(groups, run.device)
+            metrics |= rollout_metrics(groups, run.device) | sampling_metrics
             metrics |= {
                 "perf/rollout_time_s": rolled - started,
                 "perf/train_time_s": trained - rolled,

@@ -27,6 +27,12 @@ class RolloutConfig(ConfigBase):
     stop_token_ids: list[int] = Field(
         default_factory=list, description="token ids that end a response, besides EOS"
     )
+    dynamic_sampling: bool = Field(
+        False, description="drop groups whose rewards are all equal and sample more (DAPO)"
+    )
+    max_sampling_rounds: int = Field(
+        4, ge=1, description="with dynamic_sampling: most rounds of prompts drawn per step"
+    )
     reward: str = Field(
         "exact_match",
         description="reward function: a built-in name (exact_match, numeric_match) or pkg.mod:fn",
