@@ -1,4 +1,4 @@
-"""The GRPO math against closed forms worked out by hand on tiny tensors."""
+"""The loss math against closed forms worked out by hand on tiny tensors."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from verst.train.losses import (
     entropy_from_logits,
     group_advantages,
     grpo_advantages,
+    gspo_log_ratio,
     kl_penalty,
     logprobs_from_logits,
     policy_loss,
+    policy_loss_from_log_ratio,
+    value_loss,
 )
 
 
@@ -249,6 +252,100 @@ def test_policy_loss_gradient_on_policy_and_extreme_ratio() -> None:
     close(loss_B_T, [[math.exp(20.0)]], atol=1.0)
 
 
+def test_dual_clip_caps_negative_advantage() -> None:
+    # A = -1, eps 0.2, eps_clip_c 3: ratio 1.1 -> 1.1; 0.5 -> PPO clip 0.8;
+    # 5.0 -> PPO max(5, 1.2) = 5, dual min(5, 3) = 3; 2.5 -> 2.5 (below the cap)
+    logp_B_T, old_B_T = _ratios(1.1, 0.5, 5.0, 2.5)
+    logp_B_T.requires_grad_(True)
+    loss_B_T, clipped_B_T = policy_loss(
+        logp_B_T, old_B_T, -torch.ones(1, 4), eps_clip=0.2, eps_clip_c=3.0
+    )
+    close(loss_B_T, [[1.1, 0.8, 3.0, 2.5]])
+    close(clipped_B_T, [[0.0, 1.0, 1.0, 0.0]])
+    # no gradient through either clip; d(-A*r)/dlogp = r elsewhere
+    loss_B_T.sum().backward()
+    close(logp_B_T.grad, [[1.1, 0.0, 0.0, 2.5]])
+    # A > 0 is untouched by the dual clip: ratio 5, A 2 -> max(-10, -2.4) = -2.4
+    loss_B_T, _ = policy_loss(*_ratios(5.0), torch.full((1, 1), 2.0), eps_clip=0.2, eps_clip_c=3)
+    close(loss_B_T, [[-2.4]])
+
+
+def test_policy_loss_is_policy_loss_from_log_ratio() -> None:
+    torch.manual_seed(0)
+    logp_B_T, old_B_T, adv_B_T = torch.randn(3, 2, 5).unbind(0)
+    kwargs = {"eps_clip": 0.2, "eps_clip_high": 0.28, "eps_clip_c": 3.0}
+    for a, b in zip(
+        policy_loss(logp_B_T, old_B_T, adv_B_T, **kwargs),
+        policy_loss_from_log_ratio(logp_B_T - old_B_T, adv_B_T, **kwargs),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------- GSPO
+
+GSPO_OLD_B_T = torch.tensor([[-1.5, -2.0, -2.5], [-1.3, -0.9, -1.2]])
+GSPO_MASK_B_T = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+
+
+def test_gspo_log_ratio_value() -> None:
+    # row 0: diffs 0.5, 0 (t2 masked) -> mean 0.25; row 1: 0.3 - 0.1 + 0.2 = 0.4 over 3 = 0.133333
+    logp_B_T = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    out = gspo_log_ratio(logp_B_T, GSPO_OLD_B_T, GSPO_MASK_B_T)
+    close(out, [[0.25] * 3, [0.4 / 3] * 3])
+    # empty row and -inf padding: finite
+    out = gspo_log_ratio(torch.tensor([[-math.inf]]), torch.zeros(1, 1), torch.zeros(1, 1))
+    close(out, [[0.0]])
+
+
+def test_gspo_gradient_is_the_sequence_level_one() -> None:
+    # GSPO by definition: loss = mean_b(-A_b * exp(mean_t(logp - old))); the token form through
+    # policy_loss_from_log_ratio (no clip active) with seq_mean must match in value and gradient.
+    adv_B = torch.tensor([1.0, -2.0])
+    # row 0: diffs 0.5, 0.1 -> s = exp(0.3) = 1.35; row 1: s = exp(0.4 / 3) = 1.14
+    logp_B_T = torch.tensor([[-1.0, -1.9, -9.0], [-1.0, -1.0, -1.0]], requires_grad=True)
+    mask = GSPO_MASK_B_T > 0
+    diff_B_T = torch.where(mask, logp_B_T - GSPO_OLD_B_T, 0.0)
+    s_B = torch.exp(diff_B_T.sum(-1) / mask.sum(-1))
+    reference = (-adv_B * s_B).mean()
+    (ref_grad,) = torch.autograd.grad(reference, logp_B_T)
+
+    log_ratio_B_T = gspo_log_ratio(logp_B_T, GSPO_OLD_B_T, GSPO_MASK_B_T)
+    loss_B_T, clipped_B_T = policy_loss_from_log_ratio(
+        log_ratio_B_T, adv_B[:, None].expand(2, 3), eps_clip=0.5
+    )
+    token_form = aggregate(loss_B_T, GSPO_MASK_B_T, "seq_mean")
+    (grad,) = torch.autograd.grad(token_form, logp_B_T)
+    torch.testing.assert_close(token_form, reference)
+    torch.testing.assert_close(grad, ref_grad)
+    close(clipped_B_T, [[0.0] * 3] * 2)
+    # the clip acts on the whole sequence: row 0's ratio exp(0.3) = 1.35 > 1.2 with A > 0
+    _, clipped_B_T = policy_loss_from_log_ratio(
+        log_ratio_B_T, adv_B[:, None].expand(2, 3), eps_clip=0.2
+    )
+    close(clipped_B_T, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+
+
+# ---------------------------------------------------------------- value loss
+
+
+def test_value_loss_both_branches() -> None:
+    # clip 0.2, v = 1 everywhere.
+    # t0: old 0.5 -> clipped v 0.7, R 2: max(1, 1.69) = 1.69 -> 0.845 (clipped branch, no grad)
+    # t1: old 0.5 -> clipped v 0.7, R 0: max(1, 0.49) = 1 -> 0.5 (unclipped branch, grad v-R = 1)
+    # t2: old 0.9 -> inside the clip, R 0: 1 -> 0.5 (grad 1)
+    values_B_T = torch.ones(1, 3, requires_grad=True)
+    loss_B_T = value_loss(
+        values_B_T,
+        torch.tensor([[0.5, 0.5, 0.9]]),
+        torch.tensor([[2.0, 0.0, 0.0]]),
+        value_clip=0.2,
+    )
+    close(loss_B_T, [[0.845, 0.5, 0.5]])
+    loss_B_T.sum().backward()
+    close(values_B_T.grad, [[0.0, 1.0, 1.0]])
+
+
 # ---------------------------------------------------------------- aggregation
 
 VALUES_B_T = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0], [7.0, 8.0, 9.0]])
@@ -265,10 +362,19 @@ def test_aggregate_token_mean_and_seq_mean() -> None:
     close(aggregate(VALUES_B_T, MASK_B_T, "seq_mean", num_sequences=6), 1.0)
 
 
+def test_aggregate_constant() -> None:
+    # masked sum 10 over constant 5 x B = 3 sequences -> 10 / 15; with 4 global sequences -> 0.5
+    close(aggregate(VALUES_B_T, MASK_B_T, "constant", constant_normaliser=5.0), 10 / 15)
+    out = aggregate(VALUES_B_T, MASK_B_T, "constant", constant_normaliser=5.0, num_sequences=4)
+    close(out, 0.5)
+    with pytest.raises(ValueError, match="constant_normaliser"):
+        aggregate(VALUES_B_T, MASK_B_T, "constant")
+
+
 def test_aggregate_empty_and_nan_padding_give_no_nan() -> None:
     empty_B_T = torch.zeros(2, 3)
-    for mode in ("token_mean", "seq_mean"):
-        close(aggregate(torch.ones(2, 3), empty_B_T, mode), 0.0)
+    for mode in ("token_mean", "seq_mean", "constant"):
+        close(aggregate(torch.ones(2, 3), empty_B_T, mode, constant_normaliser=4.0), 0.0)
     values_B_T = torch.tensor([[1.0, float("nan")], [float("inf"), 3.0]], requires_grad=True)
     mask_B_T = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     out = aggregate(values_B_T, mask_B_T, "token_mean")
@@ -277,13 +383,13 @@ def test_aggregate_empty_and_nan_padding_give_no_nan() -> None:
     close(values_B_T.grad, [[0.5, 0.0], [0.0, 0.5]])
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "constant"])
 def test_aggregate_micro_batches_sum_to_full_batch(mode: str) -> None:
     torch.manual_seed(0)
     values_B_T = torch.randn(6, 5, requires_grad=True)
     mask_B_T = (torch.rand(6, 5) > 0.4).float()
     mask_B_T[4] = 0.0  # one empty response
-    full = aggregate(values_B_T, mask_B_T, mode)
+    full = aggregate(values_B_T, mask_B_T, mode, constant_normaliser=5.0)
     (full_grad,) = torch.autograd.grad(full, values_B_T)
     num_tokens = float(mask_B_T.sum())
     parts = [
@@ -293,6 +399,7 @@ def test_aggregate_micro_batches_sum_to_full_batch(mode: str) -> None:
             mode,
             token_normaliser=num_tokens,
             num_sequences=6,
+            constant_normaliser=5.0,
         )
         for rows in (slice(0, 1), slice(1, 4), slice(4, 6))
     ]

@@ -159,6 +159,36 @@ def kl_penalty(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor, kind: KLType) -> 
     raise ValueError(f"unknown kl_loss_type {kind!r}")
 
 
+def policy_loss_from_log_ratio(
+    log_ratio_B_T: Tensor,
+    advantages_B_T: Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate per token from log(ratio): max(−A·r, −A·clip(r, 1−eps, 1+eps_high)).
+
+    With `eps_clip_c` (dual-clip PPO, Ye et al. 2020), tokens with A < 0 are further capped at
+    −A·eps_clip_c, so a huge ratio on a bad token cannot blow the loss up. Returns
+    `(loss_B_T, clipped_B_T)`, where clipped is 1.0 where a clip is active, i.e. where no
+    gradient flows through that token (the PPO clip strictly above the unclipped branch, or the
+    dual clip strictly below the PPO loss).
+    """
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    ratio_B_T = torch.exp(log_ratio_B_T.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    unclipped_B_T = -advantages_B_T * ratio_B_T
+    clipped_B_T = -advantages_B_T * ratio_B_T.clamp(1.0 - eps_clip, 1.0 + eps_high)
+    loss_B_T = torch.maximum(unclipped_B_T, clipped_B_T)
+    is_clipped_B_T = clipped_B_T > unclipped_B_T
+    if eps_clip_c is not None:
+        dual_B_T = -advantages_B_T * eps_clip_c
+        is_dual_B_T = (advantages_B_T < 0) & (dual_B_T < loss_B_T)
+        loss_B_T = torch.where(is_dual_B_T, dual_B_T, loss_B_T)
+        is_clipped_B_T = is_clipped_B_T | is_dual_B_T
+    return loss_B_T, is_clipped_B_T.float()
+
+
 def policy_loss(
     logprobs_B_T: Tensor,
     old_logprobs_B_T: Tensor,
@@ -166,19 +196,42 @@ def policy_loss(
     *,
     eps_clip: float,
     eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """PPO clipped surrogate per token: max(−A·ratio, −A·clip(ratio, 1−eps, 1+eps_high)).
+    """The per-token PPO loss of `policy_loss_from_log_ratio` with ratio = exp(logp − old)."""
+    return policy_loss_from_log_ratio(
+        logprobs_B_T - old_logprobs_B_T,
+        advantages_B_T,
+        eps_clip=eps_clip,
+        eps_clip_high=eps_clip_high,
+        eps_clip_c=eps_clip_c,
+    )
 
-    Returns `(loss_B_T, clipped_B_T)`, where clipped is 1.0 where the clipped branch is
-    strictly larger (no gradient flows through that token).
+
+def gspo_log_ratio(logprobs_B_T: Tensor, old_logprobs_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """GSPO's sequence log-ratio, mean_t (logp − old) over masked-in tokens, on every token.
+
+    Written in GSPO's token-level form, sg[log s] + logp_t − sg[logp_t]: the value on every
+    token is log s of its sequence, and d/d logp_t is s (through exp) — so with a sequence-wide
+    advantage and seq_mean aggregation the gradient is exactly GSPO's
+    s·A·(1/|y|)·Σ_t ∇logp_t, and clipping acts on the sequence ratio. Empty rows give 0.
     """
-    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
-    log_ratio_B_T = (logprobs_B_T - old_logprobs_B_T).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio_B_T = torch.exp(log_ratio_B_T)
-    unclipped_B_T = -advantages_B_T * ratio_B_T
-    clipped_B_T = -advantages_B_T * ratio_B_T.clamp(1.0 - eps_clip, 1.0 + eps_high)
-    loss_B_T = torch.maximum(unclipped_B_T, clipped_B_T)
-    return loss_B_T, (clipped_B_T > unclipped_B_T).float()
+    mask_B_T = mask_B_T > 0
+    diff_B_T = torch.where(mask_B_T, logprobs_B_T - old_logprobs_B_T, 0.0)
+    seq_mean_B_1 = diff_B_T.sum(-1, keepdim=True) / mask_B_T.sum(-1, keepdim=True).clamp(min=1)
+    # where(): padding log-probs may be −inf, and −inf − (−inf) would put NaN in the values.
+    identity_B_T = torch.where(mask_B_T, logprobs_B_T - logprobs_B_T.detach(), 0.0)
+    return seq_mean_B_1.detach() + identity_B_T
+
+
+def value_loss(
+    values_B_T: Tensor, old_values_B_T: Tensor, returns_B_T: Tensor, *, value_clip: float
+) -> Tensor:
+    """Clipped critic loss per token: 0.5·max((v − R)², (clip(v, old ± value_clip) − R)²)."""
+    clipped_B_T = old_values_B_T + (values_B_T - old_values_B_T).clamp(-value_clip, value_clip)
+    return 0.5 * torch.maximum(
+        (values_B_T - returns_B_T).square(), (clipped_B_T - returns_B_T).square()
+    )
 
 
 def aggregate(
@@ -188,11 +241,14 @@ def aggregate(
     *,
     token_normaliser: float | None = None,
     num_sequences: float | None = None,
+    constant_normaliser: float | None = None,
 ) -> Tensor:
     """Reduce per-token values to a scalar loss.
 
     token_mean: Σ values·mask / (token_normaliser or Σ mask).
     seq_mean: Σ_b [Σ_t values·mask / max(Σ_t mask, 1)] / (num_sequences or B).
+    constant: Σ values·mask / (constant_normaliser · (num_sequences or B)) — Dr.GRPO's
+    length-independent divisor (constant_normaliser is typically max_new_tokens).
     Pass the global token / sequence count when a batch is split into micro-batches: the sum
     of the micro-batch results then equals the full-batch value exactly. Denominators are
     clamped to at least 1 and masked positions are zeroed with `where`, so empty responses
@@ -200,14 +256,18 @@ def aggregate(
     """
     mask_B_T = mask_B_T.to(values_B_T.dtype)
     masked_B_T = torch.where(mask_B_T > 0, values_B_T * mask_B_T, torch.zeros_like(values_B_T))
+    n = values_B_T.shape[0] if num_sequences is None else num_sequences
     if mode == "token_mean":
         if token_normaliser is None:
             return masked_B_T.sum() / mask_B_T.sum().clamp(min=1.0)
         return masked_B_T.sum() / max(token_normaliser, 1.0)
     if mode == "seq_mean":
         per_seq_B = masked_B_T.sum(dim=-1) / mask_B_T.sum(dim=-1).clamp(min=1.0)
-        n = values_B_T.shape[0] if num_sequences is None else num_sequences
         return per_seq_B.sum() / max(n, 1.0)
+    if mode == "constant":
+        if constant_normaliser is None or constant_normaliser <= 0:
+            raise ValueError("aggregate(mode='constant') needs a positive constant_normaliser")
+        return masked_B_T.sum() / (constant_normaliser * max(n, 1.0))
     raise ValueError(f"unknown loss_aggregation {mode!r}")
 
 
