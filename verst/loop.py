@@ -15,9 +15,10 @@ from verst import launch
 from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
 from verst.rollout.metrics import rollout_metrics
+from verst.train.batching import TrainItem
 from verst.train.losses import group_advantages
 from verst.train.sft import warm_start
-from verst.train.trainer import NonFiniteLossError, TrainItem
+from verst.train.trainer import NonFiniteLossError
 from verst.types import Group
 
 

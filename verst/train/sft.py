@@ -15,7 +15,8 @@ from pydantic import Field
 from verst.configbase import ConfigBase
 from verst.data.source import DataSource, DataSourceConfig
 from verst.train import distributed
-from verst.train.trainer import Trainer, TrainItem
+from verst.train.batching import TrainItem
+from verst.train.trainer import Trainer
 from verst.types import Sample
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -29,6 +28,14 @@ from torch.distributed.tensor import DTensor
 from verst.configbase import ConfigBase
 from verst.models.forward import cached_forward, new_cache
 from verst.train import distributed
+from verst.train.batching import (
+    MicroBatch,
+    TrainItem,
+    balance_micro_batches,
+    collate,
+    masked_out,
+    pack_micro_batches,
+)
 from verst.train.losses import (
     LossConfig,
     aggregate,
@@ -37,7 +44,6 @@ from verst.train.losses import (
     logprobs_from_logits,
     policy_loss,
 )
-from verst.types import Sample
 
 
 class TrainerConfig(ConfigBase):
@@ -67,111 +73,10 @@ class NonFiniteLossError(RuntimeError):
     """The loss or the gradient norm is NaN/inf; the weights were not updated."""
 
 
-@dataclass
-class TrainItem:
-    """What the trainer needs of one Sample, plus its advantage."""
-
-    tokens: list[int]
-    response_length: int
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
-    advantage: float
-
-    @classmethod
-    def from_sample(cls, sample: Sample, advantage: float) -> TrainItem:
-        return cls(
-            sample.tokens,
-            sample.response_length,
-            sample.loss_mask,
-            sample.rollout_logprobs,
-            advantage,
-        )
-
-
-@dataclass
-class MicroBatch:
-    """K distinct prompts (left-padded) and N responses (right-padded) that continue them.
-
-    Samples of one group share their prompt, so the prompt is run once and its KV cache is
-    shared by all N responses: the forward and backward cost of the prompt is paid per group,
-    not per sample. Per-token fields are [N, R], aligned with `response_ids_N_R`.
-    """
-
-    prompt_ids_K_P: torch.Tensor
-    prompt_mask_K_P: torch.Tensor
-    prompt_index_N: torch.Tensor  # which prompt each response continues
-    response_ids_N_R: torch.Tensor
-    response_mask_N_R: torch.Tensor
-    loss_mask_N_R: torch.Tensor
-    rollout_logprobs_N_R: torch.Tensor
-    advantages_N_R: torch.Tensor
-
-
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
-
-
-def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Indices grouped so that (longest length × count) ≤ budget, longest sequences first."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for index in order:
-        if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= token_budget:
-            batches[-1].append(index)
-        else:
-            batches.append([index])
-    return batches
-
-
-def balance_micro_batches(lengths: list[int], count: int) -> list[list[int]]:
-    """`count` groups of indices with near-equal token totals (longest first, into the
-    lightest group); groups stay empty when there are fewer items than `count`."""
-    groups: list[list[int]] = [[] for _ in range(count)]
-    totals = [0] * count
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        lightest = totals.index(min(totals))
-        groups[lightest].append(index)
-        totals[lightest] += lengths[index]
-    return groups
-
-
-def _masked_out(item: TrainItem) -> TrainItem:
-    return TrainItem(
-        item.tokens, item.response_length, [0] * item.response_length, item.rollout_logprobs, 0.0
-    )
-
-
-def _pad_right(rows: list[list], width: int, value: float) -> list[list]:
-    return [row + [value] * (width - len(row)) for row in rows]
-
-
-def collate(items: list[TrainItem], pad_token_id: int, device: torch.device) -> MicroBatch:
-    prompts: dict[tuple[int, ...], int] = {}
-    prompt_index = []
-    for item in items:
-        prompt = tuple(item.tokens[: len(item.tokens) - item.response_length])
-        prompt_index.append(prompts.setdefault(prompt, len(prompts)))
-    width_p = max(len(p) for p in prompts)
-    width_r = max(1, max(item.response_length for item in items))
-    responses = [item.tokens[len(item.tokens) - item.response_length :] for item in items]
-    advantages_N = torch.tensor([item.advantage for item in items], dtype=torch.float32)
-    tensors = (
-        torch.tensor([[pad_token_id] * (width_p - len(p)) + list(p) for p in prompts]),
-        torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts]),
-        torch.tensor(prompt_index),
-        torch.tensor(_pad_right(responses, width_r, pad_token_id)),
-        torch.tensor(_pad_right([[1] * len(r) for r in responses], width_r, 0)),
-        torch.tensor(
-            _pad_right([item.loss_mask for item in items], width_r, 0), dtype=torch.float32
-        ),
-        torch.tensor(
-            _pad_right([item.rollout_logprobs for item in items], width_r, 0.0), dtype=torch.float32
-        ),
-        advantages_N[:, None].expand(-1, width_r),  # padding is masked out of every sum
-    )
-    return MicroBatch(*(t.to(device) for t in tensors))
 
 
 def _lr_lambda(cfg: TrainerConfig, total_steps: int) -> Callable[[int], float]:
@@ -306,7 +211,7 @@ class Trainer:
             len(pack_micro_batches(lengths, self.cfg.micro_batch_tokens)), self.device
         )
         for position, indices in enumerate(balance_micro_batches(lengths, count)):
-            batch = [items[i] for i in indices] or [_masked_out(items[0])]
+            batch = [items[i] for i in indices] or [masked_out(items[0])]
             yield position == count - 1, collate(batch, self.pad_token_id, self.device)
 
     def _global_counts(self, items: list[TrainItem]) -> tuple[float, float]:
