@@ -10,7 +10,6 @@ import torch
 
 from verst.cli import main
 from verst.train.checkpoint import list_checkpoints, load_checkpoint
-from verst.train.trainer import Trainer
 
 SMALL = [
     "num_steps=4",
@@ -97,15 +96,19 @@ def test_nan_loss_stops_names_the_step_and_keeps_a_good_checkpoint(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
     """Fault injection: the loss turns NaN at step 3 (as after a numerical blow-up)."""
-    real = Trainer._rl_loss
+    import verst.train.trainer as trainer_module
 
-    def blow_up(self, micro, token_norm, seq_norm):
-        loss, stats = real(self, micro, token_norm, seq_norm)
-        if self.scheduler.last_epoch == 2:  # the third RL step
+    real = trainer_module.policy_objective
+    calls = []
+
+    def blow_up(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:  # the third RL step (one micro-batch per step)
             loss = loss * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(Trainer, "_rl_loss", blow_up)
+    monkeypatch.setattr(trainer_module, "policy_objective", blow_up)
     run_dir = tmp_path / "run"
     assert main(["train", *SMALL, "checkpoint.interval_steps=0", "--run-dir", str(run_dir)]) == 1
     err = capsys.readouterr().err

@@ -23,6 +23,8 @@ from verst.train.losses import LossConfig
 from verst.train.sft import WarmStartConfig
 from verst.train.trainer import TrainerConfig
 
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline")
+
 
 class ConfigError(ValueError):
     """A config value or combination is invalid; the message names the field."""
@@ -62,10 +64,11 @@ class RunConfig(ConfigBase):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> RunConfig:
-        if self.rollout.n_samples_per_prompt < 2 and self.loss.advantage_estimator == "grpo":
+        estimator = self.loss.advantage_estimator
+        if self.rollout.n_samples_per_prompt < 2 and estimator in GROUP_ESTIMATORS:
             raise ValueError(
-                "rollout.n_samples_per_prompt must be >= 2 for grpo: a group of one has "
-                "advantage 0 and nothing is learned"
+                f"rollout.n_samples_per_prompt must be >= 2 for {estimator}: advantages are "
+                "relative to the group, so a group of one has advantage 0 and learns nothing"
             )
         return self
 

@@ -33,6 +33,7 @@ from verst.train.checkpoint import (
     load_weights,
     save_checkpoint,
 )
+from verst.train.critic import ValueModel
 from verst.train.trainer import Trainer, compute_dtype
 from verst.types import Group
 
@@ -92,15 +93,17 @@ class Run:
 
     # --- reference model -------------------------------------------------------------------------
 
-    def freeze_reference(self) -> None:
-        """Snapshot the policy as the KL reference (after any warm start), on disk for resume."""
-        if self.cfg.loss.kl_loss_coef <= 0:
-            return
-        weights = self.trainer.full_state_dict()
-        if distributed.rank() == 0:
-            self.shell.save_pretrained(self.run_dir / REFERENCE_DIR, state_dict=weights)
-        distributed.barrier()
-        self.trainer.set_reference(copy.deepcopy(self.shell))
+    def start_rl(self) -> None:
+        """After any warm start: snapshot the policy as the KL reference (also on disk, for
+        resume) and start the PPO critic from the policy's body."""
+        if self.cfg.loss.needs_reference_model:
+            weights = self.trainer.full_state_dict()
+            if distributed.rank() == 0:
+                self.shell.save_pretrained(self.run_dir / REFERENCE_DIR, state_dict=weights)
+            distributed.barrier()
+            self.trainer.set_reference(copy.deepcopy(self.shell))
+        if self.cfg.loss.needs_critic:
+            self.trainer.attach_critic(ValueModel(self.shell))
 
     # --- checkpoints ------------------------------------------------------------------------------
 
@@ -138,12 +141,14 @@ class Run:
                 f"--resume: no checkpoint under {self.run_dir / 'checkpoints'} to resume from"
             )
         weights, state = load_checkpoint(checkpoints[-1])
+        if self.cfg.loss.needs_critic:
+            self.trainer.attach_critic(ValueModel(self.shell))  # weights come from the state
         self.trainer.load_state(weights, state["trainer"])
         self.data.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.engine.generator.set_state(state["rng"]["engine"])
-        if self.cfg.loss.kl_loss_coef > 0:
+        if self.cfg.loss.needs_reference_model:
             reference = copy.deepcopy(self.shell)
             reference.load_state_dict(load_weights(self.run_dir / REFERENCE_DIR))
             self.trainer.reference = reference.to(self.device, self.trainer.dtype).eval()
@@ -181,6 +186,7 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
         total_steps=cfg.num_steps,
         pad_token_id=tokenizer.pad_token_id,
         temperature=cfg.rollout.temperature,
+        constant_normaliser=cfg.loss.constant_normaliser or float(cfg.rollout.max_new_tokens),
         device=device,
     )
     eos_ids = eos_token_ids(shell, tokenizer)

@@ -16,17 +16,28 @@ from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
 from verst.rollout.metrics import rollout_metrics
 from verst.train.batching import TrainItem
-from verst.train.losses import group_advantages
+from verst.train.losses import LossConfig, group_advantages
 from verst.train.sft import warm_start
 from verst.train.trainer import NonFiniteLossError
 from verst.types import Group
 
 
-def train_items(groups: list[Group], std_normalization: bool) -> list[TrainItem]:
+def train_items(groups: list[Group], loss: LossConfig) -> list[TrainItem]:
+    """Samples as the trainer takes them, with their sequence-level advantage: relative to the
+    group for the group estimators, the reward itself for the token-level ones (PPO,
+    REINFORCE++), which the trainer turns into per-token advantages."""
     samples = [s for group in groups for s in group]
     rewards = torch.tensor([s.reward or 0.0 for s in samples], dtype=torch.float64)
     group_ids = torch.tensor([s.group_index for s in samples])
-    advantages = group_advantages(rewards, group_ids, std_normalization=std_normalization)
+    estimator = loss.advantage_estimator
+    if estimator in ("grpo", "gspo"):
+        advantages = group_advantages(
+            rewards, group_ids, std_normalization=loss.grpo_std_normalization
+        )
+    elif estimator in ("dr_grpo", "reinforce_plus_plus_baseline"):
+        advantages = group_advantages(rewards, group_ids, std_normalization=False)
+    else:
+        advantages = rewards
     return [TrainItem.from_sample(s, float(a)) for s, a in zip(samples, advantages, strict=True)]
 
 
@@ -47,7 +58,7 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
                     run.dev_accuracy,
                     log.info,
                 )
-            run.freeze_reference()
+            run.start_rl()
             version += 1
             run.sync.push(version)
             first["weight_version"] = version
@@ -63,7 +74,7 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
             started = time.perf_counter()
             groups, sampling_metrics = run.rollout()
             rolled = time.perf_counter()
-            items = train_items(groups, cfg.loss.grpo_std_normalization)
+            items = train_items(groups, cfg.loss)
             try:
                 metrics = run.trainer.step(items, step=step)
             except NonFiniteLossError as error:

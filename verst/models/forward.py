@@ -21,6 +21,11 @@ def _forward_params(model_type: type) -> tuple[str, bool]:
     return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name this model's forward gives its KV-cache argument."""
+    return _forward_params(type(model))[0]
+
+
 def new_cache(model: torch.nn.Module) -> transformers.DynamicCache:
     if "config" in inspect.signature(transformers.DynamicCache.__init__).parameters:
         return transformers.DynamicCache(config=model.config)

@@ -11,18 +11,22 @@ from dataclasses import dataclass
 
 import torch
 
+from verst.models.forward import cached_forward, new_cache
 from verst.types import Sample
 
 
 @dataclass
 class TrainItem:
-    """What the trainer needs of one Sample, plus its advantage."""
+    """What the trainer needs of one Sample: its tokens, its reward, and its sequence-level
+    advantage (group-relative for the group estimators; token-level estimators such as PPO
+    build theirs from `reward` inside the trainer)."""
 
     tokens: list[int]
     response_length: int
     loss_mask: list[int]
     rollout_logprobs: list[float]
     advantage: float
+    reward: float = 0.0
 
     @classmethod
     def from_sample(cls, sample: Sample, advantage: float) -> TrainItem:
@@ -32,6 +36,7 @@ class TrainItem:
             sample.loss_mask,
             sample.rollout_logprobs,
             advantage,
+            sample.reward or 0.0,
         )
 
 
@@ -52,6 +57,11 @@ class MicroBatch:
     loss_mask_N_R: torch.Tensor
     rollout_logprobs_N_R: torch.Tensor
     advantages_N_R: torch.Tensor
+    rewards_N: torch.Tensor
+    # filled by the trainer's advantage pass for PPO: the critic's values before the update,
+    # and the GAE returns they are trained towards
+    old_values_N_R: torch.Tensor | None = None
+    returns_N_R: torch.Tensor | None = None
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -110,6 +120,39 @@ def collate(items: list[TrainItem], pad_token_id: int, device: torch.device) -> 
         torch.tensor(
             _pad_right([item.rollout_logprobs for item in items], width_r, 0.0), dtype=torch.float32
         ),
-        advantages_N[:, None].expand(-1, width_r),  # padding is masked out of every sum
+        advantages_N[:, None].expand(-1, width_r).clone(),  # padding is masked out of sums
+        torch.tensor([item.reward for item in items], dtype=torch.float32),
     )
     return MicroBatch(*(t.to(device) for t in tensors))
+
+
+def response_outputs(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
+    """Model outputs [N, R, X] where position j is the prediction for response token j.
+
+    Each distinct prompt runs once; its KV cache rows are repeated for the responses that
+    continue it. The last response token predicts nothing we train on and nothing attends to
+    it, so only tokens 0..R-2 are fed.
+    """
+    cache = new_cache(model)
+    prompt_positions_K_P = (micro.prompt_mask_K_P.cumsum(-1) - 1).clamp(min=0)
+    last_K_1_X = cached_forward(
+        model,
+        micro.prompt_ids_K_P,
+        micro.prompt_mask_K_P,
+        prompt_positions_K_P,
+        cache,
+        last_only=True,
+    )
+    index_N = micro.prompt_index_N
+    first_N_1_X = last_K_1_X[index_N]
+    width_r = micro.response_ids_N_R.shape[1]
+    if width_r == 1:
+        return first_N_1_X
+    cache.batch_select_indices(index_N)
+    prompt_lengths_N_1 = micro.prompt_mask_K_P.sum(-1, keepdim=True)[index_N]
+    positions_N_T = prompt_lengths_N_1 + torch.arange(width_r - 1, device=index_N.device)
+    mask_N_S = torch.cat([micro.prompt_mask_K_P[index_N], micro.response_mask_N_R[:, :-1]], 1)
+    response_N_T_X = cached_forward(
+        model, micro.response_ids_N_R[:, :-1], mask_N_S, positions_N_T, cache
+    )
+    return torch.cat([first_N_1_X, response_N_T_X], dim=1)

@@ -26,7 +26,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from verst.configbase import ConfigBase
-from verst.models.forward import cached_forward, new_cache
 from verst.train import distributed
 from verst.train.batching import (
     MicroBatch,
@@ -35,14 +34,22 @@ from verst.train.batching import (
     collate,
     masked_out,
     pack_micro_batches,
+    response_outputs,
 )
+from verst.train.critic import ValueModel, policy_body_weights
 from verst.train.losses import (
     LossConfig,
     aggregate,
-    entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
-    policy_loss,
+    value_loss,
+)
+from verst.train.objective import (
+    Normalisers,
+    needs_advantage_pass,
+    policy_objective,
+    set_token_advantages,
+    whiten_globally,
 )
 
 
@@ -57,6 +64,9 @@ class TrainerConfig(ConfigBase):
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    critic_lr: float | None = Field(
+        None, gt=0, description="learning rate of the PPO critic; None = lr"
+    )
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 disables")
     micro_batch_tokens: int = Field(
         16384, ge=1, description="token budget per micro-batch (padded length × sequences)"
@@ -112,7 +122,8 @@ def _shard(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> 
 
 
 class Trainer:
-    """Owns the sharded policy, its optimiser and schedule, and an optional frozen reference."""
+    """Owns the sharded policy, its optimiser and schedule, an optional frozen reference, and
+    for PPO a sharded critic with its own optimiser."""
 
     def __init__(
         self,
@@ -123,6 +134,7 @@ class Trainer:
         total_steps: int,
         pad_token_id: int,
         temperature: float = 1.0,
+        constant_normaliser: float = 1.0,
         device: torch.device,
     ) -> None:
         self.cfg = cfg
@@ -131,6 +143,8 @@ class Trainer:
         self.dtype = compute_dtype(cfg.dtype, device)
         self.pad_token_id = pad_token_id
         self.temperature = temperature if temperature > 0 else 1.0
+        self.constant_normaliser = constant_normaliser
+        self.total_steps = total_steps
         distributed.init_distributed(device)
         model.to(device=device, dtype=torch.float32)  # master weights stay fp32
         model.train()
@@ -141,10 +155,13 @@ class Trainer:
             self.optimizer, _lr_lambda(cfg, total_steps)
         )
         self.reference: torch.nn.Module | None = None
+        self.critic: torch.nn.Module | None = None
 
-    def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
+    def make_optimizer(
+        self, lr: float, model: torch.nn.Module | None = None
+    ) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
-            self.model.parameters(),
+            (model or self.model).parameters(),
             lr=lr,
             betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
             eps=self.cfg.adam_eps,
@@ -157,6 +174,17 @@ class Trainer:
         reference.load_state_dict(self.full_state_dict())
         reference.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.reference = reference
+
+    def attach_critic(self, critic: ValueModel) -> None:
+        """Train `critic` (unsharded; its body starts as the policy's current body) for PPO."""
+        critic.load_state_dict(policy_body_weights(self.full_state_dict()), strict=False)
+        critic.to(device=self.device, dtype=torch.float32).train()
+        _shard(critic, self.dtype, self.device)
+        self.critic = critic
+        self.critic_optimizer = self.make_optimizer(self.cfg.critic_lr or self.cfg.lr, critic)
+        self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.critic_optimizer, _lr_lambda(self.cfg, self.total_steps)
+        )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 weights on the CPU (a collective: every rank must call it)."""
@@ -173,34 +201,10 @@ class Trainer:
 
     def _logits(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
         """Temperature-scaled fp32 logits [N, R, V]; position j predicts response token j."""
-        cache = new_cache(model)
-        prompt_positions = (micro.prompt_mask_K_P.cumsum(-1) - 1).clamp(min=0)
-        last_K_1_V = cached_forward(
-            model,
-            micro.prompt_ids_K_P,
-            micro.prompt_mask_K_P,
-            prompt_positions,
-            cache,
-            last_only=True,
-        )
-        index_N = micro.prompt_index_N
-        first_N_1_V = last_K_1_V[index_N]
-        width_r = micro.response_ids_N_R.shape[1]
-        if width_r == 1:
-            return first_N_1_V.float() / self.temperature
-        # The last response token predicts nothing we train on, and nothing attends to it:
-        # only tokens 0..R-2 need a forward pass.
-        cache.batch_select_indices(index_N)  # each response continues its own prompt's KV
-        prompt_lengths_N_1 = micro.prompt_mask_K_P.sum(-1, keepdim=True)[index_N]
-        positions_N_T = prompt_lengths_N_1 + torch.arange(width_r - 1, device=self.device)
-        mask_N_S = torch.cat(
-            [micro.prompt_mask_K_P[index_N], micro.response_mask_N_R[:, :-1]], dim=1
-        )
-        response_logits = cached_forward(
-            model, micro.response_ids_N_R[:, :-1], mask_N_S, positions_N_T, cache
-        )
-        logits = torch.cat([first_N_1_V, response_logits], dim=1)
-        return logits.float() / self.temperature
+        return response_outputs(model, micro).float() / self.temperature
+
+    def _logprobs(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
+        return logprobs_from_logits(self._logits(model, micro), micro.response_ids_N_R)
 
     def _micro_batches(self, items: list[TrainItem]) -> Iterator[tuple[bool, MicroBatch]]:
         """Micro-batches within the token budget; every rank yields the same number of them,
@@ -229,72 +233,82 @@ class Trainer:
 
     def step(self, items: list[TrainItem], *, step: int) -> dict[str, float]:
         """One RL optimiser step on this rank's items; returns metrics averaged over all ranks."""
+        cfg = self.loss_cfg
         token_norm, seq_norm = self._global_counts(items)
+        norms = Normalisers(token_norm, seq_norm, self.constant_normaliser)
+        micros = list(self._micro_batches(items))
+        if needs_advantage_pass(cfg):
+            with torch.no_grad():
+                for _, micro in micros:
+                    self._prepare_advantages(micro)
+            if cfg.whiten_advantages:
+                whiten_globally([micro for _, micro in micros], self.device)
         sums: dict[str, float] = {}
-        for is_last, micro in self._micro_batches(items):
+        for is_last, micro in micros:
             self.model.set_requires_gradient_sync(is_last)
-            loss, stats = self._rl_loss(micro, token_norm, seq_norm)
+            ref_logprobs = None
+            if cfg.kl_loss_coef > 0:
+                with torch.no_grad():
+                    ref_logprobs = self._logprobs(self._require_reference(), micro)
+            loss, stats = policy_objective(
+                cfg, self._logits(self.model, micro), micro, norms, ref_logprobs
+            )
             loss.backward()
+            if self.critic is not None:
+                self.critic.set_requires_gradient_sync(is_last)
+                stats |= self._critic_backward(micro, token_norm)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
-        grad_norm = self._clip_and_check(sums["loss"], step)
+        grad_norm = self._clip_and_check(self.model, self.optimizer, sums["loss"], step)
+        metrics = {"train/grad_norm": grad_norm, "train/lr": self.scheduler.get_last_lr()[0]}
+        if self.critic is not None:
+            metrics["train/critic_grad_norm"] = self._clip_and_check(
+                self.critic, self.critic_optimizer, sums["value_loss"], step
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
+        if self.critic is not None:
+            self.critic_optimizer.step()
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            self.critic_scheduler.step()
         world = distributed.world_size()
         reduced = distributed.all_reduce_sum(list(sums.values()), self.device)
-        metrics = {f"train/{k}": v / world for k, v in zip(sums, reduced, strict=True)}
-        metrics["train/grad_norm"] = grad_norm
-        metrics["train/lr"] = lr
-        return metrics
+        return {f"train/{k}": v / world for k, v in zip(sums, reduced, strict=True)} | metrics
 
-    def _rl_loss(
-        self, micro: MicroBatch, token_norm: float, seq_norm: float
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """This micro-batch's share of the batch loss, and its share of each metric."""
+    def _require_reference(self) -> torch.nn.Module:
+        if self.reference is None:
+            raise RuntimeError("the loss needs a reference model, but none was set")
+        return self.reference
+
+    def _prepare_advantages(self, micro: MicroBatch) -> None:
         cfg = self.loss_cfg
-        mask = micro.loss_mask_N_R
-
-        def reduce(values_B_T: torch.Tensor) -> torch.Tensor:
-            return aggregate(
-                values_B_T,
-                mask,
-                cfg.loss_aggregation,
-                token_normaliser=token_norm,
-                num_sequences=seq_norm,
+        kl = torch.zeros_like(micro.loss_mask_N_R)
+        if cfg.kl_coef > 0:
+            kl = kl_penalty(
+                self._logprobs(self.model, micro),
+                self._logprobs(self._require_reference(), micro),
+                cfg.kl_loss_type,
             )
+        values = None
+        if self.critic is not None:
+            values = response_outputs(self.critic, micro)[..., 0].float()
+        set_token_advantages(cfg, micro, kl, values)
 
-        logits = self._logits(self.model, micro)
-        logprobs = logprobs_from_logits(logits, micro.response_ids_N_R)
-        pg, clipped = policy_loss(
-            logprobs,
-            micro.rollout_logprobs_N_R,
-            micro.advantages_N_R,
-            eps_clip=cfg.eps_clip,
-            eps_clip_high=cfg.clip_high,
+    def _critic_backward(self, micro: MicroBatch, token_norm: float) -> dict[str, float]:
+        assert micro.old_values_N_R is not None and micro.returns_N_R is not None
+        mask = micro.loss_mask_N_R
+        values = response_outputs(self.critic, micro)[..., 0].float()
+        per_token = value_loss(
+            values, micro.old_values_N_R, micro.returns_N_R, value_clip=self.loss_cfg.value_clip
         )
-        loss = reduce(pg)
-        stats = {"pg_loss": loss.item()}
-        if cfg.kl_loss_coef > 0:
-            if self.reference is None:
-                raise RuntimeError("loss.kl_loss_coef > 0 but no reference model was set")
-            with torch.no_grad():
-                ref_logits = self._logits(self.reference, micro)
-                ref_logprobs = logprobs_from_logits(ref_logits, micro.response_ids_N_R)
-            kl = reduce(kl_penalty(logprobs, ref_logprobs, cfg.kl_loss_type))
-            loss = loss + cfg.kl_loss_coef * kl
-            stats["kl_loss"] = kl.item()
-        if cfg.entropy_coef > 0:
-            entropy = reduce(entropy_from_logits(logits))
-            loss = loss - cfg.entropy_coef * entropy
-            stats["entropy"] = entropy.item()
-        with torch.no_grad():
-            diff_B_T = (logprobs - micro.rollout_logprobs_N_R).abs()
-            stats["pg_clipfrac"] = ((clipped * mask).sum() / token_norm).item()
-            stats["train_rollout_logprob_abs_diff"] = ((diff_B_T * mask).sum() / token_norm).item()
-        stats["loss"] = loss.item()
-        return loss, stats
+        loss = aggregate(per_token, mask, "token_mean", token_normaliser=token_norm)
+        loss.backward()
+        return {
+            "value_loss": loss.item(),
+            "values_mean": float((values.detach() * mask).sum()) / token_norm,
+            "returns_mean": float((micro.returns_N_R * mask).sum()) / token_norm,
+        }
 
     def sft_step(
         self, items: list[TrainItem], optimizer: torch.optim.Optimizer, *, step: int
@@ -308,19 +322,21 @@ class Trainer:
             loss = -(logprobs * micro.loss_mask_N_R).sum() / token_norm
             loss.backward()
             total += loss.item()
-        self._clip_and_check(total, step)
+        self._clip_and_check(self.model, optimizer, total, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return distributed.all_reduce_sum([total], self.device)[0] / distributed.world_size()
 
-    def _clip_and_check(self, loss: float, step: int) -> float:
+    def _clip_and_check(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: float, step: int
+    ) -> float:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         grad_norm = float(norm)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(
                 f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; "
                 "the weights were not updated"
@@ -330,11 +346,21 @@ class Trainer:
     # --- checkpoint state -----------------------------------------------------------------------
 
     def optimizer_state(self) -> dict:
+        """Optimiser and schedule state (and the critic's weights and optimiser, for PPO)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {
+        state = {
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
             "scheduler": self.scheduler.state_dict(),
         }
+        if self.critic is not None:
+            state["critic"] = {
+                "weights": get_model_state_dict(self.critic, options=options),
+                "optimizer": get_optimizer_state_dict(
+                    self.critic, self.critic_optimizer, options=options
+                ),
+                "scheduler": self.critic_scheduler.state_dict(),
+            }
+        return state
 
     def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
         options = StateDictOptions(full_state_dict=True)
@@ -344,3 +370,10 @@ class Trainer:
                 self.model, self.optimizer, optimizer_state["optimizer"], options=options
             )
             self.scheduler.load_state_dict(optimizer_state["scheduler"])
+        critic_state = (optimizer_state or {}).get("critic")
+        if self.critic is not None and critic_state is not None:
+            set_model_state_dict(self.critic, critic_state["weights"], options=options)
+            set_optimizer_state_dict(
+                self.critic, self.critic_optimizer, critic_state["optimizer"], options=options
+            )
+            self.critic_scheduler.load_state_dict(critic_state["scheduler"])

@@ -1,0 +1,176 @@
+"""The RL objective on one micro-batch: token-level advantages, the policy loss with its
+train–inference corrections, and the metrics that explain it.
+
+The math lives in `losses`, `advantages` and `correction` (pure functions, tested against
+closed forms); this module decides which of it a config asks for and wires it to a batch.
+
+Which log-probs the ratio is taken against: the rollout's by default (one optimiser step per
+batch, so the rollout policy *is* the behaviour policy). With TIS or MIS on, the ratio is
+taken against the trainer's own log-probs before the update (`logp.detach()`, the same
+weights) and the train/rollout mismatch is corrected by the importance weights instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verst.train import distributed
+from verst.train.advantages import gae, reinforce_plus_plus_advantages, terminal_token_rewards
+from verst.train.batching import MicroBatch
+from verst.train.correction import ess_ratio, mis_weights, tis_weights, train_rollout_kl
+from verst.train.losses import (
+    LossConfig,
+    aggregate,
+    entropy_from_logits,
+    gspo_log_ratio,
+    kl_penalty,
+    logprobs_from_logits,
+    policy_loss_from_log_ratio,
+)
+
+TOKEN_LEVEL_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class Normalisers:
+    """Denominators shared by every micro-batch of a step (global counts ÷ world size)."""
+
+    tokens: float
+    sequences: float
+    constant: float  # the per-sequence divisor of the `constant` aggregation
+
+
+def needs_advantage_pass(cfg: LossConfig) -> bool:
+    """Whether advantages depend on more than the sequence's own reward and group."""
+    return (
+        cfg.advantage_estimator in TOKEN_LEVEL_ESTIMATORS
+        or cfg.kl_coef > 0
+        or cfg.whiten_advantages
+    )
+
+
+def set_token_advantages(
+    cfg: LossConfig,
+    micro: MicroBatch,
+    kl_N_R: torch.Tensor,
+    values_N_R: torch.Tensor | None,
+) -> None:
+    """Fill `micro.advantages_N_R` (and, for PPO, its values and returns) from rewards, the
+    KL to the reference (zeros when unused) and the critic's values."""
+    mask = micro.loss_mask_N_R
+    estimator = cfg.advantage_estimator
+    if estimator == "ppo":
+        assert values_N_R is not None
+        token_rewards = terminal_token_rewards(micro.rewards_N, mask) - cfg.kl_coef * kl_N_R
+        advantages, returns = gae(token_rewards, values_N_R, mask, gamma=cfg.gamma, lam=cfg.lam)
+        micro.old_values_N_R, micro.returns_N_R = values_N_R, returns
+    elif estimator == "reinforce_plus_plus":
+        advantages = reinforce_plus_plus_advantages(
+            micro.rewards_N, kl_N_R, mask, kl_coef=cfg.kl_coef, gamma=cfg.gamma
+        )
+    elif estimator == "reinforce_plus_plus_baseline":
+        # the loop already put r − group mean in advantages_N_R
+        advantages = micro.advantages_N_R - cfg.kl_coef * kl_N_R
+    else:
+        advantages = micro.advantages_N_R
+    micro.advantages_N_R = advantages * mask
+
+
+def whiten_globally(micros: list[MicroBatch], device: torch.device) -> None:
+    """(A − mean) / std over every masked token of the step, on all ranks together."""
+    sums = [0.0, 0.0, 0.0]
+    for micro in micros:
+        adv, mask = micro.advantages_N_R, micro.loss_mask_N_R
+        sums[0] += float((adv * mask).sum())
+        sums[1] += float((adv.square() * mask).sum())
+        sums[2] += float(mask.sum())
+    total, total_sq, count = distributed.all_reduce_sum(sums, device)
+    mean = total / max(count, 1.0)
+    var = max(total_sq - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
+    for micro in micros:
+        micro.advantages_N_R = (micro.advantages_N_R - mean) / (var**0.5 + 1e-8)
+        micro.advantages_N_R = micro.advantages_N_R * micro.loss_mask_N_R
+
+
+def policy_objective(
+    cfg: LossConfig,
+    logits_N_R_V: torch.Tensor,
+    micro: MicroBatch,
+    norms: Normalisers,
+    ref_logprobs_N_R: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """This micro-batch's share of the step's policy loss, and its share of each metric."""
+    mask = micro.loss_mask_N_R
+    rollout = micro.rollout_logprobs_N_R
+
+    def reduce(values_N_R: torch.Tensor) -> torch.Tensor:
+        return aggregate(
+            values_N_R,
+            mask,
+            cfg.loss_aggregation,
+            token_normaliser=norms.tokens,
+            num_sequences=norms.sequences,
+            constant_normaliser=norms.constant,
+        )
+
+    logprobs = logprobs_from_logits(logits_N_R_V, micro.response_ids_N_R)
+    corrected = cfg.use_tis or cfg.mis_level is not None
+    old = logprobs.detach() if corrected else rollout
+    if cfg.advantage_estimator == "gspo":
+        log_ratio = gspo_log_ratio(logprobs, old, mask)
+    else:
+        log_ratio = logprobs - old
+    pg, clipped = policy_loss_from_log_ratio(
+        log_ratio,
+        micro.advantages_N_R,
+        eps_clip=cfg.eps_clip,
+        eps_clip_high=cfg.clip_high,
+        eps_clip_c=cfg.eps_clip_c,
+    )
+    stats: dict[str, float] = {}
+    if cfg.use_tis:
+        weights, weight_stats = tis_weights(
+            logprobs,
+            rollout,
+            mask,
+            low=cfg.tis_clip_low,
+            high=cfg.tis_clip_high,
+            token_normaliser=norms.tokens,
+        )
+    elif cfg.mis_level is not None:
+        weights, weight_stats = mis_weights(
+            logprobs,
+            rollout,
+            mask,
+            level=cfg.mis_level,
+            mode=cfg.mis_mode,
+            low=cfg.mis_low,
+            high=cfg.mis_high,
+            token_normaliser=norms.tokens,
+        )
+    if corrected:
+        pg = pg * weights
+        share = float(mask.sum()) / norms.tokens
+        stats |= weight_stats | {"ess_ratio": ess_ratio(weights, mask) * share}
+    loss = reduce(pg)
+    stats["pg_loss"] = loss.item()
+    if cfg.kl_loss_coef > 0:
+        assert ref_logprobs_N_R is not None
+        kl = reduce(kl_penalty(logprobs, ref_logprobs_N_R, cfg.kl_loss_type))
+        loss = loss + cfg.kl_loss_coef * kl
+        stats["kl_loss"] = kl.item()
+    if cfg.entropy_coef > 0:
+        entropy = reduce(entropy_from_logits(logits_N_R_V))
+        loss = loss - cfg.entropy_coef * entropy
+        stats["entropy"] = entropy.item()
+    with torch.no_grad():
+        diff = (logprobs - rollout).abs()
+        stats["pg_clipfrac"] = float((clipped * mask).sum()) / norms.tokens
+        stats["train_rollout_logprob_abs_diff"] = float((diff * mask).sum()) / norms.tokens
+        stats["train_rollout_kl"] = train_rollout_kl(
+            logprobs, rollout, mask, token_normaliser=norms.tokens
+        )
+    stats["loss"] = loss.item()
+    return loss, stats
