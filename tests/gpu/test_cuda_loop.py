@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,23 @@ def test_engine_weights_equal_trainer_weights_after_sync() -> None:
         if name in engine_params:
             assert torch.equal(engine_params[name].cpu(), tensor.to(torch.bfloat16)), name
     assert engine.weight_version == 2
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["loss.advantage_estimator=ppo"],
+        ["loss.advantage_estimator=gspo", "loss.use_tis=true"],
+        [
+            "loss.advantage_estimator=reinforce_plus_plus",
+            "loss.kl_coef=0.01",
+            "loss.kl_loss_coef=0.0",
+            "loss.mis_level=sequence",
+        ],
+    ],
+)
+def test_objectives_run_on_cuda(tmp_path: Path, overrides: list[str]) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", *SMALL, "num_steps=2", *overrides, "--run-dir", str(run_dir)]) == 0
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["train/loss"]) for r in rows[1:])
