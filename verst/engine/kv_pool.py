@@ -1,0 +1,192 @@
+"""The paged KV pool: every layer's keys and values in fixed-size pages, and the page allocator.
+
+Owns `KVPool`. Promises:
+- storage is allocated once (sized from a byte budget by `from_budget`) and never grows;
+- `alloc` is all-or-nothing: it either returns n free pages or raises `OutOfPages`;
+- `free` rejects double frees and unknown pages, so ownership bugs fail loudly;
+- `write` / `gather` are vectorised scatters and gathers (no per-token Python loops), and
+  `gather` returns zeros at every position past a sequence's length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """Fewer free pages than requested; nothing was allocated."""
+
+
+class KVPool:
+    """Per-layer K and V storage in fixed-size pages: k[layer] and v[layer] are tensors
+    [num_pages, page_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        num_pages: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in [
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("page_size", page_size),
+            ("num_pages", num_pages),
+        ]:
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        # Zero-initialised so a stale read is recognisable in a debugger, not garbage.
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # A stack popped from the end: pages come out lowest id first, which keeps runs
+        # reproducible and page tables easy to read in tests.
+        self._free_stack = list(range(num_pages - 1, -1, -1))
+        self._is_free = [True] * num_pages
+
+    @staticmethod
+    def page_bytes(
+        *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one page takes across all layers, K and V together."""
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @classmethod
+    def from_budget(
+        cls,
+        model_config: Any,
+        *,
+        budget_bytes: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVPool:
+        """As many pages as fit in `budget_bytes` for the model an HF config describes."""
+        num_layers = model_config.num_hidden_layers
+        num_heads = model_config.num_attention_heads
+        num_kv_heads = getattr(model_config, "num_key_value_heads", None) or num_heads
+        # Some configs carry head_dim = None rather than omitting it.
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // num_heads
+        page_bytes = cls.page_bytes(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            dtype=dtype,
+        )
+        num_pages = budget_bytes // page_bytes
+        if num_pages < 1:
+            raise ValueError(
+                f"KV budget of {budget_bytes} bytes is smaller than one page ({page_bytes} bytes: "
+                f"{num_layers} layers x {page_size} tokens x {num_kv_heads} kv heads x "
+                f"{head_dim} head_dim x 2 (K, V) x {dtype.itemsize} bytes)"
+            )
+        return cls(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            num_pages=num_pages,
+            dtype=dtype,
+            device=device,
+        )
+
+    def num_free(self) -> int:
+        return len(self._free_stack)
+
+    def alloc(self, n: int) -> list[int]:
+        """n free pages, or `OutOfPages` (and nothing allocated) if fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        if n > len(self._free_stack):
+            raise OutOfPages(
+                f"need {n} KV pages, only {len(self._free_stack)} of {self.num_pages} are free"
+            )
+        pages = [self._free_stack.pop() for _ in range(n)]
+        for page in pages:
+            self._is_free[page] = False
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        """Return pages to the pool; all are checked before any is freed."""
+        seen: set[int] = set()
+        for page in pages:
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"unknown KV page {page} (pool has {self.num_pages})")
+            if self._is_free[page] or page in seen:
+                raise ValueError(f"double free of KV page {page}")
+            seen.add(page)
+        for page in pages:
+            self._is_free[page] = True
+        self._free_stack.extend(reversed(pages))
+
+    def write(
+        self,
+        layer: int,
+        pages_N: torch.Tensor,
+        offsets_N: torch.Tensor,
+        k_N_H_D: torch.Tensor,
+        v_N_H_D: torch.Tensor,
+    ) -> None:
+        """Scatter N tokens' K and V into their (page, offset-within-page) slots."""
+        n = pages_N.shape[0]
+        if offsets_N.shape != (n,) or k_N_H_D.shape[0] != n or v_N_H_D.shape[0] != n:
+            raise ValueError(
+                f"write needs N slots and N tokens: pages {tuple(pages_N.shape)}, "
+                f"offsets {tuple(offsets_N.shape)}, k {tuple(k_N_H_D.shape)}, "
+                f"v {tuple(v_N_H_D.shape)}"
+            )
+        index = (pages_N.to(self.device), offsets_N.to(self.device))
+        self.k[layer].index_put_(index, k_N_H_D.to(self.dtype))
+        self.v[layer].index_put_(index, v_N_H_D.to(self.dtype))
+
+    def gather(
+        self, layer: int, page_table_B_P: torch.Tensor, lengths_B: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [B, S, H, D] with S = P * page_size; positions >= length are zeros.
+
+        page_table_B_P lists each sequence's pages in order, padded with -1.
+        """
+        B, P = page_table_B_P.shape
+        S = P * self.page_size
+        page_table_B_P = page_table_B_P.to(self.device)
+        # Padding (-1) reads page 0 and is then masked out, which keeps the gather one op.
+        safe_B_P = page_table_B_P.clamp(min=0)
+        position_S = torch.arange(S, device=self.device)
+        valid_B_S = position_S < lengths_B.to(self.device).unsqueeze(-1)
+        valid_B_S &= (page_table_B_P >= 0).repeat_interleave(self.page_size, dim=1)
+        valid_B_S_1_1 = valid_B_S[:, :, None, None]
+        shape = (B, S, self.num_kv_heads, self.head_dim)
+        k_B_S_H_D = self.k[layer][safe_B_P].reshape(shape)
+        v_B_S_H_D = self.v[layer][safe_B_P].reshape(shape)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(valid_B_S_1_1, k_B_S_H_D, zero), torch.where(
+            valid_B_S_1_1, v_B_S_H_D, zero
+        )
+
+    def slots(self, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages_N, offsets_N) on the pool's device for token positions [start, end) of a
+        sequence stored in `pages`, ready for `write`."""
+        if not 0 <= start <= end <= len(pages) * self.page_size:
+            raise ValueError(
+                f"positions [{start}, {end}) do not fit in {len(pages)} pages of "
+                f"{self.page_size} tokens"
+            )
+        position_N = torch.arange(start, end, device=self.device)
+        pages_P = torch.tensor(pages, dtype=torch.long, device=self.device)
+        return pages_P[position_N // self.page_size], position_N % self.page_size
