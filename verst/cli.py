@@ -1,4 +1,4 @@
-"""The `verst` command: `verst train`, `verst model create-tiny`.
+"""The `verst` command: `verst train`, `verst serve`, `verst model create-tiny`.
 
 Config errors, missing files and non-finite losses end the command with a one-paragraph message
 and exit code 2 (bad input) or 1 (the run failed), never a traceback for the user's mistake.
@@ -51,6 +51,29 @@ def _model_parser(subparsers: argparse._SubParsersAction) -> None:
     tiny.add_argument("--seed", type=int, default=0)
 
 
+def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over SGLang's HTTP protocol with the embedded engine",
+        description="Serve a local HF model directory with the embedded engine, speaking "
+        "SGLang's native HTTP protocol (/generate, /update_weights_from_disk, ...) and the "
+        "OpenAI-compatible /v1/completions and /v1/chat/completions.",
+    )
+    parser.add_argument("--model", required=True, help="local HF model directory")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
+    parser.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda:N")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    parser.add_argument("--served-model-name", help="the model name the API reports")
+    parser.add_argument("--max-batch-size", type=int, default=256)
+
+
 def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """argparse cannot tell `CONFIG` from a first override; an `=` decides."""
     config, overrides = args.config, list(args.overrides)
@@ -96,15 +119,34 @@ def _create_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from verst.engine.http_server import run_server
+
+    run_server(
+        args.model,
+        host=args.host,
+        port=args.port,
+        seed=args.seed,
+        device=args.device,
+        dtype=args.dtype,
+        served_model_name=args.served_model_name,
+        max_batch_size=args.max_batch_size,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verst", description="RL post-training for LLMs")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _train_parser(subparsers)
+    _serve_parser(subparsers)
     _model_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "serve":
+            return _serve(args)
         return _create_tiny(args)
     except (ConfigError, FileNotFoundError, ImportError, ValueError) as error:
         print(f"verst: error: {error}", file=sys.stderr)

@@ -1,0 +1,15 @@
+"""Clients and launchers for engine fleets: one `EngineClient` interface over the in-process
+engine, `verst serve` subprocesses and real SGLang servers."""
+
+from verst.engines.client import EngineClient, EngineError, HttpEngineClient, InProcessEngineClient
+from verst.engines.launcher import LocalEngine, launch_local_engines, launch_sglang
+
+__all__ = [
+    "EngineClient",
+    "EngineError",
+    "HttpEngineClient",
+    "InProcessEngineClient",
+    "LocalEngine",
+    "launch_local_engines",
+    "launch_sglang",
+]

@@ -1,0 +1,201 @@
+"""One async `EngineClient` interface over every engine: in-process or over SGLang's HTTP protocol.
+
+Everything above this layer (rollout, weight sync, the router) speaks SGLang's `/generate`
+request and response dicts through an `EngineClient` and never learns which engine runs.
+`InProcessEngineClient` calls the very functions the verst HTTP server uses, so both give the
+same dicts and the same errors; `HttpEngineClient` talks to a verst or a real SGLang server.
+Failures are `EngineError(status, body)` in both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from verst.engine import http_server as protocol
+from verst.engine.serving import ServingEngine
+
+
+class EngineError(RuntimeError):
+    """The engine refused a request: `status` is the HTTP status, `body` the error body."""
+
+    def __init__(self, status: int, body: Any, *, url: str = "") -> None:
+        where = f" from {url}" if url else ""
+        super().__init__(f"engine error {status}{where}: {body}")
+        self.status = status
+        self.body = body
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """An SGLang `/generate` body (not streamed) → its response body."""
+        ...
+
+    async def health(self) -> bool: ...
+
+    async def pause_generation(self, mode: str = "abort") -> None: ...
+
+    async def continue_generation(self) -> None: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None: ...
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> dict[str, Any]: ...
+
+    async def get_weight_version(self) -> str: ...
+
+    async def get_load(self) -> dict[str, Any]:
+        """SGLang's `/v1/loads` body: `{"timestamp", "version", "loads": [per DP rank]}`."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def _refuse_stream(payload: dict[str, Any]) -> None:
+    if payload.get("stream"):
+        raise ValueError("EngineClient.generate does not stream; drop `stream` from the payload")
+
+
+class InProcessEngineClient:
+    """An `EngineClient` over a `ServingEngine` in this event loop (no sockets, no JSON)."""
+
+    def __init__(self, serving: ServingEngine, *, owns_serving: bool = False) -> None:
+        self.serving = serving
+        self.owns_serving = owns_serving
+
+    @classmethod
+    async def from_model_dir(cls, model_path: str, **kwargs: Any) -> InProcessEngineClient:
+        """Load a local HF directory, start its serving loop; `close()` stops it."""
+        serving = ServingEngine.from_model_dir(model_path, **kwargs)
+        await serving.start()
+        return cls(serving, owns_serving=True)
+
+    async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        _refuse_stream(payload)
+        try:
+            return await protocol.run_generate(self.serving, self.serving.tokenizer, payload)
+        except protocol.ProtocolError as error:
+            raise EngineError(error.status, error.body) from error
+
+    async def health(self) -> bool:
+        return self.serving.is_alive
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        try:
+            await protocol.run_pause(self.serving, {"mode": mode})
+        except protocol.ProtocolError as error:
+            raise EngineError(error.status, error.body) from error
+
+    async def continue_generation(self) -> None:
+        await self.serving.resume()
+
+    async def flush_cache(self) -> bool:
+        return await self.serving.flush_cache()
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await protocol.run_abort(self.serving, {"rid": rid, "abort_all": abort_all})
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> dict[str, Any]:
+        payload = {"model_path": model_path, "weight_version": weight_version}
+        status, body = await protocol.run_update_weights_from_disk(self.serving, payload)
+        if status != 200:
+            raise EngineError(status, body)
+        return body
+
+    async def get_weight_version(self) -> str:
+        return self.serving.weight_version
+
+    async def get_load(self) -> dict[str, Any]:
+        return protocol.loads_body(self.serving)
+
+    async def close(self) -> None:
+        if self.owns_serving:
+            await self.serving.stop()
+
+
+class HttpEngineClient:
+    """An `EngineClient` over HTTP to a verst (`verst serve`) or SGLang server."""
+
+    def __init__(self, base_url: str, *, timeout_s: float | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._session: Any = None
+
+    def _client(self) -> Any:
+        try:
+            import aiohttp
+        except ImportError as error:
+            message = "HttpEngineClient needs aiohttp: pip install 'verst[serve]'"
+            raise ImportError(message) from error
+        # Created lazily: an aiohttp session belongs to the event loop that first uses it.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            )
+        return self._session
+
+    async def _request(
+        self, method: str, path: str, payload: Any = None, *, ok: tuple[int, ...] = (200,)
+    ) -> tuple[int, Any]:
+        url = self.base_url + path
+        async with self._client().request(method, url, json=payload) as response:
+            raw = await response.read()
+            try:
+                body = await response.json(content_type=None) if raw.strip() else None
+            except ValueError:
+                body = raw.decode(errors="replace")
+            if response.status not in ok and not 200 <= response.status < 300:
+                raise EngineError(response.status, body, url=url)
+            return response.status, body
+
+    async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        _refuse_stream(payload)
+        return (await self._request("POST", "/generate", payload))[1]
+
+    async def health(self) -> bool:
+        import aiohttp
+
+        try:
+            status, _ = await self._request("GET", "/health", ok=(200, 503))
+        except (aiohttp.ClientError, OSError, EngineError):
+            return False
+        return status == 200
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> bool:
+        status, _ = await self._request("POST", "/flush_cache", ok=(200, 400))
+        return status == 200
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> dict[str, Any]:
+        payload: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return (await self._request("POST", "/update_weights_from_disk", payload))[1]
+
+    async def get_weight_version(self) -> str:
+        # /model_info carries weight_version on SGLang 0.5.9+ and on verst; /get_weight_version
+        # is gone from SGLang.
+        return str((await self._request("GET", "/model_info"))[1]["weight_version"])
+
+    async def get_load(self) -> dict[str, Any]:
+        return (await self._request("GET", "/v1/loads"))[1]
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,161 @@
+"""Start engine servers as local subprocesses: `verst serve` fleets, or one real SGLang server.
+
+`launch_local_engines` returns only once every server answers `GET /health` with 200; a server
+that exits or times out raises a RuntimeError with the tail of its log, and the servers already
+started are stopped. Each `LocalEngine` is a context manager that stops its process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOG_TAIL_LINES = 40
+
+
+@dataclass
+class LocalEngine:
+    """One engine server process on 127.0.0.1 (or `host`); its output goes to `log_path`."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    host: str = "127.0.0.1"
+    _log: object = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()  # type: ignore[attr-defined]
+            self._log = None
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    # The port is free now; another process could still take it before the server binds.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _start(cmd: list[str], port: int, host: str, name: str) -> LocalEngine:
+    fd, log_name = tempfile.mkstemp(prefix=f"{name}-{port}-", suffix=".log")
+    log = os.fdopen(fd, "wb")
+    # The child gets its own session so stop() never signals the caller's process group.
+    process = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+    )
+    return LocalEngine(process=process, port=port, log_path=Path(log_name), host=host, _log=log)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_healthy(engine: LocalEngine, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code = engine.process.poll()
+        if code is not None:
+            raise RuntimeError(
+                f"{what} on port {engine.port} exited with code {code} before it was healthy; "
+                f"last lines of {engine.log_path}:\n{engine.log_tail()}"
+            )
+        if _healthy(engine.url):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{what} on port {engine.port} was not healthy after {timeout_s:.0f} s; "
+                f"last lines of {engine.log_path}:\n{engine.log_tail()}"
+            )
+        time.sleep(0.1)
+
+
+def launch_local_engines(
+    model_dir: str | Path,
+    n: int,
+    *,
+    base_port: int | None = None,
+    host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 120.0,
+) -> list[LocalEngine]:
+    """Start `n` `verst serve` processes (ports base_port + i, or free ones); wait for health."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    engines: list[LocalEngine] = []
+    try:
+        for i in range(n):
+            port = base_port + i if base_port is not None else free_port(host)
+            cmd = [sys.executable, "-m", "verst", "serve", "--model", str(model_dir)]
+            cmd += ["--port", str(port), "--host", host, *extra_args]
+            engines.append(_start(cmd, port, host, "verst-serve"))
+        for engine in engines:  # started together, so their start-up times overlap
+            wait_healthy(engine, timeout_s, "verst serve")
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
+    return engines
+
+
+def launch_sglang(
+    model_dir: str | Path,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 600.0,
+) -> LocalEngine:
+    """Start `python -m sglang.launch_server` for `model_dir` and wait until it is healthy."""
+    if importlib.util.find_spec("sglang") is None:
+        raise RuntimeError(
+            "SGLang is not installed in this environment; install it with "
+            '`pip install "sglang[all]"` (GPU machines), or use launch_local_engines for the '
+            "embedded verst engine"
+        )
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir)]
+    cmd += ["--port", str(port), "--host", host, *extra_args]
+    engine = _start(cmd, port, host, "sglang")
+    try:
+        wait_healthy(engine, timeout_s, "sglang.launch_server")
+    except BaseException:
+        engine.stop()
+        raise
+    return engine
