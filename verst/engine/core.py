@@ -46,6 +46,7 @@ class GenerateOutput:
     prompt_tokens: int
     completion_tokens: int
     weight_version: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class Engine:

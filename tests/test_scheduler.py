@@ -1,0 +1,185 @@
+"""Continuous batching over paged KV with a radix prefix cache: exact, and it behaves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from verst.engine import Engine, GenerateRequest, SamplingParams
+from verst.engine.kv_pool import KVPool
+from verst.engine.scheduler import Scheduler
+
+EOS = 63
+
+
+@pytest.fixture(scope="module")
+def model() -> transformers.Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+    return transformers.Qwen3ForCausalLM(config).float().eval()
+
+
+def scheduler(model, *, num_pages: int = 64, page_size: int = 4, **kw) -> Scheduler:
+    pool = KVPool(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=page_size,
+        num_pages=num_pages,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    return Scheduler(model, pool, eos_token_ids=[EOS], pad_token_id=0, **kw)
+
+
+def greedy(max_new: int = 8, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new, temperature=0.0, **kw)
+
+
+def prompt(i: int, length: int = 7) -> list[int]:
+    return [(i * 7 + j * 3) % 60 + 1 for j in range(length)]
+
+
+def test_greedy_equals_hf_generate(model) -> None:
+    prompts = [prompt(0, 5), prompt(1, 11), prompt(2, 2)]
+    outs = scheduler(model).generate(
+        [GenerateRequest(input_ids=p, sampling_params=greedy(ignore_eos=True)) for p in prompts]
+    )
+    for p, out in zip(prompts, outs, strict=True):
+        expected = model.generate(
+            torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(p) :].tolist()
+        assert out.output_ids == expected
+
+
+def test_logprobs_equal_full_forward(model) -> None:
+    p = prompt(3, 9)
+    out = scheduler(model, seed=1).generate(
+        [
+            GenerateRequest(
+                input_ids=p, sampling_params=SamplingParams(max_new_tokens=6, ignore_eos=True)
+            )
+        ]
+    )[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([p + out.output_ids])).logits[0, len(p) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), -1).gather(
+        -1, torch.tensor(out.output_ids)[:, None]
+    )[:, 0]
+    torch.testing.assert_close(torch.tensor(out.output_token_logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_prefix_cache_hit_returns_the_same_output_as_a_miss(model) -> None:
+    sched = scheduler(model)
+    shared = prompt(4, 13)
+    first = sched.generate([GenerateRequest(input_ids=shared, sampling_params=greedy())])[0]
+    assert first.cached_tokens == 0
+    again = sched.generate([GenerateRequest(input_ids=shared, sampling_params=greedy())])[0]
+    assert again.cached_tokens == 12  # whole pages of the first 12 tokens (the last is recomputed)
+    assert again.output_ids == first.output_ids
+    longer = shared + first.output_ids + [5, 6]
+    turn2 = sched.generate([GenerateRequest(input_ids=longer, sampling_params=greedy())])[0]
+    cold = scheduler(model, enable_prefix_cache=False).generate(
+        [GenerateRequest(input_ids=longer, sampling_params=greedy())]
+    )[0]
+    assert turn2.cached_tokens >= 16 and turn2.output_ids == cold.output_ids
+    assert sched.cache_stats()["hit_rate"] > 0
+
+
+def test_200_concurrent_requests_complete_under_memory_pressure(model) -> None:
+    sched = scheduler(model, num_pages=40, page_size=4, chunk_tokens=64)
+    requests = [
+        GenerateRequest(
+            input_ids=prompt(i % 13, 3 + i % 9),
+            sampling_params=SamplingParams(max_new_tokens=1 + i % 7),
+        )
+        for i in range(200)
+    ]
+    outs = sched.generate(requests)
+    assert len(outs) == 200 and all(o.finish_reason in ("stop", "length") for o in outs)
+    assert all(1 <= o.completion_tokens <= 1 + i % 7 for i, o in enumerate(outs))
+    # every page is either free or held by the prefix cache
+    stats = sched.cache_stats()
+    assert sched.pool.num_free() + stats["cached_pages"] == sched.pool.num_pages
+
+
+def test_matches_the_batch_engine_while_requests_join_and_leave(model) -> None:
+    """Greedy outputs do not depend on which other requests share the steps."""
+    requests = [
+        GenerateRequest(input_ids=prompt(i, 4 + i), sampling_params=greedy(3 + 2 * i))
+        for i in range(6)
+    ]
+    batch = Engine(model, eos_token_ids=[EOS], pad_token_id=0).generate(requests)
+    sched = scheduler(model, chunk_tokens=5)  # small chunks: prefill spans several steps
+    assert [o.output_ids for o in sched.generate(requests)] == [o.output_ids for o in batch]
+
+
+def test_abort_and_pause_modes(model) -> None:
+    sched = scheduler(model)
+    long = SamplingParams(max_new_tokens=50, ignore_eos=True, temperature=0.0)
+    for rid in ("keep", "drop_0", "drop_1"):
+        sched.submit(GenerateRequest(input_ids=prompt(5), sampling_params=long, rid=rid))
+    sched.step()
+    aborted = sched.abort("drop")
+    assert sorted(o.rid for o in aborted) == ["drop_0", "drop_1"]
+    assert all(o.finish_reason == "abort" for o in aborted)
+    assert [r.request.rid for r in sched.running] == ["keep"]
+
+    sched.step()
+    progress = len(sched.running[0].output_ids)
+    assert sched.pause("in_place") == []
+    assert sched.step() == [] and len(sched.running[0].output_ids) == progress  # frozen, KV kept
+    sched.resume()
+    sched.pause("retract")
+    assert not sched.running and sched.waiting[0].retractions == 1  # requeued, KV to cache
+    sched.resume()
+    finished = []
+    while not finished:
+        finished = sched.step()
+    reference = scheduler(model).generate(
+        [GenerateRequest(input_ids=prompt(5), sampling_params=long)]
+    )[0]
+    assert finished[0].output_ids == reference.output_ids  # recomputation changed nothing
+
+    sched.submit(GenerateRequest(input_ids=prompt(6), sampling_params=long, rid="x"))
+    sched.step()
+    out = sched.pause("abort")
+    assert [o.finish_reason for o in out] == ["abort"] and not sched.running
+    sched.resume()
+    assert sched.flush_cache() and sched.cache_stats()["cached_pages"] == 0
+
+
+def test_weight_update_switches_outputs_and_stamps_the_version(model) -> None:
+    import copy
+
+    sched = scheduler(copy.deepcopy(model))
+    req = GenerateRequest(input_ids=prompt(7), sampling_params=greedy(ignore_eos=True))
+    before = sched.generate([req])[0]
+    other = transformers.Qwen3ForCausalLM(model.config)
+    torch.manual_seed(1)
+    other = transformers.Qwen3ForCausalLM(model.config).float()
+    sched.update_weights_from_tensors(other.state_dict().items(), version=3)
+    after = sched.generate(
+        [GenerateRequest(input_ids=prompt(7), sampling_params=greedy(ignore_eos=True))]
+    )[0]
+    expected = other.generate(
+        torch.tensor([prompt(7)]),
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, 7:].tolist()
+    assert after.output_ids == expected != before.output_ids
+    assert after.weight_version == 3 and after.cached_tokens == 0  # old-weight KV was dropped

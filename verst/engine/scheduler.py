@@ -1,0 +1,364 @@
+"""Continuous batching over a paged KV cache with a radix prefix cache.
+
+`Scheduler.step()` runs one forward pass for every running request at once: requests still
+in their prompt feed a chunk of it (chunked prefill), the others feed their one newest token
+(decode). Requests join at any step (admission matches their prompt against the radix cache,
+so a shared prefix is computed once) and leave as soon as they finish; their KV pages go back
+to the radix cache for later requests, and least-recently-used pages are evicted when the
+pool runs short. When even that is not enough, the newest request is retracted: its KV is
+handed to the cache and it re-enters the queue, to be recomputed (mostly from cache) later.
+
+Control: `abort(rid)`, `pause(mode)` with `abort` | `retract` | `in_place` and `resume()`,
+`flush_cache()`, weight updates in place with a version stamped on every output.
+
+The attention itself is the model's own (Hugging Face) code: each step gathers the running
+requests' pages into a padded cache, runs the forward, and writes the new tokens' K/V back
+into their pages. That keeps every HF causal LM working unchanged; a fused paged-attention
+kernel is what would remove the gather on GPUs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import transformers
+
+from verst.engine.core import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
+from verst.engine.kv_pool import KVPool, OutOfPages
+from verst.engine.radix_cache import PrefixMatch, RadixCache
+from verst.engine.sampling import sample_next_tokens
+from verst.models.forward import cached_forward, new_cache
+
+FINISH_ABORT = "abort"
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+@dataclass
+class _Running:
+    """One request inside the scheduler."""
+
+    request: GenerateRequest
+    tokens: list[int]  # prompt + output so far
+    prompt_length: int
+    output_logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # KV of tokens[:computed]
+    match: PrefixMatch | None = None  # the locked cache prefix at the front of `pages`
+    computed: int = 0
+    cached_tokens: int = 0
+    retractions: int = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        *,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        max_running: int = 256,
+        chunk_tokens: int = 4096,
+        enable_prefix_cache: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.cache = RadixCache(pool) if enable_prefix_cache else None
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.max_running = max_running
+        self.chunk_tokens = chunk_tokens
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.weight_version = 0
+        self.waiting: deque[_Running] = deque()
+        self.running: list[_Running] = []
+        self.paused: PauseMode | None = None
+        self._finished_early: list[GenerateOutput] = []  # aborted outside a sampling step
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def submit(self, request: GenerateRequest) -> None:
+        request.sampling_params.validate()
+        if not request.input_ids:
+            raise ValueError(f"input_ids must be non-empty (rid {request.rid})")
+        self.waiting.append(
+            _Running(request, list(request.input_ids), prompt_length=len(request.input_ids))
+        )
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        """Submit, run until these requests finish, and return their outputs in order."""
+        for request in requests:
+            self.submit(request)
+        wanted = {r.rid for r in requests}
+        done: dict[str, GenerateOutput] = {}
+        while wanted - done.keys():
+            finished = self.step()
+            if not finished and not self.has_work():
+                raise RuntimeError("scheduler is idle with requests unfinished (paused?)")
+            done |= {out.rid: out for out in finished}
+        return [done[r.rid] for r in requests]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running) and self.paused is None
+
+    def load(self) -> dict[str, int]:
+        return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting)}
+
+    def cache_stats(self) -> dict[str, float]:
+        return self.cache.stats() if self.cache is not None else {}
+
+    # --- control --------------------------------------------------------------------------------
+
+    def abort(self, rid: str | None = None, *, abort_all: bool = False) -> list[GenerateOutput]:
+        """Abort requests whose rid starts with `rid` (SGLang's prefix rule), or all."""
+
+        def hit(r: _Running) -> bool:
+            return abort_all or (bool(rid) and r.request.rid.startswith(rid))
+
+        aborted = [r for r in [*self.running, *self.waiting] if hit(r)]
+        self.running = [r for r in self.running if not hit(r)]
+        self.waiting = deque(r for r in self.waiting if not hit(r))
+        for r in aborted:
+            self._release(r)
+        return [self._output(r, FINISH_ABORT) for r in aborted]
+
+    def pause(self, mode: PauseMode) -> list[GenerateOutput]:
+        """Stop stepping. abort: abort everything; retract: requeue running requests (their KV
+        goes to the cache, recomputed on return); in_place: keep everything as it is."""
+        self.paused = mode
+        if mode == "abort":
+            return self.abort(abort_all=True)
+        if mode == "retract":
+            for r in reversed(self.running):
+                self._retract(r)
+            self.running = []
+        return []
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are running or queued."""
+        if self.running or self.waiting:
+            return False
+        if self.cache is not None:
+            self.cache.reset()
+        return True
+
+    @torch.no_grad()
+    def update_weights_from_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Copy weights in place and stamp `version`. Cached prefixes hold KV of the old
+        weights, so they are dropped; in-flight requests keep theirs (in_place semantics)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"unknown parameter name: {name!r}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name!r}")
+            params[name].copy_(tensor)
+        self.set_weight_version(version)
+        if self.cache is not None:
+            self.cache.evict(self.cache.evictable_pages())
+
+    def set_weight_version(self, version: int) -> None:
+        self.weight_version = version
+
+    # --- one step -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[GenerateOutput]:
+        """Admit, run one forward pass for every running request, sample, retire finished."""
+        if self.paused is not None:
+            return []
+        finished = self._admit()
+        batch = self._plan()
+        finished += self._finished_early
+        self._finished_early = []
+        if not batch:
+            return finished
+        logits_B_V = self._forward(batch)
+        sampling = [i for i, (r, n) in enumerate(batch) if r.computed == len(r.tokens)]
+        if sampling:
+            finished += self._sample([batch[i][0] for i in sampling], logits_B_V[sampling])
+        return finished
+
+    def _admit(self) -> list[GenerateOutput]:
+        finished = []
+        while self.waiting and len(self.running) < self.max_running:
+            r = self.waiting.popleft()
+            if self._remaining(r) <= 0:
+                finished.append(self._output(r, FINISH_LENGTH))
+                continue
+            if self.cache is not None and r.computed == 0:
+                # keep one token to compute: the last prompt token's logits start decoding
+                r.match = self.cache.match_prefix(r.tokens[:-1])
+                self.cache.lock(r.match)
+                r.pages, r.computed = list(r.match.pages), r.match.length
+                r.cached_tokens = max(r.cached_tokens, r.match.length)
+            self.running.append(r)
+        return finished
+
+    def _plan(self) -> list[tuple[_Running, int]]:
+        """(request, tokens to feed) for this step, with pages allocated for them."""
+        budget = self.chunk_tokens
+        batch = []
+        for r in list(self.running):
+            if r not in self.running:  # retracted to make room for an earlier request
+                continue
+            n = min(len(r.tokens) - r.computed, max(budget, 1))
+            if -(-len(r.tokens) // self.pool.page_size) > self.pool.num_pages:
+                self.running.remove(r)
+                self._release(r)
+                self._finished_early.append(self._output(r, FINISH_ABORT))
+                continue
+            if not self._reserve(r, r.computed + n):
+                continue
+            batch.append((r, n))
+            budget -= n
+        return [(r, n) for r, n in batch if r in self.running]
+
+    def _reserve(self, r: _Running, length: int) -> bool:
+        """Make r's pages cover `length` tokens, evicting cache or retracting newer requests."""
+        missing = -(-length // self.pool.page_size) - len(r.pages)
+        while missing > 0:
+            short = missing - self.pool.num_free()
+            if short > 0 and self.cache is not None:
+                self.cache.evict(short)
+            try:
+                r.pages += self.pool.alloc(missing)
+                return True
+            except OutOfPages:
+                victim = self.running[-1]
+                self._retract(victim)
+                self.running.remove(victim)
+                if victim is r:
+                    return False
+        return True
+
+    def _forward(self, batch: list[tuple[_Running, int]]) -> torch.Tensor:
+        """Feed each row its next tokens on top of its cached KV; returns last-token logits."""
+        device, page = self.device, self.pool.page_size
+        past_B = torch.tensor([r.computed for r, _ in batch], device=device)
+        new_B = torch.tensor([n for _, n in batch], device=device)
+        width_p = max(-(-r.computed // page) for r, _ in batch)
+        width_s, width_t = width_p * page, int(new_B.max())
+        cache = new_cache(self.model)
+        if width_p > 0:
+            table_B_P = torch.full((len(batch), width_p), -1, dtype=torch.long, device=device)
+            for row, (r, _) in enumerate(batch):
+                used = -(-r.computed // page)
+                table_B_P[row, :used] = torch.tensor(r.pages[:used], device=device)
+            for layer in range(self.pool.num_layers):
+                k_B_S_H_D, v_B_S_H_D = self.pool.gather(layer, table_B_P, past_B)
+                cache.update(k_B_S_H_D.transpose(1, 2), v_B_S_H_D.transpose(1, 2), layer)
+        steps_T = torch.arange(width_t, device=device)
+        new_mask_B_T = steps_T < new_B[:, None]
+        past_mask_B_S = torch.arange(width_s, device=device) < past_B[:, None]
+        input_ids_B_T = torch.full((len(batch), width_t), self.pad_token_id, device=device)
+        for row, (r, n) in enumerate(batch):
+            input_ids_B_T[row, :n] = torch.tensor(r.tokens[r.computed : r.computed + n])
+        logits_B_T_V = cached_forward(
+            self.model,
+            input_ids_B_T,
+            torch.cat([past_mask_B_S, new_mask_B_T], 1).long(),
+            past_B[:, None] + steps_T,
+            cache,
+        )
+        self._store_new_kv(batch, cache, width_s, new_mask_B_T)
+        for r, n in batch:
+            r.computed += n
+        return logits_B_T_V[torch.arange(len(batch), device=device), new_B - 1].float()
+
+    def _store_new_kv(
+        self,
+        batch: list[tuple[_Running, int]],
+        cache: transformers.DynamicCache,
+        width_s: int,
+        new_mask_B_T: torch.Tensor,
+    ) -> None:
+        slots = [self.pool.slots(r.pages, r.computed, r.computed + n) for r, n in batch]
+        pages_N = torch.cat([p for p, _ in slots])
+        offsets_N = torch.cat([o for _, o in slots])
+        for layer in range(self.pool.num_layers):
+            keys = cache.layers[layer].keys[:, :, width_s:].transpose(1, 2)  # [B, T, H, D]
+            values = cache.layers[layer].values[:, :, width_s:].transpose(1, 2)
+            self.pool.write(layer, pages_N, offsets_N, keys[new_mask_B_T], values[new_mask_B_T])
+
+    def _sample(self, rows: list[_Running], logits_B_V: torch.Tensor) -> list[GenerateOutput]:
+        params = [r.request.sampling_params for r in rows]
+        device = self.device
+        temperature_B = torch.tensor([p.temperature for p in params], device=device)
+        top_p_B = top_k_B = None
+        if any(p.top_p < 1.0 for p in params):
+            top_p_B = torch.tensor([p.top_p for p in params], device=device)
+        if any(p.top_k > 0 for p in params):
+            top_k_B = torch.tensor([p.top_k for p in params], device=device)
+        tokens_B, logprobs_B = sample_next_tokens(
+            logits_B_V,
+            temperature_B,
+            top_p_B,
+            top_k_B,
+            self.generator,
+            any_sampled=any(p.temperature > 0 for p in params),
+        )
+        finished = []
+        for r, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
+            r.tokens.append(token)
+            r.output_logprobs.append(logprob)
+            p = r.request.sampling_params
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            reason = FINISH_STOP if token in stops else None
+            if reason is None and self._remaining(r) <= 0:
+                reason = FINISH_LENGTH
+            if reason is not None:
+                self.running.remove(r)
+                self._release(r)
+                finished.append(self._output(r, reason))
+        return finished
+
+    # --- bookkeeping ----------------------------------------------------------------------------
+
+    def _remaining(self, r: _Running) -> int:
+        return r.request.sampling_params.max_new_tokens - len(r.output_ids)
+
+    def _release(self, r: _Running) -> None:
+        """Give r's KV back: whole pages to the prefix cache, the rest to the pool."""
+        if self.cache is not None and r.pages:
+            full = r.computed // self.pool.page_size
+            duplicates = self.cache.insert(r.tokens[: full * self.pool.page_size], r.pages[:full])
+            self.pool.free(duplicates + r.pages[full:])
+        elif r.pages:
+            self.pool.free(r.pages)
+        if self.cache is not None and r.match is not None:
+            self.cache.unlock(r.match)
+        r.pages, r.match, r.computed = [], None, 0
+
+    def _retract(self, r: _Running) -> None:
+        self._release(r)
+        r.retractions += 1
+        self.waiting.appendleft(r)
+
+    def _output(self, r: _Running, reason: str) -> GenerateOutput:
+        req = r.request
+        return GenerateOutput(
+            rid=req.rid,
+            output_ids=list(r.output_ids),
+            output_token_logprobs=list(r.output_logprobs) if req.return_logprob else [],
+            finish_reason=reason,
+            prompt_tokens=r.prompt_length,
+            completion_tokens=len(r.output_ids),
+            weight_version=self.weight_version,
+            cached_tokens=r.cached_tokens,
+        )
