@@ -520,6 +520,9 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
         value = payload.get(key)
         if value is not None and value != off and value != []:
             raise openai_error(f"{key} is not supported by the verst engine yet")
+    response_format = payload.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
+        raise openai_error("response_format other than text is not supported yet")
     if chat:
         if payload.get("top_logprobs"):
             raise openai_error("top_logprobs > 0 is not supported by the verst engine yet")
@@ -725,6 +728,10 @@ def make_app(
             return await handler(request)
         except ProtocolError as error:
             return json_response(error.body, error.status)
+        except web.HTTPException:
+            raise
+        except Exception as error:  # an engine failure: SGLang's native error envelope
+            return json_response({"error": {"message": f"{type(error).__name__}: {error}"}}, 500)
 
     async def stream(request: web.Request, events: list[Any]) -> web.StreamResponse:
         response = web.StreamResponse(
