@@ -183,3 +183,71 @@ def test_weight_update_switches_outputs_and_stamps_the_version(model) -> None:
     )[0, 7:].tolist()
     assert after.output_ids == expected != before.output_ids
     assert after.weight_version == 3 and after.cached_tokens == 0  # old-weight KV was dropped
+
+
+def test_teacher_scoring_of_a_prompt(model) -> None:
+    """max_new_tokens=0 with logprob_start_len: the input log-probs of a full forward."""
+    tokens = prompt(8, 12)
+    sched = scheduler(model, chunk_tokens=5)  # the prompt is scored across three chunks
+    out = sched.generate(
+        [
+            GenerateRequest(
+                input_ids=tokens,
+                logprob_start_len=0,
+                sampling_params=SamplingParams(max_new_tokens=0),
+            )
+        ]
+    )[0]
+    assert out.output_ids == [] and out.finish_reason == "length"
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, :-1]
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens[1:])[:, None])
+    assert out.input_token_logprobs[0] is None and len(out.input_token_logprobs) == 12
+    torch.testing.assert_close(
+        torch.tensor(out.input_token_logprobs[1:]), expected[:, 0], atol=1e-5, rtol=0
+    )
+    later = sched.generate(
+        [
+            GenerateRequest(
+                input_ids=tokens,
+                logprob_start_len=4,
+                sampling_params=SamplingParams(max_new_tokens=0),
+            )
+        ]
+    )[0]
+    assert later.input_token_logprobs[0] is None
+    assert later.input_token_logprobs[1:] == pytest.approx(out.input_token_logprobs[5:], abs=1e-6)
+    with pytest.raises(ValueError, match="logprob_start_len"):
+        sched.submit(
+            GenerateRequest(
+                input_ids=tokens,
+                logprob_start_len=12,
+                sampling_params=SamplingParams(max_new_tokens=0),
+            )
+        )
+
+
+def test_seeded_requests_do_not_depend_on_their_batch_mates(model) -> None:
+    seeded = SamplingParams(max_new_tokens=6, ignore_eos=True, sampling_seed=11)
+    alone = scheduler(model, seed=1).generate(
+        [GenerateRequest(input_ids=prompt(9), sampling_params=seeded)]
+    )[0]
+    crowd = scheduler(model, seed=2).generate(
+        [
+            GenerateRequest(input_ids=prompt(i), sampling_params=SamplingParams(max_new_tokens=6))
+            for i in range(4)
+        ]
+        + [GenerateRequest(input_ids=prompt(9), sampling_params=seeded)]
+    )[-1]
+    assert crowd.output_ids == alone.output_ids
+
+
+def test_min_p_keeps_only_likely_tokens(model) -> None:
+    strict = SamplingParams(max_new_tokens=6, ignore_eos=True, min_p=1.0)  # only the argmax
+    sampled = scheduler(model, seed=5).generate(
+        [GenerateRequest(input_ids=prompt(10), sampling_params=strict)]
+    )[0]
+    greedy_out = scheduler(model).generate(
+        [GenerateRequest(input_ids=prompt(10), sampling_params=greedy(6, ignore_eos=True))]
+    )[0]
+    assert sampled.output_ids == greedy_out.output_ids

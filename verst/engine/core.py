@@ -35,6 +35,7 @@ class GenerateRequest:
     sampling_params: SamplingParams
     rid: str = field(default_factory=lambda: uuid4().hex)
     return_logprob: bool = True
+    logprob_start_len: int = -1  # >= 0: also score the prompt from this position (no prefix cache)
 
 
 @dataclass
@@ -47,6 +48,8 @@ class GenerateOutput:
     completion_tokens: int
     weight_version: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # SGLang's shape: one entry per prompt position from logprob_start_len, the first None
+    input_token_logprobs: list[float | None] = field(default_factory=list)
 
 
 class Engine:
@@ -106,6 +109,11 @@ class Engine:
         """Generate for every request; outputs come back in request order."""
         for req in requests:
             req.sampling_params.validate()
+            if req.sampling_params.sampling_seed is not None or req.logprob_start_len >= 0:
+                raise ValueError(
+                    f"request {req.rid}: sampling_seed and logprob_start_len need the "
+                    "continuous-batching Scheduler (verst.engine.scheduler), not the batch Engine"
+                )
             if not req.input_ids:
                 raise ValueError(f"input_ids must be non-empty (rid {req.rid})")
         outputs: list[GenerateOutput] = []
@@ -151,6 +159,9 @@ class Engine:
             top_p_B = torch.tensor([p.top_p for p in params], device=device)
         if any(p.top_k > 0 for p in params):
             top_k_B = torch.tensor([p.top_k for p in params], device=device)
+        min_p_B = None
+        if any(p.min_p > 0 for p in params):
+            min_p_B = torch.tensor([p.min_p for p in params], device=device)
         max_new_B = torch.tensor(max_new, device=device)
         stop_sets = [
             list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids) for p in params
@@ -189,7 +200,13 @@ class Engine:
             logits_B_V = logits_B_V[index_B]
         for step in range(max_steps):
             tokens_B, token_logprobs_B = sample_next_tokens(
-                logits_B_V, temperature_B, top_p_B, top_k_B, self.generator, any_sampled=any_sampled
+                logits_B_V,
+                temperature_B,
+                top_p_B,
+                top_k_B,
+                self.generator,
+                any_sampled=any_sampled,
+                min_p_B=min_p_B,
             )
             tokens_B_N[:, step] = tokens_B
             logprobs_B_N[:, step] = token_logprobs_B

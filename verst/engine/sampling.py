@@ -21,8 +21,10 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p × the likeliest one
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the engine's EOS
     ignore_eos: bool = False
+    sampling_seed: int | None = None  # a request with a seed samples reproducibly on its own
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -34,6 +36,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
 
@@ -50,6 +54,7 @@ def sample_next_tokens(
     generator: torch.Generator | None,
     *,
     any_sampled: bool = True,
+    min_p_B: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return `(tokens_B int64, logprobs_B float32)`.
 
@@ -70,7 +75,7 @@ def sample_next_tokens(
 
     # Exponential-race sampling (argmax of p / Exp(1)) equals multinomial sampling but needs
     # no host sync and no cumsum over the unsorted vocabulary.
-    if top_p_B is None and top_k_B is None:
+    if top_p_B is None and top_k_B is None and min_p_B is None:
         noise_B_V = torch.empty_like(probs_B_V).exponential_(generator=generator)
         sampled_B = (probs_B_V / noise_B_V).argmax(dim=-1)
     else:
@@ -89,6 +94,9 @@ def sample_next_tokens(
             probs_sorted_B_V = probs_sorted_B_V.masked_fill(
                 before_B_V > top_p_B.float().unsqueeze(-1), 0.0
             )
+        if min_p_B is not None:
+            floor_B_1 = min_p_B.float().unsqueeze(-1) * probs_sorted_B_V[:, :1]
+            probs_sorted_B_V = probs_sorted_B_V.masked_fill(probs_sorted_B_V < floor_B_1, 0.0)
         noise_B_V = torch.empty_like(probs_sorted_B_V).exponential_(generator=generator)
         pick_B = (probs_sorted_B_V / noise_B_V).argmax(dim=-1, keepdim=True)
         sampled_B = idx_sorted_B_V.gather(-1, pick_B).squeeze(-1)

@@ -50,6 +50,8 @@ class _Running:
     computed: int = 0
     cached_tokens: int = 0
     retractions: int = 0
+    generator: torch.Generator | None = None  # the request's own, when it has a seed
+    input_logprobs: list[float | None] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:
@@ -91,9 +93,17 @@ class Scheduler:
         request.sampling_params.validate()
         if not request.input_ids:
             raise ValueError(f"input_ids must be non-empty (rid {request.rid})")
-        self.waiting.append(
-            _Running(request, list(request.input_ids), prompt_length=len(request.input_ids))
-        )
+        if request.logprob_start_len >= len(request.input_ids):
+            raise ValueError(
+                f"logprob_start_len {request.logprob_start_len} must be below the prompt "
+                f"length {len(request.input_ids)} (rid {request.rid})"
+            )
+        r = _Running(request, list(request.input_ids), prompt_length=len(request.input_ids))
+        seed = request.sampling_params.sampling_seed
+        if seed is not None:
+            r.generator = torch.Generator(device=self.device)
+            r.generator.manual_seed(seed)
+        self.waiting.append(r)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
         """Submit, run until these requests finish, and return their outputs in order."""
@@ -189,7 +199,11 @@ class Scheduler:
         if not batch:
             return finished
         logits_B_V = self._forward(batch)
-        sampling = [i for i, (r, n) in enumerate(batch) if r.computed == len(r.tokens)]
+        ready = [i for i, (r, _) in enumerate(batch) if r.computed == len(r.tokens)]
+        scored = [i for i in ready if self._remaining(batch[i][0]) <= 0]  # max_new_tokens=0
+        for i in scored:
+            finished.append(self._finish(batch[i][0], FINISH_LENGTH))
+        sampling = [i for i in ready if i not in scored]
         if sampling:
             finished += self._sample([batch[i][0] for i in sampling], logits_B_V[sampling])
         return finished
@@ -198,10 +212,11 @@ class Scheduler:
         finished = []
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting.popleft()
-            if self._remaining(r) <= 0:
+            if self._remaining(r) <= 0 and r.request.logprob_start_len < 0:
                 finished.append(self._output(r, FINISH_LENGTH))
                 continue
-            if self.cache is not None and r.computed == 0:
+            # scoring the prompt needs its logits, so it cannot skip cached positions
+            if self.cache is not None and r.computed == 0 and r.request.logprob_start_len < 0:
                 # keep one token to compute: the last prompt token's logits start decoding
                 r.match = self.cache.match_prefix(r.tokens[:-1])
                 self.cache.lock(r.match)
@@ -277,9 +292,23 @@ class Scheduler:
             cache,
         )
         self._store_new_kv(batch, cache, width_s, new_mask_B_T)
-        for r, n in batch:
+        for row, (r, n) in enumerate(batch):
+            if r.request.logprob_start_len >= 0 and r.computed < r.prompt_length:
+                self._score_prompt(r, logits_B_T_V[row, :n])
             r.computed += n
         return logits_B_T_V[torch.arange(len(batch), device=device), new_B - 1].float()
+
+    def _score_prompt(self, r: _Running, logits_T_V: torch.Tensor) -> None:
+        """Log-probs of the prompt tokens this chunk predicts (SGLang's input_token_logprobs)."""
+        start = r.request.logprob_start_len
+        if r.computed == 0:
+            r.input_logprobs = [None]  # position `start` has no prediction in SGLang's shape
+        temperature = r.request.sampling_params.temperature or 1.0
+        logprobs_T_V = torch.log_softmax(logits_T_V.float() / temperature, dim=-1)
+        for offset in range(logits_T_V.shape[0]):
+            target = r.computed + offset + 1  # the position this logit predicts
+            if start < target < r.prompt_length:
+                r.input_logprobs.append(float(logprobs_T_V[offset, r.tokens[target]]))
 
     def _store_new_kv(
         self,
@@ -300,11 +329,13 @@ class Scheduler:
         params = [r.request.sampling_params for r in rows]
         device = self.device
         temperature_B = torch.tensor([p.temperature for p in params], device=device)
-        top_p_B = top_k_B = None
+        top_p_B = top_k_B = min_p_B = None
         if any(p.top_p < 1.0 for p in params):
             top_p_B = torch.tensor([p.top_p for p in params], device=device)
         if any(p.top_k > 0 for p in params):
             top_k_B = torch.tensor([p.top_k for p in params], device=device)
+        if any(p.min_p > 0 for p in params):
+            min_p_B = torch.tensor([p.min_p for p in params], device=device)
         tokens_B, logprobs_B = sample_next_tokens(
             logits_B_V,
             temperature_B,
@@ -312,7 +343,22 @@ class Scheduler:
             top_k_B,
             self.generator,
             any_sampled=any(p.temperature > 0 for p in params),
+            min_p_B=min_p_B,
         )
+        # a seeded request draws from its own generator, so its tokens do not depend on
+        # which other requests happen to share the step
+        for row, r in enumerate(rows):
+            if r.generator is not None:
+                one = slice(row, row + 1)
+                token, logprob = sample_next_tokens(
+                    logits_B_V[one],
+                    temperature_B[one],
+                    None if top_p_B is None else top_p_B[one],
+                    None if top_k_B is None else top_k_B[one],
+                    r.generator,
+                    min_p_B=None if min_p_B is None else min_p_B[one],
+                )
+                tokens_B[row], logprobs_B[row] = token[0], logprob[0]
         finished = []
         for r, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
             r.tokens.append(token)
@@ -323,10 +369,13 @@ class Scheduler:
             if reason is None and self._remaining(r) <= 0:
                 reason = FINISH_LENGTH
             if reason is not None:
-                self.running.remove(r)
-                self._release(r)
-                finished.append(self._output(r, reason))
+                finished.append(self._finish(r, reason))
         return finished
+
+    def _finish(self, r: _Running, reason: str) -> GenerateOutput:
+        self.running.remove(r)
+        self._release(r)
+        return self._output(r, reason)
 
     # --- bookkeeping ----------------------------------------------------------------------------
 
@@ -361,4 +410,5 @@ class Scheduler:
             completion_tokens=len(r.output_ids),
             weight_version=self.weight_version,
             cached_tokens=r.cached_tokens,
+            input_token_logprobs=list(r.input_logprobs),
         )
