@@ -212,7 +212,7 @@ def test_text_batch_and_n_are_prompt_major(server: Server, client: EngineClient)
     for prompt, result in zip(prompts, batch, strict=True):
         assert result["output_ids"] == server.reference(prompt, **GREEDY).output_ids
 
-    sampled = {"max_new_tokens": 4, "temperature": 1.0, "n": 2}
+    sampled = {"max_new_tokens": 4, "temperature": 1.0, "min_p": 0.05, "n": 2}
     many = server.run(client.generate({"input_ids": prompts, "sampling_params": sampled}))
     assert len(many) == 6
     assert [r["meta_info"]["prompt_tokens"] for r in many] == [4, 4, 2, 2, 6, 6]

@@ -38,6 +38,7 @@ SAMPLING_SUPPORTED = {
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "stop",
     "stop_token_ids",
     "ignore_eos",
@@ -50,7 +51,6 @@ SAMPLING_SUPPORTED = {
 }
 SAMPLING_OFF: dict[str, Any] = {
     "min_new_tokens": 0,
-    "min_p": 0.0,
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
@@ -188,6 +188,7 @@ def parse_sampling_params(
         temperature=0.0 if temperature < 1e-6 else temperature,
         top_p=_number(raw, "top_p", 1.0, float),
         top_k=-1 if top_k == -1 or top_k >= SGLANG_TOP_K_ALL else top_k,
+        min_p=_number(raw, "min_p", 0.0, float),
         stop_token_ids=list(stop_ids),
         ignore_eos=bool(raw.get("ignore_eos") or False),
     )
@@ -461,7 +462,6 @@ OPENAI_OFF: dict[str, Any] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
-    "min_p": 0.0,
     "min_tokens": 0,
     "logit_bias": None,
     "regex": None,
@@ -537,6 +537,7 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
         "temperature": payload.get("temperature"),
         "top_p": payload.get("top_p"),
         "top_k": payload.get("top_k"),
+        "min_p": payload.get("min_p"),
         "n": payload.get("n"),
         "stop": payload.get("stop"),
         "stop_token_ids": payload.get("stop_token_ids"),
