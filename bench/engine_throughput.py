@@ -1,0 +1,210 @@
+"""Generation throughput: verst's engines vs HF `generate` on the same model and workload.
+
+Runs, in one process and on one random-weight Qwen3-shaped model:
+- `verst-scheduler`: the continuous-batching scheduler (paged KV, radix prefix cache);
+- `verst-batch`: the static batch engine the RL loop uses today;
+- `hf-generate`: `model.generate(do_sample=True)` on the same prompts;
+for each batch size, plus a multi-turn shared-prefix workload (sessions whose every turn
+extends the previous one) that reports the scheduler's prefix-cache hit rate. Sampling at
+temperature 1, EOS ignored so every request generates exactly `--new-tokens`.
+
+    python bench/engine_throughput.py                      # CPU preset
+    python bench/engine_throughput.py --preset h200        # Qwen2-0.5B-shaped, bf16, CUDA
+
+Prints tokens/s and the ratio to HF, and saves JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import transformers
+
+from verst.engine import Engine, GenerateRequest, SamplingParams
+from verst.engine.kv_pool import KVPool
+from verst.engine.scheduler import Scheduler
+
+PRESETS = {
+    # the CPU model of the engine issue: 29M parameters
+    "cpu": dict(
+        model=dict(
+            vocab_size=8192,
+            hidden_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            intermediate_size=1536,
+        ),
+        dtype="float32",
+        batches=[1, 16, 64],
+        prompt_tokens=64,
+        new_tokens=128,
+    ),
+    "h200": dict(
+        model=dict(
+            vocab_size=151936,
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=4864,
+        ),
+        dtype="bfloat16",
+        batches=[1, 16, 64, 256],
+        prompt_tokens=128,
+        new_tokens=256,
+    ),
+}
+
+
+def build_model(spec: dict, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    config = transformers.Qwen3Config(
+        max_position_embeddings=4096, tie_word_embeddings=True, **spec
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+
+def timed(fn) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def requests(prompts: list[list[int]], new_tokens: int) -> list[GenerateRequest]:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    return [GenerateRequest(input_ids=p, sampling_params=params) for p in prompts]
+
+
+def new_scheduler(model, dtype, device, budget_bytes: int) -> Scheduler:
+    pool = KVPool.from_budget(
+        model.config, budget_bytes=budget_bytes, page_size=16, dtype=dtype, device=device
+    )
+    return Scheduler(model, pool, eos_token_ids=[], pad_token_id=0)
+
+
+def run_batches(model, args, preset, dtype, device) -> list[dict]:
+    vocab = model.config.vocab_size
+    rows = []
+    for batch in args.batches or preset["batches"]:
+        gen = torch.Generator().manual_seed(batch)
+        prompts = [
+            torch.randint(10, vocab, (preset["prompt_tokens"],), generator=gen).tolist()
+            for _ in range(batch)
+        ]
+        new = preset["new_tokens"]
+        tokens = batch * new
+        scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
+        scheduler.generate(requests(prompts[:1], 4))  # warm-up
+        engine = Engine(model, eos_token_ids=[], pad_token_id=0)
+        engine.generate(requests(prompts[:1], 4))
+        input_ids = torch.tensor(prompts, device=device)
+
+        def hf_generate(input_ids=input_ids, new=new):
+            return model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                pad_token_id=0,
+            )
+
+        results = {
+            "verst-scheduler": timed(partial(scheduler.generate, requests(prompts, new))),
+            "verst-batch": timed(partial(engine.generate, requests(prompts, new))),
+            "hf-generate": timed(hf_generate),
+        }
+        row = {"batch": batch, "prompt_tokens": preset["prompt_tokens"], "new_tokens": new}
+        for name, seconds in results.items():
+            row[f"{name}_tok_s"] = tokens / seconds
+        row["scheduler_over_hf"] = row["verst-scheduler_tok_s"] / row["hf-generate_tok_s"]
+        print(
+            f"batch {batch:4d}: "
+            + " | ".join(f"{name} {row[f'{name}_tok_s']:9.1f} tok/s" for name in results)
+            + f" | scheduler/HF {row['scheduler_over_hf']:.2f}x",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def run_multiturn(model, args, dtype, device) -> dict:
+    """S sessions × T turns; each turn's prompt = the previous prompt + its answer + 16 new
+    tokens, all sessions' turn k submitted together (as a rollout's agents would)."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
+    histories = [
+        torch.randint(10, vocab, (64,), generator=gen).tolist() for _ in range(args.sessions)
+    ]
+    generated = 0
+    start = time.perf_counter()
+    for _ in range(args.turns):
+        outs = scheduler.generate(requests(histories, args.turn_tokens))
+        for history, out in zip(histories, outs, strict=True):
+            history += out.output_ids + torch.randint(10, vocab, (16,), generator=gen).tolist()
+            generated += out.completion_tokens
+    seconds = time.perf_counter() - start
+    stats = scheduler.cache_stats()
+    result = {
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "tok_s": generated / seconds,
+        "cache_hit_rate": stats["hit_rate"],
+    }
+    print(
+        f"multi-turn {args.sessions}x{args.turns}: {result['tok_s']:.1f} tok/s, "
+        f"prefix-cache hit rate {stats['hit_rate']:.3f}",
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--batches", type=int, nargs="*")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-budget-mb", type=int, default=2048)
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, preset["dtype"])
+    model = build_model(preset["model"], dtype, device)
+    result = {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name()
+        if device == "cuda"
+        else platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "batches": run_batches(model, args, preset, dtype, device),
+        "multiturn": run_multiturn(model, args, dtype, device),
+    }
+    out = args.out or Path(__file__).parent / "results" / f"engine_throughput_{args.preset}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()
