@@ -76,7 +76,7 @@ class Server:
     def reference(self, prompt: list[int], **params: Any) -> Any:
         """What `Engine.generate` itself returns (called only while the server is idle)."""
         request = GenerateRequest(list(prompt), SamplingParams(**params), rid="ref")
-        return self.serving.engine.generate([request])[0]
+        return self.serving.scheduler.generate([request])[0]
 
 
 @pytest.fixture(scope="module")
@@ -131,30 +131,30 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> 
 
 
 class Gate:
-    """Holds the engine's batches until opened, so a test can see requests queued / running."""
+    """Holds the scheduler's steps until opened, so a test can see requests queued / running."""
 
     def __init__(self, serving: ServingEngine) -> None:
         self.serving = serving
         self.event = threading.Event()
-        self.real = serving.engine.generate
+        self.real = serving.scheduler.step
 
     def __enter__(self) -> Gate:
-        def gated(requests: list[GenerateRequest]) -> Any:
+        def gated() -> Any:
             self.event.wait(STEP_TIMEOUT_S)
-            return self.real(requests)
+            return self.real()
 
-        self.serving.engine.generate = gated  # type: ignore[method-assign]
+        self.serving.scheduler.step = gated  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.event.set()
-        del self.serving.engine.generate
+        del self.serving.scheduler.step
 
 
 def check_meta(meta: dict[str, Any], *, logprobs: bool) -> None:
     assert isinstance(meta["id"], str)
     assert isinstance(meta["weight_version"], str)
-    assert meta["cached_tokens"] == 0
+    assert isinstance(meta["cached_tokens"], int) and meta["cached_tokens"] >= 0
     assert isinstance(meta["e2e_latency"], float)
     assert meta["finish_reason"]["type"] in ("stop", "length", "abort")
     if logprobs:
@@ -494,3 +494,36 @@ def test_launch_sglang_without_sglang_is_a_clear_error() -> None:
         pytest.skip("sglang is installed")
     with pytest.raises(RuntimeError, match=r"pip install \"sglang\[all\]\""):
         launch_sglang("/nonexistent", 30000)
+
+
+# ---- scheduler features through the protocol -------------------------------------------------
+
+
+def test_prefix_cache_seeds_and_prompt_scoring(server: Server, client: EngineClient) -> None:
+    long_prompt = list(range(30, 70))  # 40 tokens: whole pages to share
+
+    async def scenario() -> tuple[Any, Any, Any, Any, Any]:
+        first = await client.generate({"input_ids": long_prompt, "sampling_params": GREEDY})
+        again = await client.generate({"input_ids": long_prompt, "sampling_params": GREEDY})
+        seeded = {"max_new_tokens": 6, "sampling_seed": 5}
+        a = await client.generate({"input_ids": PROMPT, "sampling_params": seeded})
+        b = await client.generate({"input_ids": PROMPT, "sampling_params": seeded})
+        scored = await client.generate(
+            {
+                "input_ids": long_prompt,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0},
+            }
+        )
+        return first, again, a, b, scored
+
+    first, again, a, b, scored = server.run(scenario())
+    assert again["meta_info"]["cached_tokens"] >= 32  # whole pages of the shared prompt
+    assert again["output_ids"] == first["output_ids"]
+    assert a["output_ids"] == b["output_ids"]  # same seed, same sample
+    triples = scored["meta_info"]["input_token_logprobs"]
+    assert len(triples) == len(long_prompt) and triples[0][0] is None
+    assert [t[1] for t in triples] == long_prompt
+    assert all(t[0] <= 0.0 for t in triples[1:])
+    assert scored["output_ids"] == []

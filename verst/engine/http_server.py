@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from verst.engine.sampling import SamplingParams
@@ -121,6 +121,7 @@ class GenerateItem:
     detokenize: DetokenizeParams
     rid: str
     return_logprob: bool
+    logprob_start_len: int = -1  # >= 0: also score the prompt from here (input_token_logprobs)
 
 
 @dataclass
@@ -191,6 +192,7 @@ def parse_sampling_params(
         min_p=_number(raw, "min_p", 0.0, float),
         stop_token_ids=list(stop_ids),
         ignore_eos=bool(raw.get("ignore_eos") or False),
+        sampling_seed=raw.get("sampling_seed"),
     )
     try:
         params.validate()
@@ -241,8 +243,9 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
         if payload.get(key):
             raise value_error(f"{key} > 0 is not supported by the verst engine yet")
     start = payload.get("logprob_start_len", -1)
-    if start is not None and start != -1:
-        raise value_error("logprob_start_len other than -1 (input logprobs) is not supported yet")
+    start = -1 if start is None else start
+    if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+        raise contract_error("logprob_start_len must be an int >= -1")
     rank = payload.get("routed_dp_rank", payload.get("data_parallel_rank"))
     if rank not in (None, 0):
         raise value_error(f"routed_dp_rank {rank} is out of range: this server has dp_size 1")
@@ -280,14 +283,21 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
         else:
             prompt_rid = str(rid) if rid is not None else str(base)
         logprob = return_logprob[i] if isinstance(return_logprob, list) else return_logprob
+        if logprob and start >= len(prompt):
+            raise value_error(
+                f"logprob_start_len ({start}) is larger than the prompt length ({len(prompt)})"
+            )
         for j in range(n):
+            seed = params.sampling_seed
             items.append(
                 GenerateItem(
                     input_ids=prompt,
-                    params=params,
+                    # the j-th of n samples with a seed draws from seed + j, so they differ
+                    params=params if seed is None else replace(params, sampling_seed=seed + j),
                     detokenize=detok,
                     rid=prompt_rid if n == 1 else f"{prompt_rid}_{j}",
                     return_logprob=bool(logprob),
+                    logprob_start_len=start if logprob else -1,
                 )
             )
     return GenerateJob(
@@ -309,6 +319,7 @@ async def run_job(serving: ServingEngine, job: GenerateJob) -> list[dict[str, An
                 rid=item.rid,
                 return_logprob=item.return_logprob,
                 detokenize=item.detokenize,
+                logprob_start_len=item.logprob_start_len,
             )
         except ValueError as error:
             raise value_error(str(error)) from error
@@ -333,7 +344,7 @@ async def run_generate(
 
 
 def model_info_body(serving: ServingEngine, served_model_name: str) -> dict[str, Any]:
-    config = getattr(serving.engine.model, "config", None)
+    config = getattr(serving.scheduler.model, "config", None)
     return {
         "model_path": serving.model_path,
         "tokenizer_path": serving.model_path,

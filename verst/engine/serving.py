@@ -1,18 +1,19 @@
-"""The async serving core: request queue, batching, abort, pause, weight updates.
+"""The async serving core: request queue, continuous batching, abort, pause, weight updates.
 
-Owns `ServingEngine`, which puts an `Engine` and its tokenizer behind an async interface that
-the HTTP server and the in-process client share. One background task gathers the requests
-submitted within `batch_wait_s` of each other into one `Engine.generate` call, run in a worker
-thread so the event loop keeps serving. Results come back shaped as SGLang's `/generate` items
-(`text`, `output_ids`, `meta_info`).
+Owns `ServingEngine`, which puts a continuous-batching `Scheduler` (paged KV, radix prefix
+cache) and its tokenizer behind an async interface that the HTTP server and the in-process
+client share. One background task hands new requests to the scheduler and runs its steps in a
+worker thread, so the event loop keeps serving; requests join and leave at every step. Results
+come back shaped as SGLang's `/generate` items (`text`, `output_ids`, `meta_info`).
 
-Promises (SGLang's semantics, at batch granularity until the continuous-batching scheduler
-replaces the core):
+Promises (SGLang's semantics):
 - while paused, new `generate` calls wait (they are not rejected); `abort` mode aborts every
-  queued and running request, `retract` and `in_place` hold the queue, and take effect between
-  batches (a running batch finishes);
-- an aborted request returns at once with `finish_reason.type == "abort"` and no output;
-- weights change only between batches, so every token of a result carries one version;
+  queued and running request, `retract` requeues running requests (their KV goes to the prefix
+  cache and is recomputed on return), `in_place` freezes them with their KV;
+- an aborted request returns at once with `finish_reason.type == "abort"` and the tokens it
+  had so far;
+- weights change only between steps; a request running across an update keeps its KV and
+  finishes with the new version stamped;
 - an un-paused disk update waits for the requests already submitted, and holds new ones.
 """
 
@@ -20,15 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from verst.engine.core import FINISH_STOP, Engine, GenerateOutput, GenerateRequest
+from verst.engine.core import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
+from verst.engine.kv_pool import KVPool
 from verst.engine.sampling import SamplingParams
+from verst.engine.scheduler import Scheduler
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -64,33 +67,31 @@ class _Pending:
 
 
 class ServingEngine:
-    """An `Engine` behind an async queue; create and use it inside one event loop."""
+    """A `Scheduler` behind an async queue; create and use it inside one event loop."""
 
     def __init__(
         self,
-        engine: Engine,
+        scheduler: Scheduler,
         tokenizer: Any,
         *,
-        max_batch_size: int = 256,
         batch_wait_s: float = 0.002,
         model_path: str = "",
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.engine = engine
+        self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = scheduler.max_running
         self.batch_wait_s = batch_wait_s
         self.model_path = model_path
-        self.weight_version = str(engine.weight_version)
+        self.weight_version = str(scheduler.weight_version)
         self.context_len = int(
-            getattr(getattr(engine.model, "config", None), "max_position_embeddings", 0) or 0
+            getattr(getattr(scheduler.model, "config", None), "max_position_embeddings", 0) or 0
         )
-        self.num_batches = 0  # engine calls so far; batching is observable in tests and metrics
+        self.num_batches = 0  # scheduler steps so far; batching is observable in tests/metrics
         self._queue: list[_Pending] = []
-        self._running: list[_Pending] = []
+        self._running: dict[str, _Pending] = {}  # handed to the scheduler, by rid
         self._paused = False
         self._updating = 0
+        self._control: list[Callable[[], object]] = []  # run by the loop between two steps
         self._cond: asyncio.Condition | None = None
         self._engine_lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
@@ -105,8 +106,14 @@ class ServingEngine:
         dtype: torch.dtype = torch.float32,
         max_batch_size: int = 256,
         batch_wait_s: float = 0.002,
+        kv_cache_bytes: int | None = None,
+        page_size: int = 16,
     ) -> ServingEngine:
-        """Load a local HF directory into an `Engine` that stops on the model's EOS ids."""
+        """Load a local HF directory behind a scheduler that stops on the model's EOS ids.
+
+        The KV pool takes `kv_cache_bytes`; by default half the free GPU memory on CUDA and
+        256 MiB on the CPU.
+        """
         from verst.models.loading import ModelConfig, eos_token_ids, load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(
@@ -114,16 +121,25 @@ class ServingEngine:
         )
         eos = eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-        engine = Engine(
-            model, eos_token_ids=eos, pad_token_id=pad, max_batch_size=max_batch_size, seed=seed
+        if kv_cache_bytes is None:
+            on_cuda = torch.device(device).type == "cuda"
+            kv_cache_bytes = torch.cuda.mem_get_info()[0] // 2 if on_cuda else 256 << 20
+        pool = KVPool.from_budget(
+            model.config,
+            budget_bytes=kv_cache_bytes,
+            page_size=page_size,
+            dtype=dtype,
+            device=device,
         )
-        return cls(
-            engine,
-            tokenizer,
-            max_batch_size=max_batch_size,
-            batch_wait_s=batch_wait_s,
-            model_path=model_path,
+        scheduler = Scheduler(
+            model,
+            pool,
+            eos_token_ids=eos,
+            pad_token_id=pad,
+            max_running=max_batch_size,
+            seed=seed,
         )
+        return cls(scheduler, tokenizer, batch_wait_s=batch_wait_s, model_path=model_path)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -154,7 +170,11 @@ class ServingEngine:
         return self._paused
 
     def load(self) -> dict[str, int]:
+        """Running = handed to the scheduler (admitted, or waiting there for KV pages)."""
         return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._queue)}
+
+    def cache_stats(self) -> dict[str, float]:
+        return self.scheduler.cache_stats()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -166,6 +186,7 @@ class ServingEngine:
         rid: str,
         return_logprob: bool,
         detokenize: DetokenizeParams | None = None,
+        logprob_start_len: int = -1,
     ) -> GenerateResult:
         """Queue one request and wait for its result (SGLang's `/generate` item shape)."""
         cond = self._started()
@@ -176,7 +197,13 @@ class ServingEngine:
         async with cond:
             await cond.wait_for(lambda: not self._paused and not self._updating)
             pending = _Pending(
-                GenerateRequest(list(input_ids), params, rid=rid, return_logprob=return_logprob),
+                GenerateRequest(
+                    list(input_ids),
+                    params,
+                    rid=rid,
+                    return_logprob=return_logprob,
+                    logprob_start_len=logprob_start_len,
+                ),
                 detokenize or DetokenizeParams(),
                 submitted_s,
                 asyncio.get_running_loop().create_future(),
@@ -198,36 +225,47 @@ class ServingEngine:
         assert lock is not None
         while True:
             async with cond:
-                await cond.wait_for(lambda: bool(self._queue) and not self._paused)
-            if len(self._queue) < self.max_batch_size:
+                await cond.wait_for(
+                    lambda: (
+                        bool(self._control)
+                        or ((bool(self._queue) or self.scheduler.has_work()) and not self._paused)
+                    )
+                )
+                idle = not self._running and not self._control
+            if idle:  # an idle engine waits a moment so a burst of requests starts together
                 await asyncio.sleep(self.batch_wait_s)
             async with cond:
-                if self._paused or not self._queue:
-                    continue
-                batch = self._queue[: self.max_batch_size]
-                del self._queue[: len(batch)]
-                self._running = batch
-            outputs: list[GenerateOutput] | None = None
+                for p in self._queue:
+                    self.scheduler.submit(p.request)
+                    self._running[p.request.rid] = p
+                self._queue.clear()
             try:
                 async with lock:
+                    while self._control:  # aborts and pauses, between two steps
+                        self._control.pop(0)()
+                    if self._paused:
+                        continue
                     version = self.weight_version
                     self.num_batches += 1
-                    outputs = await asyncio.to_thread(
-                        self.engine.generate, [p.request for p in batch]
-                    )
-            except Exception as error:  # the engine failed: every request of the batch fails
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(error)
-            finally:
+                    finished = await asyncio.to_thread(self.scheduler.step)
+            except Exception as error:  # the engine failed: every request in it fails
                 async with cond:
-                    self._running = []
+                    for p in self._running.values():
+                        if not p.future.done():
+                            p.future.set_exception(error)
+                    self._running.clear()
+                    self.scheduler.abort(abort_all=True)
                     cond.notify_all()
-            if outputs is None:
                 continue
-            for p, out in zip(batch, outputs, strict=True):
-                if not p.future.done():  # aborted while running
-                    p.future.set_result(self._result(p, out, version))
+            async with cond:
+                self._resolve(finished, version)
+                cond.notify_all()
+
+    def _resolve(self, outputs: list[GenerateOutput], version: str) -> None:
+        for out in outputs:
+            p = self._running.pop(out.rid, None)
+            if p is not None and not p.future.done():
+                p.future.set_result(self._result(p, out, version))
 
     def _started(self) -> asyncio.Condition:
         if self._cond is None:
@@ -252,8 +290,12 @@ class ServingEngine:
             finish = {"type": "stop", "matched": ids[-1]}
             if not opts.no_stop_trim:
                 text_ids = ids[:-1]
-        else:
+        elif out.finish_reason == FINISH_LENGTH:
             finish = {"type": "length", "length": len(ids)}
+        else:
+            # user aborts are answered when asked; the scheduler aborts only what cannot fit
+            message = "the request does not fit in the KV cache"
+            finish = {"type": "abort", "message": message, "status_code": None}
         text = self._decode(text_ids, opts)
         if opts.stop and any(s in text for s in opts.stop):
             k, text, matched = self._cut_at_stop(ids, opts)
@@ -264,7 +306,7 @@ class ServingEngine:
             "finish_reason": finish,
             "prompt_tokens": out.prompt_tokens,
             "completion_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": out.cached_tokens,
             "reasoning_tokens": 0,
             "weight_version": version,
             "e2e_latency": time.perf_counter() - p.submitted_s,
@@ -272,6 +314,15 @@ class ServingEngine:
         if p.request.return_logprob:
             meta["output_token_logprobs"] = self._logprob_triples(ids, logprobs, opts)
             meta["output_token_logprobs_length"] = len(ids)
+            if p.request.logprob_start_len >= 0:
+                meta["input_token_logprobs"] = [
+                    [lp, tid, None]
+                    for lp, tid in zip(
+                        out.input_token_logprobs,
+                        p.request.input_ids[p.request.logprob_start_len :],
+                        strict=True,
+                    )
+                ]
         return GenerateResult(text=text, output_ids=list(ids), meta_info=meta)
 
     def _cut_at_stop(self, ids: list[int], opts: DetokenizeParams) -> tuple[int, str, str]:
@@ -339,12 +390,14 @@ class ServingEngine:
                 if not p.future.done():
                     p.future.set_result(self._aborted(p, message or "Abort in waiting queue."))
                     count += 1
-            # A running batch cannot be interrupted yet: its callers get the abort now and
-            # the engine's outputs for them are dropped when the batch ends.
-            for p in self._running:
-                if hit(p) and not p.future.done():
+            # Callers of running requests get the abort now; the scheduler drops the requests
+            # (and frees their KV) before its next step.
+            for p in [p for p in self._running.values() if hit(p)]:
+                del self._running[p.request.rid]
+                if not p.future.done():
                     p.future.set_result(self._aborted(p, message or "Abort running request."))
                     count += 1
+            self._control.append(lambda: self.scheduler.abort(rid, abort_all=abort_all))
             cond.notify_all()
         return count
 
@@ -357,16 +410,25 @@ class ServingEngine:
             cond.notify_all()
         if mode == "abort":
             await self.abort(None, abort_all=True, message="Abort by pause_generation.")
+        async with cond:
+            self._control.append(lambda: self.scheduler.pause(mode))
+            cond.notify_all()
 
     async def resume(self) -> None:
         cond = self._started()
         async with cond:
+            self._control.append(self.scheduler.resume)
             self._paused = False
             cond.notify_all()
 
     async def flush_cache(self) -> bool:
-        """No prefix cache yet; succeeds exactly when SGLang's would (nothing in flight)."""
-        return not self._queue and not self._running
+        """Drop the prefix cache; refused (False) while requests are queued or running."""
+        lock = self._engine_lock
+        assert lock is not None
+        if self._queue or self._running:
+            return False
+        async with lock:
+            return self.scheduler.flush_cache()
 
     async def update_weight_version(self, new_version: str, *, abort_all: bool = True) -> None:
         if abort_all:
@@ -414,7 +476,7 @@ class ServingEngine:
         self.weight_version = version
         # The engine's own counter is an int; keep it in step when the version is one.
         if version.lstrip("-").isdigit():
-            self.engine.set_weight_version(int(version))
+            self.scheduler.set_weight_version(int(version))
 
     def _load_from_disk(self, model_path: str) -> tuple[bool, str]:
         from safetensors import safe_open
@@ -423,7 +485,7 @@ class ServingEngine:
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not files[0].is_file():
             return False, f"no .safetensors weights found at {model_path!r}"
-        params = dict(self.engine.model.named_parameters(remove_duplicate=False))
+        params = dict(self.scheduler.model.named_parameters(remove_duplicate=False))
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
@@ -442,5 +504,5 @@ class ServingEngine:
                     for name in f.keys():
                         yield name, f.get_tensor(name)
 
-        self.engine.update_weights_from_tensors(tensors(), self.engine.weight_version)
+        self.scheduler.update_weights_from_tensors(tensors(), self.scheduler.weight_version)
         return True, "Succeeded to update model weights."
