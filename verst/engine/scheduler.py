@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import transformers
 
 from verst.engine.core import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
 from verst.engine.kv_pool import KVPool, OutOfPages
@@ -263,35 +262,59 @@ class Scheduler:
         return True
 
     def _forward(self, batch: list[tuple[_Running, int]]) -> torch.Tensor:
-        """Feed each row its next tokens on top of its cached KV; returns last-token logits."""
+        """Feed each row its next tokens on top of its cached KV; returns last-token logits.
+
+        Host-side lists become device tensors in one call each: the per-step cost must not
+        grow with Python work per request.
+        """
         device, page = self.device, self.pool.page_size
-        past_B = torch.tensor([r.computed for r, _ in batch], device=device)
-        new_B = torch.tensor([n for _, n in batch], device=device)
-        width_p = max(-(-r.computed // page) for r, _ in batch)
-        width_s, width_t = width_p * page, int(new_B.max())
+        past = [r.computed for r, _ in batch]
+        new = [n for _, n in batch]
+        width_t = max(new)
+        table_width = max(-(-(c + n) // page) for c, n in zip(past, new, strict=True))
+        table_B_P = torch.tensor(
+            [
+                r.pages[:table_width] + [-1] * (table_width - len(r.pages[:table_width]))
+                for r, _ in batch
+            ],
+            dtype=torch.long,
+            device=device,
+        )
+        input_ids_B_T = torch.tensor(
+            [
+                r.tokens[r.computed : r.computed + n] + [self.pad_token_id] * (width_t - n)
+                for r, n in batch
+            ],
+            dtype=torch.long,
+            device=device,
+        )
+        past_B = torch.tensor(past, device=device)
+        new_B = torch.tensor(new, device=device)
+        width_p = max(-(-c // page) for c in past)
+        width_s = width_p * page
         cache = new_cache(self.model)
         if width_p > 0:
-            table_B_P = torch.full((len(batch), width_p), -1, dtype=torch.long, device=device)
-            for row, (r, _) in enumerate(batch):
-                used = -(-r.computed // page)
-                table_B_P[row, :used] = torch.tensor(r.pages[:used], device=device)
             for layer in range(self.pool.num_layers):
-                k_B_S_H_D, v_B_S_H_D = self.pool.gather(layer, table_B_P, past_B)
+                k_B_S_H_D, v_B_S_H_D = self.pool.gather(layer, table_B_P[:, :width_p], past_B)
                 cache.update(k_B_S_H_D.transpose(1, 2), v_B_S_H_D.transpose(1, 2), layer)
         steps_T = torch.arange(width_t, device=device)
         new_mask_B_T = steps_T < new_B[:, None]
         past_mask_B_S = torch.arange(width_s, device=device) < past_B[:, None]
-        input_ids_B_T = torch.full((len(batch), width_t), self.pad_token_id, device=device)
-        for row, (r, n) in enumerate(batch):
-            input_ids_B_T[row, :n] = torch.tensor(r.tokens[r.computed : r.computed + n])
+        positions_B_T = past_B[:, None] + steps_T
         logits_B_T_V = cached_forward(
             self.model,
             input_ids_B_T,
             torch.cat([past_mask_B_S, new_mask_B_T], 1).long(),
-            past_B[:, None] + steps_T,
+            positions_B_T,
             cache,
         )
-        self._store_new_kv(batch, cache, width_s, new_mask_B_T)
+        page_index_B_T = (positions_B_T // page).clamp(max=table_width - 1)
+        pages_N = table_B_P.gather(1, page_index_B_T)[new_mask_B_T]
+        offsets_N = (positions_B_T % page)[new_mask_B_T]
+        for layer in range(self.pool.num_layers):
+            keys = cache.layers[layer].keys[:, :, width_s:].transpose(1, 2)  # [B, T, H, D]
+            values = cache.layers[layer].values[:, :, width_s:].transpose(1, 2)
+            self.pool.write(layer, pages_N, offsets_N, keys[new_mask_B_T], values[new_mask_B_T])
         for row, (r, n) in enumerate(batch):
             if r.request.logprob_start_len >= 0 and r.computed < r.prompt_length:
                 self._score_prompt(r, logits_B_T_V[row, :n])
@@ -309,21 +332,6 @@ class Scheduler:
             target = r.computed + offset + 1  # the position this logit predicts
             if start < target < r.prompt_length:
                 r.input_logprobs.append(float(logprobs_T_V[offset, r.tokens[target]]))
-
-    def _store_new_kv(
-        self,
-        batch: list[tuple[_Running, int]],
-        cache: transformers.DynamicCache,
-        width_s: int,
-        new_mask_B_T: torch.Tensor,
-    ) -> None:
-        slots = [self.pool.slots(r.pages, r.computed, r.computed + n) for r, n in batch]
-        pages_N = torch.cat([p for p, _ in slots])
-        offsets_N = torch.cat([o for _, o in slots])
-        for layer in range(self.pool.num_layers):
-            keys = cache.layers[layer].keys[:, :, width_s:].transpose(1, 2)  # [B, T, H, D]
-            values = cache.layers[layer].values[:, :, width_s:].transpose(1, 2)
-            self.pool.write(layer, pages_N, offsets_N, keys[new_mask_B_T], values[new_mask_B_T])
 
     def _sample(self, rows: list[_Running], logits_B_V: torch.Tensor) -> list[GenerateOutput]:
         params = [r.request.sampling_params for r in rows]
