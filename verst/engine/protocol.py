@@ -1,0 +1,695 @@
+"""SGLang's native HTTP protocol (plus the OpenAI-compatible routes) as plain functions over a
+`ServingEngine`: request body in, response body out.
+
+Owns request parsing and validation (`parse_generate`, `parse_sampling_params`, `parse_openai`),
+the body → response functions (`run_generate`, `run_openai`, `run_pause`, `run_abort`,
+`run_update_weights_from_disk`, `run_update_weight_version`, `loads_body`, `model_info_body`,
+`server_info_body`) and SGLang's error envelopes (`ProtocolError` carries the status and body to
+answer with). Both transports call these functions: the aiohttp app in `http_server.py` only
+moves JSON, and the in-process `EngineClient` calls them directly, so the HTTP and in-process
+dicts cannot drift. Nothing here imports aiohttp, so the in-process path works without the
+`serve` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from verst.engine.sampling import SamplingParams
+from verst.engine.serving import PAUSE_MODES, DetokenizeParams, ServingEngine
+
+SGLANG_TOP_K_ALL = 1 << 30
+FLUSH_CACHE_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)
+PAUSE_OK = {"message": "Generation paused successfully.", "status": "ok"}
+CONTINUE_OK = {"message": "Generation continued successfully.", "status": "ok"}
+
+# S23's sampling_params contract: every key it accepts, with the value meaning "off". The engine
+# implements the first group; the rest are accepted only at their off value (400 otherwise).
+SAMPLING_SUPPORTED = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "n",
+    "sampling_seed",
+    "stream_interval",
+}
+SAMPLING_OFF: dict[str, Any] = {
+    "min_new_tokens": 0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "stop_regex": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "beam_width": None,
+    "custom_params": None,
+}
+# Top-level /generate fields the engine cannot honour yet: a non-null value is a 400.
+GENERATE_UNSUPPORTED = (
+    "input_embeds",
+    "lora_path",
+    "session_params",
+    "session_id",
+    "custom_logit_processor",
+    "token_ids_logprob",
+    "image_data",
+    "video_data",
+    "audio_data",
+)
+
+
+class ProtocolError(Exception):
+    """A request the server answers with `status` and `body` (SGLang's envelope for the case)."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"{status}: {body}")
+        self.status = status
+        self.body = body
+
+
+def contract_error(message: str) -> ProtocolError:
+    """S23 contract violations (wrong type, unknown sampling key): `{"error": "<text>"}`."""
+    return ProtocolError(400, {"error": message})
+
+
+def value_error(message: str, status: int = 400) -> ProtocolError:
+    """SGLang's native ValueError envelope: `{"error": {"message": ...}}`."""
+    return ProtocolError(status, {"error": {"message": message}})
+
+
+def validation_error(message: str, *, err_type: str = "Bad Request") -> ProtocolError:
+    """FastAPI validation (bad JSON, missing field) and OpenAI errors: the full envelope."""
+    return ProtocolError(
+        400, {"object": "error", "message": message, "type": err_type, "param": None, "code": 400}
+    )
+
+
+def openai_error(message: str) -> ProtocolError:
+    return validation_error(message, err_type="BadRequestError")
+
+
+# ---- /generate -------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerateItem:
+    input_ids: list[int]
+    params: SamplingParams
+    detokenize: DetokenizeParams
+    rid: str
+    return_logprob: bool
+    logprob_start_len: int = -1  # >= 0: also score the prompt from here (input_token_logprobs)
+
+
+@dataclass
+class GenerateJob:
+    items: list[GenerateItem]  # prompt-major: prompt i sample j at i * n + j
+    is_list: bool
+    return_prompt_token_ids: bool
+    n: int = 1
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _number(d: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    value = d.get(key)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise contract_error(f"sampling_params.{key} must be {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+def parse_sampling_params(
+    raw: Any, prompt_len: int, context_len: int
+) -> tuple[SamplingParams, DetokenizeParams, int]:
+    """SGLang sampling_params → (engine params, detokenize options, n); 400 on a bad key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise contract_error(f"sampling_params must be an object, got {type(raw).__name__}")
+    for key, value in raw.items():
+        if key in SAMPLING_SUPPORTED:
+            continue
+        if key not in SAMPLING_OFF:
+            raise contract_error(f"sampling_params: unknown key {key!r}")
+        if value is not None and value != SAMPLING_OFF[key]:
+            raise value_error(f"sampling_params.{key} is not supported by the verst engine yet")
+    max_new = _number(raw, "max_new_tokens", 128, int)
+    temperature = _number(raw, "temperature", 1.0, float)
+    top_k = _number(raw, "top_k", SGLANG_TOP_K_ALL, int)
+    n = _number(raw, "n", 1, int)
+    if n < 1:
+        raise value_error(f"sampling_params.n must be >= 1, got {n}")
+    stop = raw.get("stop")
+    stop_list = [] if stop is None else _as_list(stop)
+    if not all(isinstance(s, str) for s in stop_list) or len(stop_list) > 32:
+        raise contract_error("sampling_params.stop must be a string or a list of <= 32 strings")
+    stop_ids = raw.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+        raise contract_error("sampling_params.stop_token_ids must be a list of ints")
+    if context_len and prompt_len >= context_len:
+        raise value_error(
+            f"The input ({prompt_len} tokens) is longer than the model's context length "
+            f"({context_len} tokens)."
+        )
+    if context_len:
+        max_new = min(max_new, context_len - prompt_len)
+    params = SamplingParams(
+        max_new_tokens=max_new,
+        # SGLang: temperature below 1e-6 is greedy.
+        temperature=0.0 if temperature < 1e-6 else temperature,
+        top_p=_number(raw, "top_p", 1.0, float),
+        top_k=-1 if top_k == -1 or top_k >= SGLANG_TOP_K_ALL else top_k,
+        min_p=_number(raw, "min_p", 0.0, float),
+        stop_token_ids=list(stop_ids),
+        ignore_eos=bool(raw.get("ignore_eos") or False),
+        sampling_seed=raw.get("sampling_seed"),
+    )
+    try:
+        params.validate()
+    except ValueError as error:
+        raise value_error(str(error)) from error
+    detok = DetokenizeParams(
+        stop=tuple(stop_list),
+        no_stop_trim=bool(raw.get("no_stop_trim") or False),
+        skip_special_tokens=raw.get("skip_special_tokens", True) is not False,
+        spaces_between_special_tokens=raw.get("spaces_between_special_tokens", True) is not False,
+    )
+    return params, detok, n
+
+
+def _prompts(payload: dict[str, Any], tokenizer: Any) -> tuple[list[list[int]], bool]:
+    text, input_ids = payload.get("text"), payload.get("input_ids")
+    if text is not None:  # SGLang: text wins when several are given
+        if isinstance(text, str):
+            return [tokenizer.encode(text)], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [tokenizer.encode(t) for t in text], True
+        raise contract_error("text must be a string or a non-empty list of strings")
+    if input_ids is None:
+        raise value_error("Either text, input_ids or input_embeds should be provided.")
+    if isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids):
+        if not input_ids:
+            raise value_error("input_ids cannot be empty.")
+        return [list(input_ids)], False
+    if (
+        isinstance(input_ids, list)
+        and input_ids
+        and all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in input_ids)
+    ):
+        if any(not p for p in input_ids):
+            raise value_error("input_ids cannot be empty.")
+        return [list(p) for p in input_ids], True
+    raise contract_error("input_ids must be a list of ints or a list of lists of ints")
+
+
+def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJob:
+    """A `/generate` body → one item per (prompt, sample), prompt-major."""
+    if not isinstance(payload, dict):
+        raise validation_error("the request body must be a JSON object")
+    for key in GENERATE_UNSUPPORTED:
+        if payload.get(key) is not None:
+            raise value_error(f"{key} is not supported by the verst engine")
+    for key in ("top_logprobs_num",):
+        if payload.get(key):
+            raise value_error(f"{key} > 0 is not supported by the verst engine yet")
+    start = payload.get("logprob_start_len", -1)
+    start = -1 if start is None else start
+    if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+        raise contract_error("logprob_start_len must be an int >= -1")
+    rank = payload.get("routed_dp_rank", payload.get("data_parallel_rank"))
+    if rank not in (None, 0):
+        raise value_error(f"routed_dp_rank {rank} is out of range: this server has dp_size 1")
+    prompts, is_batch = _prompts(payload, tokenizer)
+    raw_params = payload.get("sampling_params")
+    params_list = _as_list(raw_params) if isinstance(raw_params, list) else None
+    if params_list is not None and len(params_list) != len(prompts):
+        raise contract_error("sampling_params list must have one entry per prompt")
+    return_logprob = payload.get("return_logprob") or False
+    if isinstance(return_logprob, list):
+        if len(return_logprob) != len(prompts):
+            raise contract_error("return_logprob list must have one entry per prompt")
+    rid = payload.get("rid")
+    if isinstance(rid, list):
+        if len(rid) != len(prompts) or len(set(rid)) != len(rid):
+            raise value_error("The rid list must match the batch size and have no duplicates.")
+    text_in_logprobs = bool(payload.get("return_text_in_logprobs") or False)
+
+    parsed = []
+    for i, prompt in enumerate(prompts):
+        raw = params_list[i] if params_list is not None else raw_params
+        parsed.append(parse_sampling_params(raw, len(prompt), context_len))
+    ns = {n for _, _, n in parsed}
+    if len(ns) > 1:
+        raise value_error("sampling_params.n must be the same for every prompt of a batch")
+    n = ns.pop()
+    base = uuid.uuid4().hex if rid is None else None
+    items: list[GenerateItem] = []
+    for i, (prompt, (params, detok, _)) in enumerate(zip(prompts, parsed, strict=True)):
+        detok.return_text_in_logprobs = text_in_logprobs
+        if isinstance(rid, list):
+            prompt_rid = str(rid[i])
+        elif is_batch:
+            prompt_rid = f"{rid if rid is not None else base}_{i}"
+        else:
+            prompt_rid = str(rid) if rid is not None else str(base)
+        logprob = return_logprob[i] if isinstance(return_logprob, list) else return_logprob
+        if logprob and start >= len(prompt):
+            raise value_error(
+                f"logprob_start_len ({start}) is larger than the prompt length ({len(prompt)})"
+            )
+        for j in range(n):
+            seed = params.sampling_seed
+            items.append(
+                GenerateItem(
+                    input_ids=prompt,
+                    # the j-th of n samples with a seed draws from seed + j, so they differ
+                    params=params if seed is None else replace(params, sampling_seed=seed + j),
+                    detokenize=detok,
+                    rid=prompt_rid if n == 1 else f"{prompt_rid}_{j}",
+                    return_logprob=bool(logprob),
+                    logprob_start_len=start if logprob else -1,
+                )
+            )
+    return GenerateJob(
+        items=items,
+        is_list=is_batch or n > 1,
+        return_prompt_token_ids=bool(payload.get("return_prompt_token_ids") or False),
+        n=n,
+    )
+
+
+async def run_job(serving: ServingEngine, job: GenerateJob) -> list[dict[str, Any]]:
+    """Submit every item at once (so they batch together); results in item order."""
+
+    async def one(item: GenerateItem) -> dict[str, Any]:
+        try:
+            result = await serving.generate(
+                item.input_ids,
+                item.params,
+                rid=item.rid,
+                return_logprob=item.return_logprob,
+                detokenize=item.detokenize,
+                logprob_start_len=item.logprob_start_len,
+            )
+        except ValueError as error:
+            raise value_error(str(error)) from error
+        body = result.to_dict()
+        if job.return_prompt_token_ids:
+            body["prompt_token_ids"] = item.input_ids
+        return body
+
+    return list(await asyncio.gather(*(one(item) for item in job.items)))
+
+
+async def run_generate(
+    serving: ServingEngine, tokenizer: Any, payload: Any
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """A `/generate` body → its response body: one object, or a prompt-major list."""
+    job = parse_generate(payload, tokenizer, serving.context_len)
+    results = await run_job(serving, job)
+    return results if job.is_list else results[0]
+
+
+# ---- control ---------------------------------------------------------------------------------
+
+
+def model_info_body(serving: ServingEngine, served_model_name: str) -> dict[str, Any]:
+    config = getattr(serving.scheduler.model, "config", None)
+    return {
+        "model_path": serving.model_path,
+        "tokenizer_path": serving.model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": serving.weight_version,
+        "served_model_name": served_model_name,
+        "load_format": "auto",
+        "model_type": getattr(config, "model_type", None),
+        "architectures": getattr(config, "architectures", None),
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
+
+
+def loads_body(serving: ServingEngine) -> dict[str, Any]:
+    """`/v1/loads`: one DP rank; token counts are 0 until the paged KV cache lands."""
+    load = serving.load()
+    return {
+        "timestamp": time.time(),
+        "version": _version(),
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_running_reqs": load["num_running_reqs"],
+                "num_waiting_reqs": load["num_waiting_reqs"],
+                "num_used_tokens": 0,
+                "num_total_tokens": 0,
+                "max_total_num_tokens": 0,
+                "token_usage": 0.0,
+                "gen_throughput": 0.0,
+                "cache_hit_rate": 0.0,
+            }
+        ],
+    }
+
+
+def server_info_body(
+    serving: ServingEngine, served_model_name: str, host: str = "", port: int = 0
+) -> dict[str, Any]:
+    load = serving.load()
+    return {
+        "model_path": serving.model_path,
+        "tokenizer_path": serving.model_path,
+        "served_model_name": served_model_name,
+        "host": host,
+        "port": port,
+        "tp_size": 1,
+        "dp_size": 1,
+        "context_length": serving.context_len,
+        "max_running_requests": serving.max_batch_size,
+        "random_seed": None,
+        "weight_version": serving.weight_version,
+        "num_running_reqs": load["num_running_reqs"],
+        "num_waiting_reqs": load["num_waiting_reqs"],
+        "internal_states": [{"last_gen_throughput": 0.0, "memory_usage": {}, **load}],
+        "version": _version(),
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"verst-{version('verst')}"
+    except PackageNotFoundError:
+        return "verst"
+
+
+def _body_dict(payload: Any) -> dict[str, Any]:
+    if payload is None:
+        return {}
+    if not isinstance(payload, dict):
+        raise validation_error("the request body must be a JSON object")
+    return payload
+
+
+async def run_pause(serving: ServingEngine, payload: Any) -> dict[str, Any]:
+    mode = _body_dict(payload).get("mode") or "abort"
+    if mode not in PAUSE_MODES:
+        raise validation_error(f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+    await serving.pause(mode)
+    return PAUSE_OK
+
+
+async def run_abort(serving: ServingEngine, payload: Any) -> None:
+    body = _body_dict(payload)
+    rid = body.get("rid") or None
+    await serving.abort(None if rid is None else str(rid), abort_all=bool(body.get("abort_all")))
+
+
+async def run_update_weights_from_disk(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    body = _body_dict(payload)
+    model_path = body.get("model_path")
+    if not isinstance(model_path, str) or not model_path:
+        raise validation_error("model_path: Field required")
+    version = body.get("weight_version")
+    ok, message = await serving.update_weights_from_disk(
+        model_path,
+        None if version is None else str(version),
+        abort_all_requests=bool(body.get("abort_all_requests")),
+    )
+    return (200 if ok else 400), {"success": ok, "message": message, "num_paused_requests": 0}
+
+
+async def run_update_weight_version(serving: ServingEngine, payload: Any) -> dict[str, Any]:
+    body = _body_dict(payload)
+    new_version = body.get("new_version")
+    if new_version is None:
+        raise validation_error("new_version: Field required")
+    await serving.update_weight_version(
+        str(new_version), abort_all=body.get("abort_all_requests", True) is not False
+    )
+    return {
+        "success": True,
+        "message": f"Weight version updated to {new_version}",
+        "new_version": str(new_version),
+    }
+
+
+# ---- OpenAI-compatible -----------------------------------------------------------------------
+
+OPENAI_OFF: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "logit_bias": None,
+    "regex": None,
+    "ebnf": None,
+    "json_schema": None,
+    "lora_path": None,
+    "tools": None,
+    "echo": False,
+    "suffix": None,
+    "best_of": None,
+}
+
+
+def _openai_prompts(payload: dict[str, Any], tokenizer: Any, chat: bool) -> list[list[int]]:
+    if chat:
+        if isinstance(payload.get("input_ids"), list):
+            return [list(payload["input_ids"])]
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise openai_error("messages must be a non-empty list")
+        normalized = []
+        for message in messages:
+            if not isinstance(message, dict) or "role" not in message:
+                raise openai_error("each message needs a role")
+            content = message.get("content")
+            if isinstance(content, list):  # content parts: only text is supported
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            normalized.append({**message, "content": content})
+        continue_final = bool(payload.get("continue_final_message"))
+        text = tokenizer.apply_chat_template(
+            normalized,
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            **(payload.get("chat_template_kwargs") or {}),
+        )
+        return [tokenizer.encode(text, add_special_tokens=False)]
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [tokenizer.encode(p) for p in prompt]
+        if all(isinstance(p, list) and p for p in prompt):
+            return [list(p) for p in prompt]
+    raise openai_error("prompt must be a string, a list of strings or a list of token ids")
+
+
+def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) -> GenerateJob:
+    """An OpenAI completions / chat body → the same job `/generate` runs."""
+    if not isinstance(payload, dict):
+        raise openai_error("the request body must be a JSON object")
+    for key, off in OPENAI_OFF.items():
+        value = payload.get(key)
+        if value is not None and value != off and value != []:
+            raise openai_error(f"{key} is not supported by the verst engine yet")
+    response_format = payload.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
+        raise openai_error("response_format other than text is not supported yet")
+    if chat:
+        if payload.get("top_logprobs"):
+            raise openai_error("top_logprobs > 0 is not supported by the verst engine yet")
+        logprobs = bool(payload.get("logprobs"))
+        max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    else:
+        if payload.get("logprobs"):
+            raise openai_error("logprobs > 0 (top alternatives) is not supported yet; use 0")
+        logprobs = payload.get("logprobs") is not None
+        max_tokens = payload.get("max_tokens", 16)
+    raw: dict[str, Any] = {
+        "temperature": payload.get("temperature"),
+        "top_p": payload.get("top_p"),
+        "top_k": payload.get("top_k"),
+        "min_p": payload.get("min_p"),
+        "n": payload.get("n"),
+        "stop": payload.get("stop"),
+        "stop_token_ids": payload.get("stop_token_ids"),
+        "ignore_eos": payload.get("ignore_eos"),
+        "skip_special_tokens": payload.get("skip_special_tokens"),
+        "no_stop_trim": payload.get("no_stop_trim"),
+        "sampling_seed": payload.get("seed"),
+    }
+    prompts = _openai_prompts(payload, tokenizer, chat)
+    parsed = []
+    for prompt in prompts:
+        sampling = {k: v for k, v in raw.items() if v is not None}
+        # Chat without max_tokens may use the rest of the context, as SGLang does.
+        sampling["max_new_tokens"] = (
+            max_tokens if max_tokens is not None else max(context_len - len(prompt), 0)
+        )
+        try:
+            parsed.append(parse_sampling_params(sampling, len(prompt), context_len))
+        except ProtocolError as error:
+            inner = error.body.get("error")
+            raise openai_error(inner if isinstance(inner, str) else inner["message"]) from error
+    n = parsed[0][2]
+    base = str(payload.get("rid") or uuid.uuid4().hex)
+    items = [
+        GenerateItem(
+            prompt,
+            params,
+            detok,
+            rid=base if len(prompts) * n == 1 else f"{base}_{i * n + j}",
+            return_logprob=logprobs,
+        )
+        for i, (prompt, (params, detok, _)) in enumerate(zip(prompts, parsed, strict=True))
+        for j in range(n)
+    ]
+    return GenerateJob(items=items, is_list=True, return_prompt_token_ids=False, n=n)
+
+
+def _openai_finish(meta: dict[str, Any]) -> tuple[str, Any]:
+    finish = meta["finish_reason"]
+    matched = finish.get("matched") if finish["type"] == "stop" else None
+    return finish["type"], matched
+
+
+async def run_openai(
+    serving: ServingEngine,
+    tokenizer: Any,
+    payload: Any,
+    served_model_name: str,
+    *,
+    chat: bool,
+) -> dict[str, Any]:
+    """An OpenAI completions / chat body → its (non-streamed) response body."""
+    job = parse_openai(payload, tokenizer, serving.context_len, chat=chat)
+    results = await run_job(serving, job)
+    choices = []
+    for index, result in enumerate(results):
+        meta = result["meta_info"]
+        finish, matched = _openai_finish(meta)
+        logprobs = None
+        if job.items[index].return_logprob:
+            triples = meta.get("output_token_logprobs", [])
+            tokens = [tokenizer.decode([tid]) for _, tid, _ in triples]
+            if chat:
+                logprobs = {
+                    "content": [
+                        {
+                            "token": tok,
+                            "bytes": list(tok.encode()),
+                            "logprob": lp,
+                            "top_logprobs": [],
+                        }
+                        for tok, (lp, _, _) in zip(tokens, triples, strict=True)
+                    ]
+                }
+            else:
+                offsets, offset = [], 0
+                for tok in tokens:
+                    offsets.append(offset)
+                    offset += len(tok)
+                logprobs = {
+                    "tokens": tokens,
+                    "token_logprobs": [lp for lp, _, _ in triples],
+                    "text_offset": offsets,
+                    "top_logprobs": None,
+                }
+        choice: dict[str, Any] = {"index": index}
+        if chat:
+            choice["message"] = {
+                "role": "assistant",
+                "content": result["text"],
+                "reasoning_content": None,
+                "tool_calls": None,
+            }
+        else:
+            choice["text"] = result["text"]
+        choice.update(logprobs=logprobs, finish_reason=finish, matched_stop=matched)
+        choices.append(choice)
+    prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in results[:: job.n])
+    completion_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": served_model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+        "metadata": {"weight_version": serving.weight_version},
+    }
+
+
+def openai_stream_chunks(response: dict[str, Any], *, chat: bool, usage: bool) -> list[dict]:
+    """A finished response as OpenAI stream chunks: content in one chunk, then the finish."""
+    head = {k: response[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    chunks = []
+    for choice in response["choices"]:
+        index = choice["index"]
+        if chat:
+            content = {"delta": {"role": "assistant", "content": choice["message"]["content"]}}
+            finish = {"delta": {}}
+        else:
+            content, finish = {"text": choice["text"]}, {"text": ""}
+        chunks.append(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": index,
+                        **content,
+                        "logprobs": choice["logprobs"],
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
+        finish.update(
+            index=index,
+            logprobs=None,
+            finish_reason=choice["finish_reason"],
+            matched_stop=choice["matched_stop"],
+        )
+        chunks.append({**head, "choices": [finish]})
+    if usage:
+        chunks.append({**head, "choices": [], "usage": response["usage"]})
+    return chunks
