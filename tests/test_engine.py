@@ -5,33 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from verst.engine import Engine, GenerateRequest, SamplingParams, sample_next_tokens
 
 EOS = 63
 PAD = 0
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [12], [20, 21, 22, 23, 24]]
-
-
-@pytest.fixture(scope="module")
-def model() -> transformers.Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        # Larger than the default so the random model is peaked, not near-uniform: greedy
-        # parity then tests real choices rather than near-ties.
-        initializer_range=0.2,
-    )
-    return transformers.Qwen3ForCausalLM(config).float().eval()
 
 
 def make_engine(model, seed: int = 0) -> Engine:

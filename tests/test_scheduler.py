@@ -13,24 +13,6 @@ from verst.engine.scheduler import Scheduler
 EOS = 63
 
 
-@pytest.fixture(scope="module")
-def model() -> transformers.Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-    )
-    return transformers.Qwen3ForCausalLM(config).float().eval()
-
-
 def scheduler(model, *, num_pages: int = 64, page_size: int = 4, **kw) -> Scheduler:
     pool = KVPool(
         num_layers=2,

@@ -1,0 +1,30 @@
+"""Fixtures shared by the engine and scheduler tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+
+# Module scope, not session: test_engine's weight-update test copies new weights into this model
+# in place (restoring them afterwards), so each module gets its own copy.
+@pytest.fixture(scope="module")
+def model() -> transformers.Qwen3ForCausalLM:
+    """A tiny random Qwen3 (vocab 64, 2 layers) on the CPU, in float32 and eval mode."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        # Larger than the default so the random model is peaked, not near-uniform: greedy
+        # parity then tests real choices rather than near-ties.
+        initializer_range=0.2,
+    )
+    return transformers.Qwen3ForCausalLM(config).float().eval()
