@@ -15,17 +15,16 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from verst.engine.openai_protocol import openai_stream_chunks, run_openai
 from verst.engine.protocol import (
     CONTINUE_OK,
     FLUSH_CACHE_TEXT,
     ProtocolError,
     loads_body,
     model_info_body,
-    openai_stream_chunks,
     parse_generate,
     run_abort,
     run_job,
-    run_openai,
     run_pause,
     run_update_weight_version,
     run_update_weights_from_disk,

@@ -1,0 +1,253 @@
+"""The OpenAI-compatible routes (`/v1/completions`, `/v1/chat/completions`) over a
+`ServingEngine`, built on the native protocol in `protocol.py`: OpenAI bodies are translated to
+`/generate` jobs (chat prompts through the tokenizer's chat template) and the results back to
+OpenAI's response and streaming-chunk shapes, with OpenAI's error envelope.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from verst.engine.protocol import (
+    GenerateItem,
+    GenerateJob,
+    ProtocolError,
+    openai_error,
+    parse_sampling_params,
+    run_job,
+)
+from verst.engine.serving import ServingEngine
+
+# ---- OpenAI-compatible -----------------------------------------------------------------------
+
+OPENAI_OFF: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "logit_bias": None,
+    "regex": None,
+    "ebnf": None,
+    "json_schema": None,
+    "lora_path": None,
+    "tools": None,
+    "echo": False,
+    "suffix": None,
+    "best_of": None,
+}
+
+
+def _openai_prompts(payload: dict[str, Any], tokenizer: Any, chat: bool) -> list[list[int]]:
+    if chat:
+        if isinstance(payload.get("input_ids"), list):
+            return [list(payload["input_ids"])]
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise openai_error("messages must be a non-empty list")
+        normalized = []
+        for message in messages:
+            if not isinstance(message, dict) or "role" not in message:
+                raise openai_error("each message needs a role")
+            content = message.get("content")
+            if isinstance(content, list):  # content parts: only text is supported
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            normalized.append({**message, "content": content})
+        continue_final = bool(payload.get("continue_final_message"))
+        text = tokenizer.apply_chat_template(
+            normalized,
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            **(payload.get("chat_template_kwargs") or {}),
+        )
+        return [tokenizer.encode(text, add_special_tokens=False)]
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [tokenizer.encode(p) for p in prompt]
+        if all(isinstance(p, list) and p for p in prompt):
+            return [list(p) for p in prompt]
+    raise openai_error("prompt must be a string, a list of strings or a list of token ids")
+
+
+def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) -> GenerateJob:
+    """An OpenAI completions / chat body → the same job `/generate` runs."""
+    if not isinstance(payload, dict):
+        raise openai_error("the request body must be a JSON object")
+    for key, off in OPENAI_OFF.items():
+        value = payload.get(key)
+        if value is not None and value != off and value != []:
+            raise openai_error(f"{key} is not supported by the verst engine yet")
+    response_format = payload.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
+        raise openai_error("response_format other than text is not supported yet")
+    if chat:
+        if payload.get("top_logprobs"):
+            raise openai_error("top_logprobs > 0 is not supported by the verst engine yet")
+        logprobs = bool(payload.get("logprobs"))
+        max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    else:
+        if payload.get("logprobs"):
+            raise openai_error("logprobs > 0 (top alternatives) is not supported yet; use 0")
+        logprobs = payload.get("logprobs") is not None
+        max_tokens = payload.get("max_tokens", 16)
+    raw: dict[str, Any] = {
+        "temperature": payload.get("temperature"),
+        "top_p": payload.get("top_p"),
+        "top_k": payload.get("top_k"),
+        "min_p": payload.get("min_p"),
+        "n": payload.get("n"),
+        "stop": payload.get("stop"),
+        "stop_token_ids": payload.get("stop_token_ids"),
+        "ignore_eos": payload.get("ignore_eos"),
+        "skip_special_tokens": payload.get("skip_special_tokens"),
+        "no_stop_trim": payload.get("no_stop_trim"),
+        "sampling_seed": payload.get("seed"),
+    }
+    prompts = _openai_prompts(payload, tokenizer, chat)
+    parsed = []
+    for prompt in prompts:
+        sampling = {k: v for k, v in raw.items() if v is not None}
+        # Chat without max_tokens may use the rest of the context, as SGLang does.
+        sampling["max_new_tokens"] = (
+            max_tokens if max_tokens is not None else max(context_len - len(prompt), 0)
+        )
+        try:
+            parsed.append(parse_sampling_params(sampling, len(prompt), context_len))
+        except ProtocolError as error:
+            inner = error.body.get("error")
+            raise openai_error(inner if isinstance(inner, str) else inner["message"]) from error
+    n = parsed[0][2]
+    base = str(payload.get("rid") or uuid.uuid4().hex)
+    items = [
+        GenerateItem(
+            prompt,
+            params,
+            detok,
+            rid=base if len(prompts) * n == 1 else f"{base}_{i * n + j}",
+            return_logprob=logprobs,
+        )
+        for i, (prompt, (params, detok, _)) in enumerate(zip(prompts, parsed, strict=True))
+        for j in range(n)
+    ]
+    return GenerateJob(items=items, is_list=True, return_prompt_token_ids=False, n=n)
+
+
+def _openai_finish(meta: dict[str, Any]) -> tuple[str, Any]:
+    finish = meta["finish_reason"]
+    matched = finish.get("matched") if finish["type"] == "stop" else None
+    return finish["type"], matched
+
+
+async def run_openai(
+    serving: ServingEngine,
+    tokenizer: Any,
+    payload: Any,
+    served_model_name: str,
+    *,
+    chat: bool,
+) -> dict[str, Any]:
+    """An OpenAI completions / chat body → its (non-streamed) response body."""
+    job = parse_openai(payload, tokenizer, serving.context_len, chat=chat)
+    results = await run_job(serving, job)
+    choices = []
+    for index, result in enumerate(results):
+        meta = result["meta_info"]
+        finish, matched = _openai_finish(meta)
+        logprobs = None
+        if job.items[index].return_logprob:
+            triples = meta.get("output_token_logprobs", [])
+            tokens = [tokenizer.decode([tid]) for _, tid, _ in triples]
+            if chat:
+                logprobs = {
+                    "content": [
+                        {
+                            "token": tok,
+                            "bytes": list(tok.encode()),
+                            "logprob": lp,
+                            "top_logprobs": [],
+                        }
+                        for tok, (lp, _, _) in zip(tokens, triples, strict=True)
+                    ]
+                }
+            else:
+                offsets, offset = [], 0
+                for tok in tokens:
+                    offsets.append(offset)
+                    offset += len(tok)
+                logprobs = {
+                    "tokens": tokens,
+                    "token_logprobs": [lp for lp, _, _ in triples],
+                    "text_offset": offsets,
+                    "top_logprobs": None,
+                }
+        choice: dict[str, Any] = {"index": index}
+        if chat:
+            choice["message"] = {
+                "role": "assistant",
+                "content": result["text"],
+                "reasoning_content": None,
+                "tool_calls": None,
+            }
+        else:
+            choice["text"] = result["text"]
+        choice.update(logprobs=logprobs, finish_reason=finish, matched_stop=matched)
+        choices.append(choice)
+    prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in results[:: job.n])
+    completion_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": served_model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+        "metadata": {"weight_version": serving.weight_version},
+    }
+
+
+def openai_stream_chunks(response: dict[str, Any], *, chat: bool, usage: bool) -> list[dict]:
+    """A finished response as OpenAI stream chunks: content in one chunk, then the finish."""
+    head = {k: response[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    chunks = []
+    for choice in response["choices"]:
+        index = choice["index"]
+        if chat:
+            content = {"delta": {"role": "assistant", "content": choice["message"]["content"]}}
+            finish = {"delta": {}}
+        else:
+            content, finish = {"text": choice["text"]}, {"text": ""}
+        chunks.append(
+            {
+                **head,
+                "choices": [
+                    {
+                        "index": index,
+                        **content,
+                        "logprobs": choice["logprobs"],
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        )
+        finish.update(
+            index=index,
+            logprobs=None,
+            finish_reason=choice["finish_reason"],
+            matched_stop=choice["matched_stop"],
+        )
+        chunks.append({**head, "choices": [finish]})
+    if usage:
+        chunks.append({**head, "choices": [], "usage": response["usage"]})
+    return chunks
