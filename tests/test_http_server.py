@@ -527,3 +527,13 @@ def test_prefix_cache_seeds_and_prompt_scoring(server: Server, client: EngineCli
     assert [t[1] for t in triples] == long_prompt
     assert all(t[0] <= 0.0 for t in triples[1:])
     assert scored["output_ids"] == []
+
+
+def test_version_spans() -> None:
+    from verst.engine.serving import version_spans
+
+    assert version_spans([]) == []
+    assert version_spans([3, 3, 4]) == [
+        {"version": "3", "start": 0, "end": 2},
+        {"version": "4", "start": 2, "end": 3},
+    ]

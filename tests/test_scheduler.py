@@ -233,3 +233,21 @@ def test_min_p_keeps_only_likely_tokens(model) -> None:
         [GenerateRequest(input_ids=prompt(10), sampling_params=greedy(6, ignore_eos=True))]
     )[0]
     assert sampled.output_ids == greedy_out.output_ids
+
+
+def test_a_request_running_across_a_weight_update_carries_both_versions(model) -> None:
+    import copy
+
+    sched = scheduler(copy.deepcopy(model))
+    sched.submit(
+        GenerateRequest(input_ids=prompt(11), rid="r", sampling_params=greedy(8, ignore_eos=True))
+    )
+    for _ in range(4):
+        sched.step()
+    sched.update_weights_from_tensors(model.state_dict().items(), version=1)
+    finished = []
+    while not finished:
+        finished = sched.step()
+    versions = finished[0].token_weight_versions
+    assert versions[0] == 0 and versions[-1] == 1 and len(versions) == 8
+    assert finished[0].weight_version == 1

@@ -50,6 +50,8 @@ class GenerateOutput:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # SGLang's shape: one entry per prompt position from logprob_start_len, the first None
     input_token_logprobs: list[float | None] = field(default_factory=list)
+    # the weight version that produced each output token (a request can span an update)
+    token_weight_versions: list[int | str] = field(default_factory=list)
 
 
 class Engine:

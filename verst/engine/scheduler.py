@@ -51,6 +51,7 @@ class _Running:
     retractions: int = 0
     generator: torch.Generator | None = None  # the request's own, when it has a seed
     input_logprobs: list[float | None] = field(default_factory=list)
+    token_versions: list[int | str] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:
@@ -80,7 +81,7 @@ class Scheduler:
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        self.weight_version = 0
+        self.weight_version: int | str = 0
         self.waiting: deque[_Running] = deque()
         self.running: list[_Running] = []
         self.paused: PauseMode | None = None
@@ -166,7 +167,7 @@ class Scheduler:
 
     @torch.no_grad()
     def update_weights_from_tensors(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str
     ) -> None:
         """Copy weights in place and stamp `version`. Cached prefixes hold KV of the old
         weights, so they are dropped; in-flight requests keep theirs (in_place semantics)."""
@@ -181,7 +182,7 @@ class Scheduler:
         if self.cache is not None:
             self.cache.evict(self.cache.evictable_pages())
 
-    def set_weight_version(self, version: int) -> None:
+    def set_weight_version(self, version: int | str) -> None:
         self.weight_version = version
 
     # --- one step -------------------------------------------------------------------------------
@@ -371,6 +372,7 @@ class Scheduler:
         for r, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
             r.tokens.append(token)
             r.output_logprobs.append(logprob)
+            r.token_versions.append(self.weight_version)
             p = r.request.sampling_params
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
             reason = FINISH_STOP if token in stops else None
@@ -419,4 +421,5 @@ class Scheduler:
             weight_version=self.weight_version,
             cached_tokens=r.cached_tokens,
             input_token_logprobs=list(r.input_logprobs),
+            token_weight_versions=list(r.token_versions),
         )

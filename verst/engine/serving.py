@@ -66,6 +66,18 @@ class _Pending:
     future: asyncio.Future[GenerateResult] = field(repr=False)
 
 
+def version_spans(versions: Sequence[int | str]) -> list[dict[str, Any]]:
+    """SGLang's `meta_info.weight_versions`: runs of output tokens made by one version, as
+    `{"version": str, "start": i, "end": j}` over token indices [i, j)."""
+    spans: list[dict[str, Any]] = []
+    for index, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = index + 1
+        else:
+            spans.append({"version": str(version), "start": index, "end": index + 1})
+    return spans
+
+
 class ServingEngine:
     """A `Scheduler` behind an async queue; create and use it inside one event loop."""
 
@@ -309,6 +321,7 @@ class ServingEngine:
             "cached_tokens": out.cached_tokens,
             "reasoning_tokens": 0,
             "weight_version": version,
+            "weight_versions": version_spans(out.token_weight_versions[: len(ids)]),
             "e2e_latency": time.perf_counter() - p.submitted_s,
         }
         if p.request.return_logprob:
@@ -475,8 +488,9 @@ class ServingEngine:
     def _set_version(self, version: str) -> None:
         self.weight_version = version
         # The engine's own counter is an int; keep it in step when the version is one.
-        if version.lstrip("-").isdigit():
-            self.scheduler.set_weight_version(int(version))
+        self.scheduler.set_weight_version(
+            int(version) if version.lstrip("-").isdigit() else version
+        )
 
     def _load_from_disk(self, model_path: str) -> tuple[bool, str]:
         from safetensors import safe_open
