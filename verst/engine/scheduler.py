@@ -158,8 +158,12 @@ class Scheduler:
         self.paused = None
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix; refused (False) while requests are running or queued."""
-        if self.running or self.waiting:
+        """Drop every cached prefix; refused (False) while running requests hold KV pages.
+
+        Queued requests (retracted ones included) hold no pages, so they do not block it: the
+        weight-update protocol flushes right after a retracting pause.
+        """
+        if self.running:
             return False
         if self.cache is not None:
             self.cache.reset()

@@ -253,8 +253,7 @@ class ServingEngine:
                 self._queue.clear()
             try:
                 async with lock:
-                    while self._control:  # aborts and pauses, between two steps
-                        self._control.pop(0)()
+                    self._apply_control()
                     if self._paused:
                         continue
                     version = self.weight_version
@@ -272,6 +271,11 @@ class ServingEngine:
             async with cond:
                 self._resolve(finished, version)
                 cond.notify_all()
+
+    def _apply_control(self) -> None:
+        """Aborts and pauses reach the scheduler between two steps (call with the lock)."""
+        while self._control:
+            self._control.pop(0)()
 
     def _resolve(self, outputs: list[GenerateOutput], version: str) -> None:
         for out in outputs:
@@ -435,12 +439,14 @@ class ServingEngine:
             cond.notify_all()
 
     async def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused (False) while requests are queued or running."""
+        """Drop the prefix cache; refused (False) while running requests hold KV (a pause in
+        `retract` or `abort` mode releases it; `in_place` keeps it)."""
         lock = self._engine_lock
         assert lock is not None
-        if self._queue or self._running:
-            return False
+        if self._queue or (self._running and not self._paused):
+            return False  # requests in flight, as SGLang refuses
         async with lock:
+            self._apply_control()  # a pause just asked for takes effect first
             return self.scheduler.flush_cache()
 
     async def update_weight_version(self, new_version: str, *, abort_all: bool = True) -> None:

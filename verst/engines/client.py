@@ -47,6 +47,10 @@ class EngineClient(Protocol):
 
     async def get_weight_version(self) -> str: ...
 
+    async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
+        """Stamp `version` on the engine (SGLang's /update_weight_version)."""
+        ...
+
     async def get_load(self) -> dict[str, Any]:
         """SGLang's `/v1/loads` body: `{"timestamp", "version", "loads": [per DP rank]}`."""
         ...
@@ -109,6 +113,11 @@ class InProcessEngineClient:
 
     async def get_weight_version(self) -> str:
         return self.serving.weight_version
+
+    async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
+        await protocol.run_update_weight_version(
+            self.serving, {"new_version": version, "abort_all_requests": abort_all}
+        )
 
     async def get_load(self) -> dict[str, Any]:
         return protocol.loads_body(self.serving)
@@ -191,6 +200,10 @@ class HttpEngineClient:
         # /model_info carries weight_version on SGLang 0.5.9+ and on verst; /get_weight_version
         # is gone from SGLang.
         return str((await self._request("GET", "/model_info"))[1]["weight_version"])
+
+    async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
+        payload = {"new_version": version, "abort_all_requests": abort_all}
+        await self._request("POST", "/update_weight_version", payload)
 
     async def get_load(self) -> dict[str, Any]:
         return (await self._request("GET", "/v1/loads"))[1]
