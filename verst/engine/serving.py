@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -469,22 +469,43 @@ class ServingEngine:
         Names and shapes are all checked before the first copy, so a bad checkpoint leaves the
         weights and the version untouched.
         """
-        cond, lock = self._started(), self._engine_lock
-        assert lock is not None
         if abort_all_requests:
             await self.abort(None, abort_all=True, message="Abort by update_weights_from_disk.")
+        ok, message = await self._update_weights(
+            lambda: self._load_from_disk(model_path), weight_version
+        )
+        if ok:
+            self.model_path = model_path
+        return ok, message
+
+    async def update_weights_from_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> tuple[bool, str]:
+        """Copy in-process tensors into the model (the in-process transport of weight sync)."""
+
+        def copy() -> tuple[bool, str]:
+            self.scheduler.update_weights_from_tensors(named_tensors, self.scheduler.weight_version)
+            return True, "Succeeded to update model weights."
+
+        return await self._update_weights(copy, weight_version)
+
+    async def _update_weights(
+        self, load: Callable[[], tuple[bool, str]], weight_version: str | None
+    ) -> tuple[bool, str]:
+        """Run `load` between two steps: at once when paused, else after the requests already
+        submitted have finished (new ones wait); then stamp `weight_version`."""
+        cond, lock = self._started(), self._engine_lock
+        assert lock is not None
         async with cond:
             self._updating += 1
             cond.notify_all()
-            # Paused: update at once (between batches); else drain what was already submitted.
             await cond.wait_for(lambda: self._paused or (not self._queue and not self._running))
         try:
             async with lock:
-                ok, message = await asyncio.to_thread(self._load_from_disk, model_path)
-                if ok:
-                    self.model_path = model_path
-                    if weight_version is not None:
-                        self._set_version(str(weight_version))
+                self._apply_control()
+                ok, message = await asyncio.to_thread(load)
+                if ok and weight_version is not None:
+                    self._set_version(str(weight_version))
                 return ok, message
         finally:
             async with cond:

@@ -114,6 +114,14 @@ class InProcessEngineClient:
     async def get_weight_version(self) -> str:
         return self.serving.weight_version
 
+    async def update_weights_from_tensors(
+        self, named_tensors: Any, weight_version: str | None = None
+    ) -> None:
+        """In-process only: copy tensors straight into the engine (no serialisation)."""
+        ok, message = await self.serving.update_weights_from_tensors(named_tensors, weight_version)
+        if not ok:
+            raise EngineError(400, {"success": False, "message": message})
+
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
         await protocol.run_update_weight_version(
             self.serving, {"new_version": version, "abort_all_requests": abort_all}

@@ -1,0 +1,154 @@
+"""The weight-update protocol over real in-process engines: order, exactness, versions."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from verst.engine.serving import ServingEngine
+from verst.engines.client import InProcessEngineClient
+from verst.models.tiny import TinyModelConfig, build_tiny_model, create_tiny
+from verst.sync.protocol import InProcessTensorTransport, WeightSync, WeightSyncError
+
+TINY = TinyModelConfig(
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    max_position_embeddings=256,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    create_tiny(path, TINY, seed=0)
+    return path
+
+
+def trainer_weights(seed: int) -> dict[str, torch.Tensor]:
+    return build_tiny_model(TINY, vocab_size=100, seed=seed).state_dict()
+
+
+async def engines(model_dir: Path, n: int) -> list[InProcessEngineClient]:
+    clients = []
+    for _ in range(n):
+        serving = ServingEngine.from_model_dir(str(model_dir), kv_cache_bytes=8 << 20)
+        await serving.start()
+        clients.append(InProcessEngineClient(serving, owns_serving=True))
+    return clients
+
+
+def assert_engine_has(client: InProcessEngineClient, weights: dict[str, torch.Tensor]) -> None:
+    params = dict(client.serving.scheduler.model.named_parameters(remove_duplicate=False))
+    for name, tensor in weights.items():
+        assert torch.equal(params[name].detach(), tensor), name
+
+
+class Recording:
+    """A real client whose calls are logged (and whose first version stamp can be lost)."""
+
+    def __init__(self, inner: InProcessEngineClient, log: list[str], *, lose_first=False):
+        self.inner, self.log, self.lose = inner, log, lose_first
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+
+        async def call(*args, **kwargs):
+            self.log.append(name)
+            if name == "update_weight_version" and self.lose:
+                self.lose = False
+                return None
+            return await attr(*args, **kwargs)
+
+        return call
+
+
+def test_push_follows_the_protocol_and_is_exact(model_dir: Path) -> None:
+    async def scenario() -> None:
+        clients = await engines(model_dir, 2)
+        log: list[str] = []
+        sync = WeightSync([Recording(clients[0], log), clients[1]], InProcessTensorTransport())
+        weights = trainer_weights(seed=5)
+        report = await sync.push(lambda: weights.items(), version=1)
+        assert report.calls == ["pause", "flush", "send", "set_version", "continue"]
+        assert log == [
+            "pause_generation",
+            "flush_cache",
+            "update_weights_from_tensors",
+            "update_weight_version",
+            "continue_generation",
+            "get_weight_version",
+        ]
+        for client in clients:
+            assert_engine_has(client, weights)
+            assert await client.get_weight_version() == "1"
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_in_place_keeps_requests_running_across_the_update(model_dir: Path) -> None:
+    async def scenario() -> dict:
+        (client,) = await engines(model_dir, 1)
+        sync = WeightSync([client], InProcessTensorTransport(), pause_mode="in_place")
+        request = asyncio.ensure_future(
+            client.generate(
+                {
+                    "input_ids": [5, 6, 7],
+                    "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+                }
+            )
+        )
+        serving = client.serving
+        while serving.num_batches < 5:
+            await asyncio.sleep(0.001)
+        report = await sync.push(lambda: trainer_weights(seed=6).items(), version=7)
+        assert "flush" not in report.calls
+        result = await request
+        await client.close()
+        return result
+
+    result = asyncio.run(scenario())
+    spans = result["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["0", "7"]
+    assert spans[-1]["end"] == 200 and result["meta_info"]["weight_version"] == "7"
+
+
+def test_an_engine_that_missed_the_version_is_sent_again(model_dir: Path) -> None:
+    async def scenario() -> None:
+        clients = await engines(model_dir, 2)
+        log: list[str] = []
+        flaky = Recording(clients[1], log, lose_first=True)
+        sync = WeightSync([clients[0], flaky], InProcessTensorTransport())
+        report = await sync.push(lambda: trainer_weights(seed=8).items(), version=2)
+        assert report.resent == [1]
+        assert await clients[1].get_weight_version() == "2"
+        hopeless = Recording(clients[0], [], lose_first=True)
+        hopeless.lose = True
+        never = WeightSync([hopeless], InProcessTensorTransport(), max_resends=0)
+        with pytest.raises(WeightSyncError, match="report versions"):
+            await never.push(lambda: trainer_weights(seed=8).items(), version=3)
+        for client in clients:
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_joining_engine_gets_a_full_push(model_dir: Path) -> None:
+    async def scenario() -> None:
+        first, late = await engines(model_dir, 2)
+        sync = WeightSync([first], InProcessTensorTransport())
+        weights = trainer_weights(seed=9)
+        await sync.push(lambda: weights.items(), version=4)
+        await sync.add_engine(late, lambda: weights.items(), version=4)
+        assert_engine_has(late, weights)
+        assert await late.get_weight_version() == "4" and len(sync.engines) == 2
+        await first.close()
+        await late.close()
+
+    asyncio.run(scenario())
