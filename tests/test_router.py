@@ -452,3 +452,10 @@ def test_dp_rank_is_sent_in_the_body(fleet: Fleet) -> None:
             await fake_runner.cleanup()
 
     fleet.run(scenario())
+
+
+def test_cli_route_needs_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    from verst.cli import main
+
+    assert main(["route", "--engines", " , "]) == 2
+    assert "at least one engine URL" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The `verst` command: `verst train`, `verst serve`, `verst model create-tiny`.
+"""The `verst` command: `verst train`, `verst serve`, `verst route`, `verst model create-tiny`.
 
 Config errors, missing files and non-finite losses end the command with a one-paragraph message
 and exit code 2 (bad input) or 1 (the run failed), never a traceback for the user's mistake.
@@ -74,6 +74,29 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-batch-size", type=int, default=256)
 
 
+def _route_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "route",
+        help="route requests over engine servers with key affinity",
+        description="Proxy SGLang-protocol requests to engine servers: requests with the same "
+        "X-SMG-Routing-Key header reach the same engine; new keys go to the least-loaded one.",
+    )
+    parser.add_argument(
+        "--engines", required=True, help="comma-separated engine URLs (URL@rank for a DP rank)"
+    )
+    parser.add_argument("--port", type=int, default=30100)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--sessions",
+        action="store_true",
+        help="refuse requests without X-SMG-Routing-Key instead of load-balancing them",
+    )
+    parser.add_argument("--health-interval-s", type=float, default=5.0)
+    parser.add_argument(
+        "--health-failures", type=int, default=3, help="failed health checks before removal"
+    )
+
+
 def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """argparse cannot tell `CONFIG` from a first override; an `=` decides."""
     config, overrides = args.config, list(args.overrides)
@@ -135,11 +158,29 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _route(args: argparse.Namespace) -> int:
+    from verst.router.server import run_router
+
+    engines = [url.strip() for url in args.engines.split(",") if url.strip()]
+    if not engines:
+        raise ValueError("--engines: give at least one engine URL")
+    run_router(
+        engines,
+        host=args.host,
+        port=args.port,
+        sessions=args.sessions,
+        health_interval_s=args.health_interval_s,
+        health_failures=args.health_failures,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verst", description="RL post-training for LLMs")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _train_parser(subparsers)
     _serve_parser(subparsers)
+    _route_parser(subparsers)
     _model_parser(subparsers)
     args = parser.parse_args(argv)
     try:
@@ -147,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "route":
+            return _route(args)
         return _create_tiny(args)
     except (ConfigError, FileNotFoundError, ImportError, ValueError) as error:
         print(f"verst: error: {error}", file=sys.stderr)
