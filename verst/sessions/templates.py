@@ -1,0 +1,337 @@
+"""Token-in-token-out (TITO) multi-turn tokenisation over a Hugging Face chat template.
+
+The trainer must see exactly the tokens the policy saw and sampled, so a multi-turn conversation
+is never re-tokenised: the first turn is rendered in full (`render_prompt`), the model's output
+ids are kept verbatim, and each later batch of user/tool/system messages is turned into only the
+ids to append (`extend`). `extend` renders the new messages behind a dummy system + dummy
+assistant pair, takes the text difference, and fixes the junction after the model's last output
+(the end-of-turn token the model emitted, or did not emit because it was truncated, and what
+the template writes after it, e.g. ChatML's "\\n").
+
+Where a template is append-only, prompt + outputs + extensions equal `canonical` (a full
+re-render) token for token. Where it is not (templates that drop earlier reasoning, trim
+whitespace, ...), the assembled ids still hold what the model saw, and `mismatch` counts the
+differences by kind. See docs/chat_templates.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from transformers import PreTrainedTokenizerBase
+
+Family = Literal["chatml", "llama3", "default"]
+Message = dict[str, Any]
+MISMATCH_TYPES = (
+    "special_token_count",
+    "special_token_type",
+    "non_assistant_text",
+    "assistant_text",
+)
+APPENDABLE_ROLES = frozenset({"user", "tool", "system"})
+
+# Content the template must print verbatim; no whitespace so that `| trim` cannot alter it.
+_DUMMY_SYSTEM: Message = {"role": "system", "content": "VERST_DUMMY_SYSTEM"}
+_DUMMY_ASSISTANT: Message = {"role": "assistant", "content": "VERST_DUMMY_ASSISTANT"}
+
+# What a named family's template writes after an assistant message's content. The token the
+# model stops on is the first special token of it.
+_FAMILY_CLOSE: dict[str, str] = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>"}
+
+# A ChatML-based tool-calling template with Qwen2.5's conventions: tools listed in the system
+# prompt, `<tool_call>{json}</tool_call>` in assistant turns, and consecutive `tool` messages
+# grouped into one user turn of `<tool_response>` blocks. Works with `build_char_tokenizer()`.
+CHATML_TOOL_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Function signatures, within "
+    "<tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with the function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TurnFormat:
+    """How the template frames an assistant turn, read off a dummy render.
+
+    `header` precedes the assistant's content ("<|im_start|>assistant\\n"; None when it cannot be
+    read off, and then `mismatch` cannot tell assistant text from the rest); `close` follows it
+    ("<|im_end|>\\n"); `end_of_turn` is the token the model stops on (close's first token).
+    """
+
+    header: str | None
+    close: str
+    end_of_turn: str
+    end_of_turn_id: int
+
+
+def detect_family(chat_template: str) -> Family:
+    """The family a template's markers suggest: ChatML, Llama-3, or the generic default."""
+    if "<|im_start|>" in chat_template:
+        return "chatml"
+    if "<|start_header_id|>" in chat_template:
+        return "llama3"
+    return "default"
+
+
+class ChatTokenizer:
+    """Incremental multi-turn tokenisation that never re-tokenises earlier turns.
+
+    `family=None` detects it from the template. A named family asserts its junction rule (the
+    text after an assistant turn) against the template and raises if it differs; an
+    auto-detected family that does not match falls back to "default", which reads the rule off
+    the template itself. `template_kwargs` go to every render (e.g. `enable_thinking=False`).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        family: Family | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if not tokenizer.chat_template or not isinstance(tokenizer.chat_template, str):
+            raise ValueError("the tokenizer has no (single) chat template to render with")
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        self.format = self._read_turn_format()
+        detected = family is None
+        self.family: Family = detect_family(tokenizer.chat_template) if detected else family
+        expected_close = _FAMILY_CLOSE.get(self.family)
+        if expected_close is not None and self.format.close != expected_close:
+            if not detected:
+                raise ValueError(
+                    f"family {self.family!r} expects {expected_close!r} after an assistant turn "
+                    f"but this template writes {self.format.close!r}; use family='default'"
+                )
+            self.family = "default"
+        self.special_ids = frozenset(tokenizer.all_special_ids) | {
+            i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special
+        }
+
+    # -- rendering ------------------------------------------------------------------------
+
+    def _render(
+        self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
+        assert isinstance(text, str)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text` with no BOS/EOS added (the template writes those itself)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _read_turn_format(self) -> TurnFormat:
+        base = self._render([_DUMMY_SYSTEM, _DUMMY_ASSISTANT], None, add_generation_prompt=False)
+        sys_end = base.find(_DUMMY_SYSTEM["content"]) + len(_DUMMY_SYSTEM["content"])
+        asst_at = base.rfind(_DUMMY_ASSISTANT["content"])
+        if sys_end < len(_DUMMY_SYSTEM["content"]) or asst_at < sys_end:
+            raise ValueError("the chat template does not print system/assistant content verbatim")
+        close = base[asst_at + len(_DUMMY_ASSISTANT["content"]) :]
+        close_ids = self.encode(close)
+        if close_ids:
+            end_of_turn_id = close_ids[0]
+        elif self.tokenizer.eos_token_id is not None:
+            end_of_turn_id = self.tokenizer.eos_token_id
+        else:
+            raise ValueError("the template closes assistant turns with nothing and has no EOS")
+        end_of_turn = self.tokenizer.decode([end_of_turn_id], skip_special_tokens=False)
+        # The assistant header is the longest start of the generation prompt that also ends the
+        # text before the dummy assistant's content; Qwen3's "no thinking" prompt, for one,
+        # adds an empty <think> block that history turns do not carry.
+        with_prompt = self._render([_DUMMY_SYSTEM, _DUMMY_ASSISTANT], None, True)
+        gen_prompt = with_prompt[len(base) :] if with_prompt.startswith(base) else ""
+        before = base[sys_end:asst_at]
+        header = next(
+            (
+                gen_prompt[:k]
+                for k in range(len(gen_prompt), 0, -1)
+                if before.endswith(gen_prompt[:k])
+            ),
+            None,
+        )
+        return TurnFormat(header, close, end_of_turn, end_of_turn_id)
+
+    # -- the TITO API ---------------------------------------------------------------------
+
+    def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """The first turn's ids: the whole template with the generation prompt."""
+        if not messages:
+            raise ValueError("render_prompt needs at least one message")
+        return self.encode(self._render(messages, tools, add_generation_prompt=True))
+
+    def extend(
+        self,
+        prev_ids: list[int],
+        new_messages: list[Message],
+        tools: list[dict] | None = None,
+    ) -> list[int]:
+        """The ids to append after `prev_ids` for `new_messages`, ending with the gen prompt.
+
+        `prev_ids` end with the model's last output, with or without its end-of-turn token (a
+        truncated output has none; it is closed here). `new_messages` are user, tool or system
+        messages: assistant turns only enter the history as the model's own output ids.
+        """
+        if not prev_ids:
+            raise ValueError("extend needs the ids so far; use render_prompt for the first turn")
+        if not new_messages:
+            raise ValueError("extend needs at least one new message")
+        for m in new_messages:
+            if m.get("role") not in APPENDABLE_ROLES:
+                raise ValueError(
+                    f"cannot append a {m.get('role')!r} message: history is append-only and "
+                    f"assistant turns come from the model's output ids; allowed: "
+                    f"{sorted(APPENDABLE_ROLES)}"
+                )
+        dummies = [_DUMMY_SYSTEM, _DUMMY_ASSISTANT]
+        base = self._render(dummies, tools, add_generation_prompt=False)
+        full = self._render(dummies + list(new_messages), tools, add_generation_prompt=True)
+        if not full.startswith(base):
+            raise ValueError(
+                "the chat template renders earlier messages differently once new ones follow; "
+                "it cannot be extended incrementally"
+            )
+        return self.encode(self._junction(prev_ids) + full[len(base) :])
+
+    def _junction(self, prev_ids: list[int]) -> str:
+        """The part of the assistant turn's close that `prev_ids` are still missing."""
+        fmt = self.format
+        close_ids = self.encode(fmt.close)
+        if close_ids and prev_ids[-len(close_ids) :] == close_ids:
+            return ""
+        if prev_ids[-1] == fmt.end_of_turn_id and fmt.close.startswith(fmt.end_of_turn):
+            return fmt.close[len(fmt.end_of_turn) :]
+        return fmt.close
+
+    def canonical(
+        self,
+        messages: list[Message],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool | None = None,
+    ) -> list[int]:
+        """A full re-render of the conversation; the generation prompt by default iff the last
+        message is not the assistant's."""
+        if add_generation_prompt is None:
+            add_generation_prompt = messages[-1].get("role") != "assistant"
+        return self.encode(self._render(messages, tools, add_generation_prompt))
+
+    # -- checking -------------------------------------------------------------------------
+
+    def mismatch(
+        self,
+        assembled_ids: list[int],
+        messages: list[Message],
+        tools: list[dict] | None = None,
+    ) -> dict[str, int]:
+        """Differences between assembled ids and `canonical(messages)`, counted by kind.
+
+        Both sequences are cut into special tokens and the runs of ordinary tokens between them.
+        `special_token_count`: the two cuts do not line up (reported alone, since nothing can be
+        aligned then); `special_token_type`: a special token differs at the same place;
+        `assistant_text` / `non_assistant_text`: a run of ordinary tokens differs, inside an
+        assistant turn or elsewhere. Runs are compared by ids, so a different tokenisation of
+        the same text counts too. All zero iff the sequences are equal. When the conversation
+        ends with the assistant, its end-of-turn close is ignored on both sides.
+        """
+        counts = dict.fromkeys(MISMATCH_TYPES, 0)
+        canonical_ids = self.canonical(messages, tools)
+        if messages and messages[-1].get("role") == "assistant":
+            canonical_ids = self._strip_close(canonical_ids)
+            assembled_ids = self._strip_close(list(assembled_ids))
+        exp, act = self._segments(canonical_ids), self._segments(list(assembled_ids))
+        if [s for s, _ in exp] != [s for s, _ in act]:
+            n_exp = sum(s for s, _ in exp)
+            n_act = sum(s for s, _ in act)
+            counts["special_token_count"] = max(abs(n_exp - n_act), 1)
+            return counts
+        exp_assistant = self._assistant_flags(exp)
+        act_assistant = self._assistant_flags(act)
+        for i, ((special, e), (_, a)) in enumerate(zip(exp, act, strict=True)):
+            if e == a:
+                continue
+            if special:
+                counts["special_token_type"] += 1
+            elif exp_assistant[i] and act_assistant[i]:
+                counts["assistant_text"] += 1
+            else:
+                counts["non_assistant_text"] += 1
+        return counts
+
+    def _strip_close(self, ids: list[int]) -> list[int]:
+        close_ids = self.encode(self.format.close)
+        if close_ids and ids[-len(close_ids) :] == close_ids:
+            return ids[: -len(close_ids)]
+        if ids and ids[-1] == self.format.end_of_turn_id:
+            return ids[:-1]
+        return ids
+
+    def _segments(self, ids: list[int]) -> list[tuple[bool, list[int]]]:
+        """(is_special, ids) runs: each special token alone, ordinary tokens grouped."""
+        segments: list[tuple[bool, list[int]]] = []
+        for i in ids:
+            if i in self.special_ids:
+                segments.append((True, [i]))
+            elif segments and not segments[-1][0]:
+                segments[-1][1].append(i)
+            else:
+                segments.append((False, [i]))
+        return segments
+
+    def _assistant_flags(self, segments: list[tuple[bool, list[int]]]) -> list[bool]:
+        """Whether each ordinary run overlaps an assistant turn's content (header to close)."""
+        header = self.format.header
+        if header is None:
+            return [False] * len(segments)
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=False) for _, ids in segments]
+        full = "".join(texts)
+        regions: list[tuple[int, int]] = []
+        at = full.find(header)
+        while at >= 0:
+            start = at + len(header)
+            end = full.find(self.format.end_of_turn, start)
+            end = len(full) if end < 0 else end
+            regions.append((start, end))
+            at = full.find(header, max(end, start))
+        flags, offset = [], 0
+        for (special, _), text in zip(segments, texts, strict=True):
+            lo, hi = offset, offset + len(text)
+            flags.append(not special and any(lo < e and s < hi for s, e in regions))
+            offset = hi
+        return flags
