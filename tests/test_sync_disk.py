@@ -154,11 +154,15 @@ def test_xor_delta_applied_twice_reverts_and_is_detected(tmp_path: Path) -> None
     _assert_bit_equal(target, source)
 
 
-def _flip_payload_byte(path: Path) -> None:
+def _flip_payload_byte(path: Path) -> bytes:
+    """Flip one bit in the last tensor's data (after the safetensors header); returns the
+    original file bytes."""
     payload = next(path.glob("*.safetensors"))
-    data = bytearray(payload.read_bytes())
-    data[-3] ^= 0x40  # in the last tensor's data, after the safetensors header
+    original = payload.read_bytes()
+    data = bytearray(original)
+    data[-3] ^= 0x40
     payload.write_bytes(bytes(data))
+    return original
 
 
 def test_corrupted_delta_is_detected_and_load_full_recovers(tmp_path: Path) -> None:
@@ -174,11 +178,12 @@ def test_corrupted_delta_is_detected_and_load_full_recovers(tmp_path: Path) -> N
     delta = publisher.publish(source.items(), 3)
 
     # A torn or flipped payload file fails its file checksum before anything is written.
-    _flip_payload_byte(delta)
+    original = _flip_payload_byte(delta)
     with pytest.raises(ChecksumMismatch) as info:
         apply_published(target, delta, current_version=2)
     assert not info.value.target_modified
     _assert_bit_equal(target, v2)
+    next(delta.glob("*.safetensors")).write_bytes(original)
 
     # A payload re-saved with wrong bytes but a consistent file checksum passes the file check;
     # the per-tensor final checksums catch it after the write.
@@ -315,3 +320,31 @@ def test_gc_keeps_recent_versions_and_the_chain_from_the_newest_full(tmp_path: P
         _assert_bit_equal(target, source)
     modes = {v: read_manifest(p).mode for v, p in published_versions(tmp_path)}
     assert modes == {8: "xor", 9: "full"}
+
+
+def test_every_dtype_and_shard_round_trips_through_safetensors(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    source = {
+        "f16": torch.randn(7, 3, generator=gen).half(),
+        "f64": torch.randn(5, generator=gen).double(),
+        "i64": torch.randint(-(2**40), 2**40, (9,), generator=gen),
+        "i8": torch.randint(-128, 127, (4, 4), generator=gen, dtype=torch.int8),
+        "u8": torch.randint(0, 255, (11,), generator=gen, dtype=torch.uint8),
+        "mask": torch.rand(6, generator=gen) > 0.5,
+        "empty": torch.zeros(0, 4),
+    }
+    publisher = DiskPublisher(tmp_path, shard_bytes=64)
+    path = publisher.publish(source.items(), 1)
+    assert len(list(path.glob("model-*.safetensors"))) > 1
+    on_disk = {k: v for f in path.glob("*.safetensors") for k, v in load_file(f).items()}
+    _assert_bit_equal(on_disk, source)
+    target = {n: torch.zeros_like(t) for n, t in source.items()}
+    apply_published(target, path, current_version=None)
+    _assert_bit_equal(target, source)
+
+    source["i64"].add_(1)
+    source["mask"].logical_not_()
+    delta = publisher.publish(source.items(), 2)
+    assert {t.name for t in read_manifest(delta).tensors if t.in_delta} == {"i64", "mask"}
+    apply_published(target, delta, current_version=1)
+    _assert_bit_equal(target, source)
