@@ -154,7 +154,9 @@ TOOLS = [
 ]
 
 
-def char_tokenizer(specials: list[str], template: str, bos: str | None, eos: str):
+def char_tokenizer(
+    specials: list[str], template: str, bos: str | None, eos: str
+) -> PreTrainedTokenizerFast:
     """A char-level tokenizer like `build_char_tokenizer`, with other special tokens."""
     vocab = {tok: i for i, tok in enumerate(specials + CHARS + ["<unk>"])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -459,7 +461,9 @@ def test_think_stripping_template_is_counted_not_hidden() -> None:
     check_think_stripping(ChatTokenizer(chatml_char_tokenizer(THINK_STRIP_TEMPLATE)))
 
 
-def test_think_stripping_template_on_real_qwen_vocabulary(qwen_tok) -> None:
+def test_think_stripping_template_on_real_qwen_vocabulary(
+    qwen_tok: PreTrainedTokenizerFast,
+) -> None:
     check_think_stripping(ChatTokenizer(with_template(qwen_tok, THINK_STRIP_TEMPLATE)))
 
 
