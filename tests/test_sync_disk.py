@@ -348,3 +348,22 @@ def test_every_dtype_and_shard_round_trips_through_safetensors(tmp_path: Path) -
     assert {t.name for t in read_manifest(delta).tensors if t.in_delta} == {"i64", "mask"}
     apply_published(target, delta, current_version=1)
     _assert_bit_equal(target, source)
+
+
+def test_payload_contradicting_its_manifest_is_refused_before_writing(tmp_path: Path) -> None:
+    source = _random_weights(torch.float32)
+    publisher = DiskPublisher(tmp_path, mode="overwrite")
+    target = _engine_copy(source)
+    apply_published(target, publisher.publish(source.items(), 1), current_version=None)
+    before = {n: t.clone() for n, t in target.items()}
+    source["w2"].add_(1.0)
+    delta = publisher.publish(source.items(), 2)
+    payload_file = next(delta.glob("*.safetensors"))
+    save_file({"w2": load_file(payload_file)["w2"].reshape(-1)}, payload_file)  # wrong shape
+    manifest = json.loads((delta / "manifest.json").read_text())
+    manifest["files"][0]["checksum"] = disk._file_digest(payload_file, disk.CHECKSUM_ALGORITHM)
+    (delta / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ChecksumMismatch) as info:
+        apply_published(target, delta, current_version=1)
+    assert info.value.names == ["w2"] and not info.value.target_modified
+    _assert_bit_equal(target, before)

@@ -621,6 +621,22 @@ def _check_layout(manifest: Manifest, target: dict[str, torch.Tensor], path: Pat
         )
 
 
+def _payload_fits(
+    readers: dict[str, Any], keys: dict[str, set[str]], entry: TensorEntry, mode: PublishMode
+) -> bool:
+    """Whether the payload file holds `entry` with the dtype and shape its mode implies."""
+    reader = readers.get(entry.file or "")
+    if reader is None or entry.name not in keys[entry.file or ""]:
+        return False
+    header = reader.get_slice(entry.name)
+    expected = (
+        ("U8", [entry.nbytes])
+        if mode == "xor"
+        else (_SAFETENSORS_DTYPES.get(_dtype(entry.dtype)), list(entry.shape))
+    )
+    return (header.get_dtype(), list(header.get_shape())) == expected
+
+
 def apply_published(
     target: dict[str, torch.Tensor],
     path: Path,
@@ -658,6 +674,16 @@ def apply_published(
             name: stack.enter_context(safe_open(str(path / name), framework="pt", device="cpu"))
             for name in manifest.files
         }
+        keys = {name: set(reader.keys()) for name, reader in readers.items()}
+        malformed = [
+            entry.name
+            for entry in manifest.tensors
+            if entry.in_delta and not _payload_fits(readers, keys, entry, manifest.mode)
+        ]
+        if malformed:
+            # The files match their checksums, so the publisher wrote a payload that contradicts
+            # its own manifest; treated as corruption, refused before any write.
+            raise ChecksumMismatch(path, malformed, target_modified=False)
         for entry in manifest.tensors:
             tensor = target[entry.name]
             if not entry.in_delta:
@@ -668,17 +694,11 @@ def apply_published(
                 bytes_read += payload.numel() * payload.element_size()
                 changed += 1
                 if manifest.mode == "xor":
-                    if payload.dtype != torch.uint8 or payload.numel() != entry.nbytes:
-                        raise DiskSyncError(f"{path.name}: bad xor payload for {entry.name!r}")
                     window = _ByteWindow(tensor)
                     window.bytes_u8.bitwise_xor_(payload)
                     window.write_back()
                     final_bytes = window.bytes_u8
                 else:
-                    if _dtype_name(payload.dtype) != entry.dtype or tuple(payload.shape) != (
-                        entry.shape
-                    ):
-                        raise DiskSyncError(f"{path.name}: bad payload for {entry.name!r}")
                     tensor.detach().copy_(payload)
                     # The payload bytes are exactly what copy_ wrote: no read-back from a device.
                     final_bytes = payload.reshape(-1).view(torch.uint8)
