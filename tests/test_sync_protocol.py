@@ -152,3 +152,36 @@ def test_a_joining_engine_gets_a_full_push(model_dir: Path) -> None:
         await late.close()
 
     asyncio.run(scenario())
+
+
+def test_disk_transport_full_then_deltas_stays_exact(model_dir: Path, tmp_path: Path) -> None:
+    from verst.sync.disk import DiskPublisher
+    from verst.sync.protocol import DiskTransport
+
+    source = build_tiny_model(TINY, vocab_size=100, seed=11)
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in source.named_parameters()}
+
+    async def scenario() -> None:
+        clients = await engines(model_dir, 2)
+        sync = WeightSync(clients, DiskTransport(DiskPublisher(tmp_path / "pub", mode="xor")))
+        for version in (1, 2, 3):
+            with torch.no_grad():  # a training step touches some tensors
+                for i, p in enumerate(source.parameters()):
+                    if i % 3 == version % 3:
+                        p.add_(0.01 * version)
+            snapshot = weights()
+            await sync.push(lambda snapshot=snapshot: snapshot.items(), version=version)
+            for client in clients:
+                assert_engine_has(client, snapshot)
+                assert await client.get_weight_version() == str(version)
+        # an engine that missed a delta cannot apply the next one: it reloads in full
+        late = (await engines(model_dir, 1))[0]
+        snapshot = weights()
+        await sync.add_engine(late, lambda: snapshot.items(), version=4)
+        assert_engine_has(late, snapshot)
+        for client in [*clients, late]:
+            await client.close()
+
+    asyncio.run(scenario())

@@ -183,6 +183,10 @@ class Scheduler:
                 raise ValueError(f"shape mismatch for {name!r}")
             params[name].copy_(tensor)
         self.set_weight_version(version)
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Cached prefixes hold KV of the old weights: drop every one no request is using."""
         if self.cache is not None:
             self.cache.evict(self.cache.evictable_pages())
 

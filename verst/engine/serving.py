@@ -103,7 +103,10 @@ class ServingEngine:
         self._running: dict[str, _Pending] = {}  # handed to the scheduler, by rid
         self._paused = False
         self._updating = 0
-        self._control: list[Callable[[], object]] = []  # run by the loop between two steps
+        self._control: list[Callable[[], object]] = []
+        self._published_version: int | None = (
+            None  # the disk transport's base for deltas  # run by the loop between two steps
+        )
         self._cond: asyncio.Condition | None = None
         self._engine_lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
@@ -523,6 +526,8 @@ class ServingEngine:
         from safetensors import safe_open
 
         path = Path(model_path).expanduser()
+        if (path / "manifest.json").is_file():
+            return self._load_published(path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not files[0].is_file():
             return False, f"no .safetensors weights found at {model_path!r}"
@@ -546,4 +551,28 @@ class ServingEngine:
                         yield name, f.get_tensor(name)
 
         self.scheduler.update_weights_from_tensors(tensors(), self.scheduler.weight_version)
+        self._published_version = None  # a plain checkpoint is no base for the next delta
         return True, "Succeeded to update model weights."
+
+    @torch.no_grad()
+    def _load_published(self, path: Path) -> tuple[bool, str]:
+        """A directory of the disk transport: a full snapshot or a delta with checksums.
+
+        A delta whose base is not what this engine holds, or that fails its checksums, is
+        replaced by a full reload from the newest snapshot and its deltas: the engine never
+        keeps running silently wrong weights.
+        """
+        from verst.sync import disk
+
+        target = dict(self.scheduler.model.named_parameters())
+        try:
+            result = disk.apply_published(target, path, current_version=self._published_version)
+            how = f"applied {result.mode} version {result.version}"
+        except (disk.StaleBase, disk.ChecksumMismatch) as error:
+            result = disk.load_full(target, path.parent)
+            how = f"full reload to version {result.version} ({type(error).__name__})"
+        except disk.DiskSyncError as error:
+            return False, str(error)
+        self._published_version = result.version
+        self.scheduler.weights_changed()
+        return True, f"Succeeded to update model weights: {how}."

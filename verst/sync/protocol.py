@@ -25,6 +25,7 @@ from typing import Literal, Protocol
 import torch
 
 from verst.engines.client import EngineClient
+from verst.sync.disk import DiskPublisher
 
 PauseMode = Literal["retract", "in_place", "abort"]
 NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
@@ -33,8 +34,9 @@ NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 class Transport(Protocol):
     """Moves weights into engines; the protocol around it is the same for every transport."""
 
-    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
-        ...
+    async def send(
+        self, engines: list[EngineClient], tensors: NamedTensors, version: int
+    ) -> None: ...
 
 
 class WeightSyncError(RuntimeError):
@@ -54,6 +56,17 @@ class InProcessTensorTransport:
 
     async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
         await asyncio.gather(*(e.update_weights_from_tensors(tensors()) for e in engines))
+
+
+class DiskTransport:
+    """Publish a snapshot or delta once (`verst.sync.disk`); every engine loads it from disk."""
+
+    def __init__(self, publisher: DiskPublisher) -> None:
+        self.publisher = publisher
+
+    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
+        path = await asyncio.to_thread(self.publisher.publish, tensors(), version)
+        await asyncio.gather(*(e.update_weights_from_disk(str(path)) for e in engines))
 
 
 class WeightSync:
