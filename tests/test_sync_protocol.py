@@ -185,3 +185,67 @@ def test_disk_transport_full_then_deltas_stays_exact(model_dir: Path, tmp_path: 
             await client.close()
 
     asyncio.run(scenario())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_broadcast_transport_in_buckets_is_exact(model_dir: Path) -> None:
+    from verst.sync.broadcast import BroadcastTransport, TensorSpec, plan_buckets
+
+    source = build_tiny_model(TINY, vocab_size=100, seed=12)
+    weights = {n: p.detach() for n, p in source.named_parameters()}
+    bucket_bytes = 40_000  # several buckets for this model
+
+    async def scenario() -> list[int]:
+        clients = await engines(model_dir, 2)
+        transport = BroadcastTransport(master_port=free_port(), bucket_bytes=bucket_bytes)
+        await transport.connect(clients)
+        sync = WeightSync(clients, transport)
+        await sync.push(lambda: weights.items(), version=5)
+        for client in clients:
+            assert_engine_has(client, weights)
+            assert await client.get_weight_version() == "5"
+            await client.close()
+        return transport.buckets_sent
+
+    buckets = asyncio.run(scenario())
+    specs = [TensorSpec.of(n, t) for n, t in weights.items()]
+    largest = max(s.nbytes for s in specs)
+    assert len(buckets) == len(plan_buckets(specs, bucket_bytes)) > 1
+    assert all(size <= max(bucket_bytes, largest) for size in buckets)
+    assert sum(buckets) == sum(s.nbytes for s in specs)
+
+
+def test_broadcast_over_http(model_dir: Path) -> None:
+    from aiohttp import web
+
+    from verst.engine.http_server import make_app
+    from verst.engines.client import HttpEngineClient
+    from verst.sync.broadcast import BroadcastTransport
+
+    source = build_tiny_model(TINY, vocab_size=100, seed=13)
+    weights = {n: p.detach() for n, p in source.named_parameters()}
+
+    async def scenario() -> None:
+        serving = ServingEngine.from_model_dir(str(model_dir), kv_cache_bytes=8 << 20)
+        runner = web.AppRunner(make_app(serving, serving.tokenizer, served_model_name="t"))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        client = HttpEngineClient(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        transport = BroadcastTransport(master_port=free_port(), bucket_bytes=1 << 20)
+        await transport.connect([client])
+        await WeightSync([client], transport).push(lambda: weights.items(), version=9)
+        params = dict(serving.scheduler.model.named_parameters())
+        assert all(torch.equal(params[n].detach(), t) for n, t in weights.items())
+        assert await client.get_weight_version() == "9"
+        await client.close()
+        await runner.cleanup()
+
+    asyncio.run(scenario())

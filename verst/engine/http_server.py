@@ -24,10 +24,13 @@ from verst.engine.protocol import (
     model_info_body,
     parse_generate,
     run_abort,
+    run_destroy_weights_update_group,
+    run_init_weights_update_group,
     run_job,
     run_pause,
     run_update_weight_version,
     run_update_weights_from_disk,
+    run_update_weights_from_distributed,
     server_info_body,
     validation_error,
 )
@@ -182,6 +185,13 @@ def make_app(
         status, body = await run_update_weights_from_disk(serving, await read_json(request))
         return json_response(body, status)
 
+    def weights_route(run):  # type: ignore[no-untyped-def]
+        async def handle(request: web.Request) -> web.Response:
+            status, body = await run(serving, await read_json(request))
+            return json_response(body, status)
+
+        return handle
+
     async def get_weight_version(request: web.Request) -> web.Response:
         return json_response({"weight_version": serving.weight_version})
 
@@ -208,6 +218,13 @@ def make_app(
     app.router.add_post("/pause_generation", pause_generation)
     app.router.add_post("/continue_generation", continue_generation)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/init_weights_update_group", weights_route(run_init_weights_update_group))
+    app.router.add_post(
+        "/destroy_weights_update_group", weights_route(run_destroy_weights_update_group)
+    )
+    app.router.add_post(
+        "/update_weights_from_distributed", weights_route(run_update_weights_from_distributed)
+    )
     app.router.add_get("/get_weight_version", get_weight_version)
     app.router.add_post("/update_weight_version", update_weight_version)
 

@@ -447,6 +447,66 @@ async def run_update_weights_from_disk(
     return (200 if ok else 400), {"success": ok, "message": message, "num_paused_requests": 0}
 
 
+async def run_init_weights_update_group(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    body = _body_dict(payload)
+    for key in ("master_address", "master_port", "rank_offset", "world_size"):
+        if body.get(key) is None:
+            raise validation_error(f"{key}: Field required")
+    ok, message = await serving.init_weights_update_group(
+        master_address=str(body["master_address"]),
+        master_port=int(body["master_port"]),
+        rank_offset=int(body["rank_offset"]),
+        world_size=int(body["world_size"]),
+        group_name=str(body.get("group_name") or "weight_update_group"),
+        backend=str(body.get("backend") or "nccl"),
+    )
+    return (200 if ok else 400), {"success": ok, "message": message}
+
+
+async def run_destroy_weights_update_group(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    body = _body_dict(payload)
+    ok, message = await serving.destroy_weights_update_group(
+        str(body.get("group_name") or "weight_update_group")
+    )
+    return (200 if ok else 400), {"success": ok, "message": message}
+
+
+async def run_update_weights_from_distributed(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    """SGLang's parallel lists `names`, `dtypes`, `shapes`; `load_format` null (tensor by tensor)
+    or "flattened_bucket" (one buffer)."""
+    from verst.sync.broadcast import TensorSpec
+
+    body = _body_dict(payload)
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+        raise validation_error("names, dtypes and shapes: Field required (lists)")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise validation_error("names, dtypes and shapes must have the same length")
+    load_format = body.get("load_format")
+    if load_format not in (None, "flattened_bucket"):
+        raise value_error(f"load_format {load_format!r} is not supported")
+    if body.get("abort_all_requests"):
+        await serving.abort(None, abort_all=True, message="Abort by weight update.")
+    specs = [
+        TensorSpec(str(n), str(d).removeprefix("torch."), tuple(int(x) for x in s))
+        for n, d, s in zip(names, dtypes, shapes, strict=True)
+    ]
+    version = body.get("weight_version")
+    ok, message = await serving.update_weights_from_distributed(
+        specs,
+        group_name=str(body.get("group_name") or "weight_update_group"),
+        flattened=load_format == "flattened_bucket",
+        weight_version=None if version is None else str(version),
+    )
+    return (200 if ok else 400), {"success": ok, "message": message}
+
+
 async def run_update_weight_version(serving: ServingEngine, payload: Any) -> dict[str, Any]:
     body = _body_dict(payload)
     new_version = body.get("new_version")

@@ -103,10 +103,9 @@ class ServingEngine:
         self._running: dict[str, _Pending] = {}  # handed to the scheduler, by rid
         self._paused = False
         self._updating = 0
-        self._control: list[Callable[[], object]] = []
-        self._published_version: int | None = (
-            None  # the disk transport's base for deltas  # run by the loop between two steps
-        )
+        self._control: list[Callable[[], object]] = []  # run by the loop between two steps
+        self._published_version: int | None = None  # the disk transport's base for deltas
+        self._groups: dict[str, Any] = {}  # weight-update process groups, by name
         self._cond: asyncio.Condition | None = None
         self._engine_lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
@@ -491,6 +490,60 @@ class ServingEngine:
             return True, "Succeeded to update model weights."
 
         return await self._update_weights(copy, weight_version)
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> tuple[bool, str]:
+        """Join the trainer's weight-update group as rank `rank_offset` (blocks until all join)."""
+        from verst.sync.broadcast import create_group
+
+        try:
+            self._groups[group_name] = await asyncio.to_thread(
+                create_group,
+                master_address=master_address,
+                master_port=master_port,
+                rank=rank_offset,
+                world_size=world_size,
+                backend=backend,
+                group_name=group_name,
+            )
+        except (RuntimeError, ValueError) as error:
+            return False, f"Failed to init weights update group {group_name!r}: {error}"
+        return True, f"Joined weights update group {group_name!r} as rank {rank_offset}."
+
+    async def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        if self._groups.pop(group_name, None) is None:
+            return False, f"no weights update group {group_name!r}"
+        return True, f"Destroyed weights update group {group_name!r}."
+
+    async def update_weights_from_distributed(
+        self, specs: list, *, group_name: str, flattened: bool, weight_version: str | None = None
+    ) -> tuple[bool, str]:
+        """Receive one bucket (`specs`: `TensorSpec`s) broadcast by the trainer (rank 0)."""
+        from verst.sync.broadcast import receive_bucket
+
+        group = self._groups.get(group_name)
+        if group is None:
+            return False, f"no weights update group {group_name!r}: call init first"
+        params = dict(self.scheduler.model.named_parameters(remove_duplicate=False))
+        unknown = [s.name for s in specs if s.name not in params]
+        if unknown:
+            return False, f"unknown parameter names {unknown}"
+        device = next(iter(params.values())).device
+
+        def load() -> tuple[bool, str]:
+            received = receive_bucket(group, specs, device, flattened=flattened)
+            self.scheduler.update_weights_from_tensors(received, self.scheduler.weight_version)
+            return True, "Succeeded to update model weights."
+
+        return await self._update_weights(load, weight_version)
 
     async def _update_weights(
         self, load: Callable[[], tuple[bool, str]], weight_version: str | None

@@ -47,6 +47,14 @@ class EngineClient(Protocol):
 
     async def get_weight_version(self) -> str: ...
 
+    async def init_weights_update_group(self, **body: Any) -> None:
+        """Join the trainer's weight-update group (SGLang's /init_weights_update_group)."""
+        ...
+
+    async def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
+        """Receive one broadcast bucket (SGLang's /update_weights_from_distributed)."""
+        ...
+
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
         """Stamp `version` on the engine (SGLang's /update_weight_version)."""
         ...
@@ -121,6 +129,16 @@ class InProcessEngineClient:
         ok, message = await self.serving.update_weights_from_tensors(named_tensors, weight_version)
         if not ok:
             raise EngineError(400, {"success": False, "message": message})
+
+    async def init_weights_update_group(self, **body: Any) -> None:
+        status, reply = await protocol.run_init_weights_update_group(self.serving, body)
+        if status != 200:
+            raise EngineError(status, reply)
+
+    async def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
+        status, reply = await protocol.run_update_weights_from_distributed(self.serving, body)
+        if status != 200:
+            raise EngineError(status, reply)
 
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
         await protocol.run_update_weight_version(
@@ -208,6 +226,12 @@ class HttpEngineClient:
         # /model_info carries weight_version on SGLang 0.5.9+ and on verst; /get_weight_version
         # is gone from SGLang.
         return str((await self._request("GET", "/model_info"))[1]["weight_version"])
+
+    async def init_weights_update_group(self, **body: Any) -> None:
+        await self._request("POST", "/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
+        await self._request("POST", "/update_weights_from_distributed", body)
 
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
         payload = {"new_version": version, "abort_all_requests": abort_all}

@@ -1,0 +1,190 @@
+"""Broadcast transport: a process group of its own joins the trainer (rank 0) and the engines.
+
+The group is separate from the trainer's own (FSDP) group: a TCP store at
+`master_address:master_port` and a gloo (CPU) or NCCL (CUDA) backend, built on both sides
+without touching the default group. Engines join it through SGLang's
+`/init_weights_update_group` (engine rank = `rank_offset`) and receive weights through
+`/update_weights_from_distributed`: per call, one bucket of tensors whose names, dtypes and
+shapes travel in the HTTP body while the bytes travel through the group, flattened into one
+buffer (`load_format: "flattened_bucket"`) or tensor by tensor (SGLang's default). Buckets hold
+at most `bucket_bytes` (a single larger tensor travels alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from verst.engines.client import EngineClient
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # torch name without the prefix, e.g. "bfloat16"
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+def create_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    group_name: str = "weight_update_group",
+    timeout_s: float = 300.0,
+) -> dist.Backend:
+    """A standalone process group (every member calls this; rank 0 hosts the store)."""
+    store = dist.TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise RuntimeError("backend 'nccl' needs a CUDA build of torch; use 'gloo' on CPU")
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive tensors in buckets of at most `bucket_bytes` (a larger one goes alone)."""
+    buckets: list[list[TensorSpec]] = []
+    size = 0
+    for spec in specs:
+        if buckets and size + spec.nbytes <= bucket_bytes:
+            buckets[-1].append(spec)
+            size += spec.nbytes
+        else:
+            buckets.append([spec])
+            size = spec.nbytes
+    return buckets
+
+
+def send_bucket(group: dist.Backend, tensors: list[torch.Tensor], *, flattened: bool) -> None:
+    """Rank 0's side of one bucket."""
+    if not flattened:
+        for tensor in tensors:
+            group.broadcast(tensor.contiguous(), 0).wait()
+        return
+    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    group.broadcast(flat, 0).wait()
+
+
+def receive_bucket(
+    group: dist.Backend, specs: list[TensorSpec], device: torch.device, *, flattened: bool
+) -> list[tuple[str, torch.Tensor]]:
+    """An engine's side of one bucket: the tensors, by name."""
+    if not flattened:
+        received = []
+        for spec in specs:
+            tensor = torch.empty(spec.shape, dtype=spec.torch_dtype, device=device)
+            group.broadcast(tensor, 0).wait()
+            received.append((spec.name, tensor))
+        return received
+    flat = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=device)
+    group.broadcast(flat, 0).wait()
+    received, offset = [], 0
+    for spec in specs:
+        chunk = flat[offset : offset + spec.nbytes]
+        received.append((spec.name, chunk.view(spec.torch_dtype).reshape(spec.shape)))
+        offset += spec.nbytes
+    return received
+
+
+class BroadcastTransport:
+    """The trainer's side: `connect` once (and again when engines change), then `send`."""
+
+    def __init__(
+        self,
+        *,
+        master_port: int,
+        master_address: str = "127.0.0.1",
+        bucket_bytes: int = 512 << 20,
+        backend: str = "gloo",
+        group_name: str = "weight_update_group",
+    ) -> None:
+        self.master_address = master_address
+        self.master_port = master_port
+        self.bucket_bytes = bucket_bytes
+        self.backend = backend
+        self.group_name = group_name
+        self.group: dist.Backend | None = None
+        self.buckets_sent: list[int] = []  # bytes of each bucket of the last send
+
+    async def connect(self, engines: list[EngineClient]) -> None:
+        world_size = 1 + len(engines)
+        joins = [
+            e.init_weights_update_group(
+                master_address=self.master_address,
+                master_port=self.master_port,
+                rank_offset=rank,
+                world_size=world_size,
+                group_name=self.group_name,
+                backend=self.backend,
+            )
+            for rank, e in enumerate(engines, start=1)
+        ]
+        own = asyncio.to_thread(
+            create_group,
+            master_address=self.master_address,
+            master_port=self.master_port,
+            rank=0,
+            world_size=world_size,
+            backend=self.backend,
+            group_name=self.group_name,
+        )
+        self.group, *_ = await asyncio.gather(own, *joins)
+
+    async def send(
+        self,
+        engines: list[EngineClient],
+        tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        version: int,
+    ) -> None:
+        if self.group is None:
+            raise RuntimeError("BroadcastTransport.send before connect()")
+        named = dict(tensors())
+        specs = [TensorSpec.of(name, t) for name, t in named.items()]
+        self.buckets_sent = []
+        for bucket in plan_buckets(specs, self.bucket_bytes):
+            body = {
+                "names": [s.name for s in bucket],
+                "dtypes": [s.dtype for s in bucket],
+                "shapes": [list(s.shape) for s in bucket],
+                "group_name": self.group_name,
+                "load_format": "flattened_bucket",
+            }
+            await asyncio.gather(
+                asyncio.to_thread(
+                    send_bucket, self.group, [named[s.name] for s in bucket], flattened=True
+                ),
+                *(e.update_weights_from_distributed(body) for e in engines),
+            )
+            self.buckets_sent.append(sum(s.nbytes for s in bucket))
