@@ -5,6 +5,13 @@ through aiohttp and the official `openai` client, the append-only rule, rollback
 
 from __future__ import annotations
 
+import asyncio
+import json
+import threading
+from collections.abc import Awaitable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
 import pytest
 
 from verst.sessions.assembly import AssemblyError, TurnRecord, assemble
@@ -81,3 +88,357 @@ def test_inconsistent_records_raise() -> None:
         assemble([TurnRecord([1], [2, 3], [-0.1], 0, "stop")])
     with pytest.raises(AssemblyError, match="not an integer"):
         assemble([TurnRecord([1], [2], [-0.1], "v-final", "stop")])
+
+
+# ---- the session server over a real tiny engine ----------------------------------------------
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+from verst.engine.http_server import make_app  # noqa: E402
+from verst.engine.serving import ServingEngine  # noqa: E402
+from verst.models.tiny import TinyModelConfig, create_tiny  # noqa: E402
+from verst.router import Router  # noqa: E402
+from verst.router.server import make_router_app  # noqa: E402
+from verst.sessions import ChatTokenizer  # noqa: E402
+from verst.sessions.server import SessionStore, make_session_app  # noqa: E402
+
+T = TypeVar("T")
+TINY = TinyModelConfig(
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    max_position_embeddings=512,
+)
+STEP_TIMEOUT_S = 30.0
+
+
+class LoopThread:
+    """An event loop in a daemon thread: engine, router and session server live on it, so a
+    blocking client (the `openai` one) can call them from the test's own thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(STEP_TIMEOUT_S)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+@dataclass
+class Stack:
+    """Engine ← router (sessions on) ← session server; `seen` is every (input_ids, output_ids)
+    the engine itself received and produced."""
+
+    loop: LoopThread
+    serving: ServingEngine
+    engine_url: str
+    router: Router
+    router_url: str
+    store: SessionStore
+    url: str
+    chat_tokenizer: ChatTokenizer
+    seen: list[tuple[list[int], list[int]]]
+
+    def run(self, coro: Awaitable[T]) -> T:
+        return self.loop.run(coro)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    model_dir = tmp_path_factory.mktemp("models") / "tiny"
+    create_tiny(model_dir, TINY, seed=0)
+    loop = LoopThread()
+    seen: list[tuple[list[int], list[int]]] = []
+
+    async def setup() -> tuple[Any, ...]:
+        serving = ServingEngine.from_model_dir(str(model_dir), seed=0, batch_wait_s=0.005)
+        real_generate = serving.generate
+
+        async def spy(input_ids: list[int], *args: Any, **kwargs: Any) -> Any:
+            result = await real_generate(input_ids, *args, **kwargs)
+            seen.append((list(input_ids), list(result.output_ids)))
+            return result
+
+        serving.generate = spy  # type: ignore[method-assign]
+        engine = await start_app(make_app(serving, serving.tokenizer, served_model_name="tiny"))
+        router = Router([engine[1]], sessions=True)
+        routed = await start_app(make_router_app(router, health_interval_s=0.2))
+        chat_tokenizer = ChatTokenizer(serving.tokenizer)
+        store = SessionStore(chat_tokenizer)
+        app = make_session_app(routed[1], chat_tokenizer, model_name="tiny", store=store)
+        sessions = await start_app(app)
+        return serving, engine, router, routed, store, sessions, chat_tokenizer
+
+    serving, engine, router, routed, store, sessions, ct = loop.run(setup())
+    yield Stack(loop, serving, engine[1], router, routed[1], store, sessions[1], ct, seen)
+    for runner in (sessions[0], routed[0], engine[0]):
+        loop.run(runner.cleanup())
+    loop.close()
+
+
+async def call(url: str, path: str, body: Any = None, *, method: str = "POST") -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as client:
+        async with client.request(method, url + path, json=body) as response:
+            text = await response.text()
+            try:
+                return response.status, json.loads(text) if text else None
+            except ValueError:
+                return response.status, text
+
+
+def new_session(stack: Stack) -> str:
+    status, body = stack.run(call(stack.url, "/sessions"))
+    assert status == 200
+    return body["session_id"]
+
+
+def chat(stack: Stack, sid: str, messages: list[dict[str, Any]], **extra: Any) -> tuple[int, Any]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0, **extra}
+    return stack.run(call(stack.url, f"/sessions/{sid}/v1/chat/completions", body))
+
+
+def converse(stack: Stack, sid: str) -> list[dict[str, Any]]:
+    """user → assistant → tool → assistant → user → assistant; returns the full history."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+3?"},
+    ]
+    for follow_up in (
+        {"role": "tool", "content": "calculator: 5"},
+        {"role": "user", "content": "And 5+7?"},
+        None,
+    ):
+        status, reply = chat(stack, sid, messages)
+        assert status == 200, reply
+        message = reply["choices"][0]["message"]
+        assert message["role"] == "assistant" and isinstance(message["content"], str)
+        assert reply["choices"][0]["finish_reason"] in ("stop", "length")
+        messages.append({"role": "assistant", "content": message["content"]})
+        if follow_up is not None:
+            messages.append(follow_up)
+    return messages
+
+
+def test_three_turns_assemble_to_exactly_what_the_engine_saw(stack: Stack) -> None:
+    sid = new_session(stack)
+    before = len(stack.seen)
+    messages = converse(stack, sid)
+    seen = stack.seen[before:]
+    records = stack.store.get(sid).records
+    assert len(seen) == len(records) == 3
+    for (input_ids, output_ids), record in zip(seen, records, strict=True):
+        assert record.input_ids == input_ids and record.output_ids == output_ids
+    for earlier, later in zip(seen, seen[1:], strict=False):
+        assert later[0][: len(earlier[0]) + len(earlier[1])] == earlier[0] + earlier[1]
+
+    sample = stack.store.assemble(sid)
+    assert sample.tokens == seen[-1][0] + seen[-1][1]
+    assert sample.prompt_tokens == seen[0][0]
+    assert sample.weight_versions == [0, 0, 0]
+    # Mask 1 exactly on the sampled ids, 0 on the tool / user suffixes between them.
+    response = sample.response_tokens
+    sampled = [t for t, m in zip(response, sample.loss_mask, strict=True) if m]
+    assert sampled == [t for _, out in seen for t in out]
+    ct = stack.chat_tokenizer
+    written = ct.tokenizer.decode(
+        [t for t, m in zip(response, sample.loss_mask, strict=True) if not m]
+    )
+    assert "calculator: 5" in written and "And 5+7?" in written
+    masked_lp = [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask, strict=True)]
+    assert all(lp == 0.0 for lp, m in zip(masked_lp, sample.loss_mask, strict=True) if not m)
+    assert [lp for lp, m in zip(masked_lp, sample.loss_mask, strict=True) if m] == [
+        lp for r in records for lp in r.output_logprobs
+    ]
+    # The char tokenizer's ChatML template is append-only: nothing differs from a re-render
+    # unless the random model sampled a special token inside an answer.
+    specials = ct.special_ids - {ct.format.end_of_turn_id}
+    if not any(t in specials for _, out in seen for t in out):
+        assert set(sample.metadata["mismatch"].values()) == {0}
+
+    status, body = stack.run(call(stack.url, f"/sessions/{sid}/samples", {"max_seq_len": None}))
+    assert status == 200
+    assert body["tokens"] == sample.tokens and body["loss_mask"] == sample.loss_mask
+    assert body["rollout_logprobs"] == sample.rollout_logprobs
+    assert body["status"] == sample.status.value and body["weight_versions"] == [0, 0, 0]
+    assert body["mismatch"] == sample.metadata["mismatch"]
+
+    # Truncation on a turn boundary: room for two turns only.
+    limit = len(seen[1][0]) + len(seen[1][1])
+    status, body = stack.run(call(stack.url, f"/sessions/{sid}/samples", {"max_seq_len": limit}))
+    assert status == 200 and body["status"] == "truncated"
+    assert body["tokens"] == seen[1][0] + seen[1][1] and body["weight_versions"] == [0, 0]
+
+    status, summary = stack.run(call(stack.url, f"/sessions/{sid}", method="GET"))
+    assert status == 200 and summary["num_turns"] == 3
+    assert summary["messages"][: len(messages)] == [
+        {**m, "content": m["content"]} for m in messages
+    ]
+
+
+def test_history_is_append_only_with_one_rollback(stack: Stack) -> None:
+    sid = new_session(stack)
+    messages = converse(stack, sid)  # [sys, u1, a1, tool, a2, u2, a3]
+    session = stack.store.get(sid)
+    first_two = [r.total_ids for r in session.records[:2]]
+
+    changed = [dict(m) for m in messages] + [{"role": "user", "content": "more"}]
+    changed[1]["content"] = "What is 2+4?"
+    status, body = chat(stack, sid, changed)
+    assert status == 400 and body["error"]["code"] == "history_changed"
+    assert "message 1" in body["error"]["message"]
+    edited = [dict(m) for m in messages] + [{"role": "user", "content": "more"}]
+    edited[4]["content"] = "an answer the model never gave"
+    assert chat(stack, sid, edited)[0] == 400
+
+    # Roll back the last assistant turn: its record is replaced, the earlier ones kept.
+    status, reply = chat(stack, sid, messages[:-1], seed=7, temperature=1.0)
+    assert status == 200, reply
+    assert len(session.records) == 3
+    assert [r.total_ids for r in session.records[:2]] == first_two
+    # Two assistant turns back → refused, state untouched.
+    status, body = chat(stack, sid, messages[:4])
+    assert status == 400 and body["error"]["code"] == "history_changed"
+    assert len(session.records) == 3
+    # Ending on the assistant's message, or appending an assistant message: refused.
+    assert chat(stack, sid, session.messages)[0] == 400
+    forged = session.messages + [
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "y"},
+    ]
+    status, body = chat(stack, sid, forged)
+    assert status == 400 and "assistant" in body["error"]["message"]
+    # n > 1 is not a session.
+    assert chat(stack, sid, session.messages + [{"role": "user", "content": "z"}], n=2)[0] == 400
+
+
+def test_unknown_session_404_and_empty_session_422(stack: Stack) -> None:
+    for method, path in (
+        ("GET", "/sessions/nope"),
+        ("DELETE", "/sessions/nope"),
+        ("POST", "/sessions/nope/samples"),
+    ):
+        status, body = stack.run(call(stack.url, path, method=method))
+        assert status == 404 and body["error"]["code"] == "session_not_found"
+    status, _ = chat(stack, "nope", [{"role": "user", "content": "hi"}])
+    assert status == 404
+    sid = new_session(stack)
+    status, body = stack.run(call(stack.url, f"/sessions/{sid}/samples", {}))
+    assert status == 422 and "no turns" in body["error"]["message"]
+
+
+def test_delete_releases_the_routing_key(stack: Stack) -> None:
+    sid = new_session(stack)
+    assert chat(stack, sid, [{"role": "user", "content": "hi"}])[0] == 200
+    assert stack.router.key_target(sid) == stack.engine_url
+    active = stack.run(call(stack.router_url, "/metrics", method="GET"))[1]["active_keys"]
+    status, body = stack.run(call(stack.url, f"/sessions/{sid}", method="DELETE"))
+    assert status == 200 and body == {"session_id": sid, "deleted": True, "key_released": True}
+    metrics = stack.run(call(stack.router_url, "/metrics", method="GET"))[1]
+    assert metrics["active_keys"] == active - 1 and stack.router.key_target(sid) is None
+    assert stack.run(call(stack.url, f"/sessions/{sid}", method="GET"))[0] == 404
+
+
+def test_plain_engine_upstream_and_engine_down(stack: Stack) -> None:
+    async def scenario() -> None:
+        app = make_session_app(stack.engine_url, stack.chat_tokenizer, model_name="tiny")
+        runner, url = await start_app(app)
+        try:
+            sid = (await call(url, "/sessions"))[1]["session_id"]
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            status, reply = await call(url, f"/sessions/{sid}/v1/chat/completions", body)
+            assert status == 200 and reply["usage"]["completion_tokens"] <= 3
+            # A plain engine has no /release_key: its 404 is no error.
+            status, gone = await call(url, f"/sessions/{sid}", method="DELETE")
+            assert status == 200 and gone["key_released"] is False
+        finally:
+            await runner.cleanup()
+        # An engine that is down: 502 with the reason, and the session is unchanged.
+        dead_runner, dead_url = await start_app(web.Application())
+        await dead_runner.cleanup()
+        app = make_session_app(dead_url, stack.chat_tokenizer, model_name="tiny")
+        runner, url = await start_app(app)
+        try:
+            sid = (await call(url, "/sessions"))[1]["session_id"]
+            status, reply = await call(url, f"/sessions/{sid}/v1/chat/completions", body)
+            assert status == 502 and "unreachable" in reply["error"]["message"]
+            assert (await call(url, f"/sessions/{sid}", method="GET"))[1]["num_turns"] == 0
+        finally:
+            await runner.cleanup()
+
+    stack.run(scenario())
+
+
+def test_upstream_error_is_502_with_its_message(stack: Stack) -> None:
+    sid = new_session(stack)
+    status, body = chat(stack, sid, [{"role": "user", "content": "hi"}], top_k=0)
+    assert status == 502 and "answered 400" in body["error"]["message"]
+    assert stack.store.get(sid).records == []
+
+
+def test_stream_is_one_chunk_then_done(stack: Stack) -> None:
+    sid = new_session(stack)
+
+    async def scenario() -> list[str]:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+        async with aiohttp.ClientSession() as client:
+            path = f"{stack.url}/sessions/{sid}/v1/chat/completions"
+            async with client.post(path, json=body) as r:
+                assert r.content_type == "text/event-stream"
+                return [line.decode().strip() async for line in r.content if line.strip()]
+
+    events = stack.run(scenario())
+    assert len(events) == 2 and events[1] == "data: [DONE]"
+    chunk = json.loads(events[0].removeprefix("data: "))
+    assert chunk["object"] == "chat.completion.chunk"
+    assert chunk["choices"][0]["delta"]["role"] == "assistant"
+    assert chunk["choices"][0]["finish_reason"] in ("stop", "length")
+    assert len(stack.store.get(sid).records) == 1
+
+
+def test_official_openai_client(stack: Stack) -> None:
+    openai = pytest.importorskip("openai")
+    sid = new_session(stack)
+    client = openai.OpenAI(base_url=f"{stack.url}/sessions/{sid}/v1", api_key="unused")
+    messages: list[Any] = [{"role": "user", "content": "Count to three."}]
+    for turn in range(3):
+        completion = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, temperature=0, seed=turn
+        )
+        answer = completion.choices[0].message
+        assert completion.usage is not None and completion.usage.completion_tokens <= 4
+        messages += [answer, {"role": "user", "content": f"Go on ({turn})."}]
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert len(chunks) == 1 and chunks[0].choices[0].delta.role == "assistant"
+    records = stack.store.get(sid).records
+    assert len(records) == 4
+    sample = stack.store.assemble(sid)
+    assert sample.tokens == records[-1].total_ids and sum(sample.loss_mask) == sum(
+        len(r.output_ids) for r in records
+    )
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "changed"}] + messages[1:]
+        )
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(
+            base_url=f"{stack.url}/sessions/missing/v1", api_key="unused"
+        ).chat.completions.create(model="tiny", messages=messages)
