@@ -1,4 +1,5 @@
-"""The `verst` command: `verst train`, `verst serve`, `verst route`, `verst model create-tiny`.
+"""The `verst` command: `verst train`, `verst serve`, `verst route`, `verst sessions`,
+`verst model create-tiny`.
 
 Config errors, missing files and non-finite losses end the command with a one-paragraph message
 and exit code 2 (bad input) or 1 (the run failed), never a traceback for the user's mistake.
@@ -97,6 +98,25 @@ def _route_parser(subparsers: argparse._SubParsersAction) -> None:
     )
 
 
+def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "sessions",
+        help="serve token-in-token-out chat sessions for agents",
+        description="An OpenAI-compatible chat API per session (base_url "
+        "http://HOST:PORT/sessions/ID/v1) that records the exact token ids the engine saw and "
+        "sampled and assembles them into training samples (POST /sessions/ID/samples).",
+    )
+    parser.add_argument(
+        "--router", required=True, help="URL of a router (or a single engine) speaking /generate"
+    )
+    parser.add_argument(
+        "--model", required=True, help="local HF model directory (its tokenizer and template)"
+    )
+    parser.add_argument("--port", type=int, default=30200)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--served-model-name", help="the model name the API reports")
+
+
 def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """argparse cannot tell `CONFIG` from a first override; an `=` decides."""
     config, overrides = args.config, list(args.overrides)
@@ -175,12 +195,26 @@ def _route(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sessions(args: argparse.Namespace) -> int:
+    from verst.sessions.server import run_session_server
+
+    run_session_server(
+        args.router,
+        args.model,
+        host=args.host,
+        port=args.port,
+        model_name=args.served_model_name,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verst", description="RL post-training for LLMs")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _train_parser(subparsers)
     _serve_parser(subparsers)
     _route_parser(subparsers)
+    _sessions_parser(subparsers)
     _model_parser(subparsers)
     args = parser.parse_args(argv)
     try:
@@ -190,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "route":
             return _route(args)
+        if args.command == "sessions":
+            return _sessions(args)
         return _create_tiny(args)
     except (ConfigError, FileNotFoundError, ImportError, ValueError) as error:
         print(f"verst: error: {error}", file=sys.stderr)
