@@ -442,3 +442,28 @@ def test_official_openai_client(stack: Stack) -> None:
         openai.OpenAI(
             base_url=f"{stack.url}/sessions/missing/v1", api_key="unused"
         ).chat.completions.create(model="tiny", messages=messages)
+
+
+def test_tool_calls_parsed_and_compared_by_name_and_arguments() -> None:
+    from verst.sessions.server import parse_tool_calls, same_message
+
+    text = 'Let me compute.\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me compute."
+    assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 2}'}
+    assert parse_tool_calls("<tool_call>{not json}</tool_call>") == (
+        "<tool_call>{not json}</tool_call>",
+        [],
+    )
+    stored = {"role": "assistant", "content": content, "tool_calls": calls}
+    echoed = {  # what a client sends back: a new id, arguments re-serialised
+        "role": "assistant",
+        "content": "Let me compute.",
+        "tool_calls": [
+            {"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"a":2}'}}
+        ],
+    }
+    assert same_message(stored, echoed)
+    echoed["tool_calls"][0]["function"]["arguments"] = '{"a": 3}'
+    assert not same_message(stored, echoed)
+    assert same_message({"role": "user", "content": None}, {"role": "user", "content": ""})
