@@ -12,15 +12,21 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
-from aiohttp import web  # noqa: E402
 
+from tests.servers import (  # noqa: E402
+    STEP_TIMEOUT_S,
+    LoopThread,
+    T,
+    new_serving,
+    serve_engine,
+    tiny_model,
+)
 from verst.engine import GenerateRequest, SamplingParams  # noqa: E402
-from verst.engine.http_server import make_app  # noqa: E402
 from verst.engine.serving import ServingEngine  # noqa: E402
 from verst.engines import (  # noqa: E402
     EngineClient,
@@ -30,36 +36,9 @@ from verst.engines import (  # noqa: E402
     launch_local_engines,
     launch_sglang,
 )
-from verst.models.tiny import TinyModelConfig, create_tiny  # noqa: E402
 
-T = TypeVar("T")
-TINY = TinyModelConfig(
-    hidden_size=32,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    intermediate_size=64,
-    max_position_embeddings=128,
-)
 PROMPT = [40, 41, 42, 43]
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
-STEP_TIMEOUT_S = 30.0
-
-
-class LoopThread:
-    """An event loop in a daemon thread: the server and both clients live on it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(STEP_TIMEOUT_S)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 @dataclass
@@ -82,19 +61,13 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("models")
-    model_a, model_b = root / "a", root / "b"
-    create_tiny(model_a, TINY, seed=0)
-    create_tiny(model_b, TINY, seed=1)
+    model_a = tiny_model(root, "a", seed=0)
+    model_b = tiny_model(root, "b", seed=1)
     loop = LoopThread()
-    serving = ServingEngine.from_model_dir(str(model_a), seed=0, batch_wait_s=0.005)
-    app = make_app(serving, serving.tokenizer, served_model_name="tiny")
-    runner = web.AppRunner(app)
-    loop.run(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run(site.start())
-    port = runner.addresses[0][1]
-    yield Server(loop, serving, f"http://127.0.0.1:{port}", model_a, model_b)
-    loop.run(runner.cleanup())
+    serving = new_serving(model_a)
+    engine = loop.run(serve_engine(serving))
+    yield Server(loop, serving, engine.url, model_a, model_b)
+    loop.run(engine.runner.cleanup())
     loop.close()
 
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -149,59 +148,18 @@ def test_dp_ranks_are_targets() -> None:
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-from verst.engine.http_server import make_app  # noqa: E402
-from verst.engine.serving import ServingEngine  # noqa: E402
-from verst.models.tiny import TinyModelConfig, create_tiny  # noqa: E402
+from tests.servers import (  # noqa: E402
+    Engine,
+    LoopThread,
+    T,
+    call,
+    start_app,
+    start_engine,
+    tiny_model,
+)
 from verst.router.server import make_router_app  # noqa: E402
 
-T = TypeVar("T")
-TINY = TinyModelConfig(
-    hidden_size=32,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    intermediate_size=64,
-    max_position_embeddings=128,
-)
-STEP_TIMEOUT_S = 30.0
 HEALTH_INTERVAL_S = 0.05
-
-
-class LoopThread:
-    """An event loop in a daemon thread: engines, router and clients all live on it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(STEP_TIMEOUT_S)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-@dataclass
-class Engine:
-    serving: ServingEngine
-    runner: web.AppRunner
-    url: str
-
-
-async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
-async def start_engine(model_dir: Path) -> Engine:
-    serving = ServingEngine.from_model_dir(str(model_dir), seed=0, batch_wait_s=0.005)
-    runner, url = await start_app(make_app(serving, serving.tokenizer, served_model_name="tiny"))
-    return Engine(serving, runner, url)
 
 
 @dataclass
@@ -216,8 +174,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    model_dir = tmp_path_factory.mktemp("models") / "tiny"
-    create_tiny(model_dir, TINY, seed=0)
+    model_dir = tiny_model(tmp_path_factory.mktemp("models"))
     loop = LoopThread()
     engines = [loop.run(start_engine(model_dir)) for _ in range(2)]
     yield Fleet(loop, engines, model_dir)
@@ -242,19 +199,6 @@ def proxy(fleet: Fleet, request: pytest.FixtureRequest) -> Iterator[Proxy]:
     runner, url = fleet.run(start_app(app))
     yield Proxy(router, url)
     fleet.run(runner.cleanup())
-
-
-async def call(
-    url: str, path: str, body: Any = None, *, key: str | None = None, method: str = "POST"
-) -> tuple[int, Any]:
-    headers = {ROUTING_KEY_HEADER: key} if key else {}
-    async with aiohttp.ClientSession() as session:
-        async with session.request(method, url + path, json=body, headers=headers) as response:
-            text = await response.text()
-            try:
-                return response.status, json.loads(text) if text else None
-            except ValueError:
-                return response.status, text
 
 
 def generate_body(i: int = 0, **extra: Any) -> dict[str, Any]:

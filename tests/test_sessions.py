@@ -5,12 +5,10 @@ through aiohttp and the official `openai` client, the append-only rule, rollback
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -95,49 +93,23 @@ def test_inconsistent_records_raise() -> None:
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-from verst.engine.http_server import make_app  # noqa: E402
+from tests.servers import (  # noqa: E402
+    LoopThread,
+    T,
+    call,
+    new_serving,
+    serve_engine,
+    start_app,
+    tiny_config,
+    tiny_model,
+)
 from verst.engine.serving import ServingEngine  # noqa: E402
-from verst.models.tiny import TinyModelConfig, create_tiny  # noqa: E402
 from verst.router import Router  # noqa: E402
 from verst.router.server import make_router_app  # noqa: E402
 from verst.sessions import ChatTokenizer  # noqa: E402
 from verst.sessions.server import SessionStore, make_session_app  # noqa: E402
 
-T = TypeVar("T")
-TINY = TinyModelConfig(
-    hidden_size=32,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    intermediate_size=64,
-    max_position_embeddings=512,
-)
-STEP_TIMEOUT_S = 30.0
-
-
-class LoopThread:
-    """An event loop in a daemon thread: engine, router and session server live on it, so a
-    blocking client (the `openai` one) can call them from the test's own thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(STEP_TIMEOUT_S)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+TINY = tiny_config(max_position_embeddings=512)
 
 
 @dataclass
@@ -161,13 +133,12 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    model_dir = tmp_path_factory.mktemp("models") / "tiny"
-    create_tiny(model_dir, TINY, seed=0)
+    model_dir = tiny_model(tmp_path_factory.mktemp("models"), config=TINY)
     loop = LoopThread()
     seen: list[tuple[list[int], list[int]]] = []
 
     async def setup() -> tuple[Any, ...]:
-        serving = ServingEngine.from_model_dir(str(model_dir), seed=0, batch_wait_s=0.005)
+        serving = new_serving(model_dir)
         real_generate = serving.generate
 
         async def spy(input_ids: list[int], *args: Any, **kwargs: Any) -> Any:
@@ -176,8 +147,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             return result
 
         serving.generate = spy  # type: ignore[method-assign]
-        engine = await start_app(make_app(serving, serving.tokenizer, served_model_name="tiny"))
-        router = Router([engine[1]], sessions=True)
+        engine = await serve_engine(serving)
+        router = Router([engine.url], sessions=True)
         routed = await start_app(make_router_app(router, health_interval_s=0.2))
         chat_tokenizer = ChatTokenizer(serving.tokenizer)
         store = SessionStore(chat_tokenizer)
@@ -186,20 +157,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         return serving, engine, router, routed, store, sessions, chat_tokenizer
 
     serving, engine, router, routed, store, sessions, ct = loop.run(setup())
-    yield Stack(loop, serving, engine[1], router, routed[1], store, sessions[1], ct, seen)
-    for runner in (sessions[0], routed[0], engine[0]):
+    yield Stack(loop, serving, engine.url, router, routed[1], store, sessions[1], ct, seen)
+    for runner in (sessions[0], routed[0], engine.runner):
         loop.run(runner.cleanup())
     loop.close()
-
-
-async def call(url: str, path: str, body: Any = None, *, method: str = "POST") -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as client:
-        async with client.request(method, url + path, json=body) as response:
-            text = await response.text()
-            try:
-                return response.status, json.loads(text) if text else None
-            except ValueError:
-                return response.status, text
 
 
 def new_session(stack: Stack) -> str:
