@@ -195,7 +195,7 @@ def test_corrupted_delta_is_detected_and_load_full_recovers(tmp_path: Path) -> N
     manifest["files"] = [
         {
             "name": f["name"],
-            "checksum": disk._file_digest(delta / f["name"], disk.CHECKSUM_ALGORITHM),
+            "checksum": disk.file_digest(delta / f["name"], disk.CHECKSUM_ALGORITHM),
         }
         for f in manifest["files"]
     ]
@@ -249,7 +249,7 @@ def test_publish_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     publisher = DiskPublisher(tmp_path)
     publisher.publish(source.items(), 1)
 
-    real_write = disk._write_durable
+    real_write = disk.write_durable
 
     def crash_before_marker(path: Path, data: bytes) -> None:
         if path.name == ".complete":
@@ -261,7 +261,7 @@ def test_publish_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
             raise OSError("disk full")
         real_write(path, data)
 
-    monkeypatch.setattr(disk, "_write_durable", crash_before_marker)
+    monkeypatch.setattr(disk, "write_durable", crash_before_marker)
     with pytest.raises(OSError, match="disk full"):
         publisher.publish(source.items(), 2)
     monkeypatch.undo()
@@ -361,7 +361,7 @@ def test_payload_contradicting_its_manifest_is_refused_before_writing(tmp_path: 
     payload_file = next(delta.glob("*.safetensors"))
     save_file({"w2": load_file(payload_file)["w2"].reshape(-1)}, payload_file)  # wrong shape
     manifest = json.loads((delta / "manifest.json").read_text())
-    manifest["files"][0]["checksum"] = disk._file_digest(payload_file, disk.CHECKSUM_ALGORITHM)
+    manifest["files"][0]["checksum"] = disk.file_digest(payload_file, disk.CHECKSUM_ALGORITHM)
     (delta / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ChecksumMismatch) as info:
         apply_published(target, delta, current_version=1)
