@@ -503,7 +503,7 @@ def test_prefix_cache_seeds_and_prompt_scoring(server: Server, client: EngineCli
 
 
 def test_version_spans() -> None:
-    from verst.engine.serving import version_spans
+    from verst.engine.results import version_spans
 
     assert version_spans([]) == []
     assert version_spans([3, 3, 4]) == [

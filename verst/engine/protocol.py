@@ -19,8 +19,9 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from verst.engine.results import DetokenizeParams
 from verst.engine.sampling import SamplingParams
-from verst.engine.serving import PAUSE_MODES, DetokenizeParams, ServingEngine
+from verst.engine.serving import PAUSE_MODES, ServingEngine
 
 SGLANG_TOP_K_ALL = 1 << 30
 FLUSH_CACHE_TEXT = (

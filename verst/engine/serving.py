@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from verst.engine.core import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
+from verst.engine.core import GenerateOutput, GenerateRequest
 from verst.engine.kv_pool import KVPool
+from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
 from verst.engine.sampling import SamplingParams
 from verst.engine.scheduler import Scheduler
 
@@ -38,44 +39,11 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 
 
 @dataclass
-class DetokenizeParams:
-    """How output ids become `text` (SGLang's sampling keys that act after sampling)."""
-
-    stop: Sequence[str] = ()
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    return_text_in_logprobs: bool = False
-
-
-@dataclass
-class GenerateResult:
-    text: str
-    output_ids: list[int]
-    meta_info: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info}
-
-
-@dataclass
 class _Pending:
     request: GenerateRequest
     detokenize: DetokenizeParams
     submitted_s: float
     future: asyncio.Future[GenerateResult] = field(repr=False)
-
-
-def version_spans(versions: Sequence[int | str]) -> list[dict[str, Any]]:
-    """SGLang's `meta_info.weight_versions`: runs of output tokens made by one version, as
-    `{"version": str, "start": i, "end": j}` over token indices [i, j)."""
-    spans: list[dict[str, Any]] = []
-    for index, version in enumerate(versions):
-        if spans and spans[-1]["version"] == str(version):
-            spans[-1]["end"] = index + 1
-        else:
-            spans.append({"version": str(version), "start": index, "end": index + 1})
-    return spans
 
 
 class ServingEngine:
@@ -91,6 +59,7 @@ class ServingEngine:
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.results = ResultShaper(tokenizer)
         self.max_batch_size = scheduler.max_running
         self.batch_wait_s = batch_wait_s
         self.model_path = model_path
@@ -283,7 +252,9 @@ class ServingEngine:
         for out in outputs:
             p = self._running.pop(out.rid, None)
             if p is not None and not p.future.done():
-                p.future.set_result(self._result(p, out, version))
+                p.future.set_result(
+                    self.results.finished(p.request, p.detokenize, p.submitted_s, out, version)
+                )
 
     def _started(self) -> asyncio.Condition:
         if self._cond is None:
@@ -291,100 +262,6 @@ class ServingEngine:
         return self._cond
 
     # ---- result shaping --------------------------------------------------------------------
-
-    def _decode(self, ids: list[int], opts: DetokenizeParams) -> str:
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=opts.skip_special_tokens,
-            spaces_between_special_tokens=opts.spaces_between_special_tokens,
-        )
-
-    def _result(self, p: _Pending, out: GenerateOutput, version: str) -> GenerateResult:
-        opts = p.detokenize
-        ids, logprobs = out.output_ids, out.output_token_logprobs
-        finish: dict[str, Any]
-        text_ids = ids
-        if out.finish_reason == FINISH_STOP:
-            finish = {"type": "stop", "matched": ids[-1]}
-            if not opts.no_stop_trim:
-                text_ids = ids[:-1]
-        elif out.finish_reason == FINISH_LENGTH:
-            finish = {"type": "length", "length": len(ids)}
-        else:
-            # user aborts are answered when asked; the scheduler aborts only what cannot fit
-            message = "the request does not fit in the KV cache"
-            finish = {"type": "abort", "message": message, "status_code": None}
-        text = self._decode(text_ids, opts)
-        if opts.stop and any(s in text for s in opts.stop):
-            k, text, matched = self._cut_at_stop(ids, opts)
-            ids, logprobs = ids[:k], logprobs[:k]
-            finish = {"type": "stop", "matched": matched}
-        meta: dict[str, Any] = {
-            "id": out.rid,
-            "finish_reason": finish,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": len(ids),
-            "cached_tokens": out.cached_tokens,
-            "reasoning_tokens": 0,
-            "weight_version": version,
-            "weight_versions": version_spans(out.token_weight_versions[: len(ids)]),
-            "e2e_latency": time.perf_counter() - p.submitted_s,
-        }
-        if p.request.return_logprob:
-            meta["output_token_logprobs"] = self._logprob_triples(ids, logprobs, opts)
-            meta["output_token_logprobs_length"] = len(ids)
-            if p.request.logprob_start_len >= 0:
-                meta["input_token_logprobs"] = [
-                    [lp, tid, None]
-                    for lp, tid in zip(
-                        out.input_token_logprobs,
-                        p.request.input_ids[p.request.logprob_start_len :],
-                        strict=True,
-                    )
-                ]
-        return GenerateResult(text=text, output_ids=list(ids), meta_info=meta)
-
-    def _cut_at_stop(self, ids: list[int], opts: DetokenizeParams) -> tuple[int, str, str]:
-        """The shortest output prefix whose text holds a stop string: (length, text, matched).
-
-        Finding "contains a stop string" is monotone in the prefix length, so a binary search
-        costs O(log n) decodes rather than one per token.
-        """
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if any(s in self._decode(ids[:mid], opts) for s in opts.stop):
-                hi = mid
-            else:
-                lo = mid + 1
-        text = self._decode(ids[:lo], opts)
-        pos, matched = min((text.find(s), s) for s in opts.stop if s in text)
-        end = pos + len(matched) if opts.no_stop_trim else pos
-        return lo, text[:end], matched
-
-    def _logprob_triples(
-        self, ids: list[int], logprobs: list[float], opts: DetokenizeParams
-    ) -> list[list[Any]]:
-        return [
-            [lp, tid, self.tokenizer.decode([tid]) if opts.return_text_in_logprobs else None]
-            for lp, tid in zip(logprobs, ids, strict=True)
-        ]
-
-    def _aborted(self, p: _Pending, message: str) -> GenerateResult:
-        meta: dict[str, Any] = {
-            "id": p.request.rid,
-            "finish_reason": {"type": "abort", "message": message, "status_code": None},
-            "prompt_tokens": len(p.request.input_ids),
-            "completion_tokens": 0,
-            "cached_tokens": 0,
-            "reasoning_tokens": 0,
-            "weight_version": self.weight_version,
-            "e2e_latency": time.perf_counter() - p.submitted_s,
-        }
-        if p.request.return_logprob:
-            meta["output_token_logprobs"] = []
-            meta["output_token_logprobs_length"] = 0
-        return GenerateResult(text="", output_ids=[], meta_info=meta)
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -407,14 +284,28 @@ class ServingEngine:
             for p in [p for p in self._queue if hit(p)]:
                 self._queue.remove(p)
                 if not p.future.done():
-                    p.future.set_result(self._aborted(p, message or "Abort in waiting queue."))
+                    p.future.set_result(
+                        self.results.aborted(
+                            p.request,
+                            message or "Abort in waiting queue.",
+                            self.weight_version,
+                            p.submitted_s,
+                        )
+                    )
                     count += 1
             # Callers of running requests get the abort now; the scheduler drops the requests
             # (and frees their KV) before its next step.
             for p in [p for p in self._running.values() if hit(p)]:
                 del self._running[p.request.rid]
                 if not p.future.done():
-                    p.future.set_result(self._aborted(p, message or "Abort running request."))
+                    p.future.set_result(
+                        self.results.aborted(
+                            p.request,
+                            message or "Abort running request.",
+                            self.weight_version,
+                            p.submitted_s,
+                        )
+                    )
                     count += 1
             self._control.append(lambda: self.scheduler.abort(rid, abort_all=abort_all))
             cond.notify_all()

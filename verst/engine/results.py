@@ -1,0 +1,157 @@
+"""Shaping scheduler outputs into SGLang's `/generate` items: text, stop strings, meta_info.
+
+Owns `DetokenizeParams` (the sampling keys that act after sampling: stop strings, special
+tokens), `GenerateResult` (`text`, `output_ids`, `meta_info`) and `ResultShaper`, which turns a
+`GenerateOutput` into exactly the fields and shapes SGLang answers with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from verst.engine.core import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
+
+
+@dataclass
+class DetokenizeParams:
+    """How output ids become `text` (SGLang's sampling keys that act after sampling)."""
+
+    stop: Sequence[str] = ()
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_text_in_logprobs: bool = False
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info}
+
+
+def version_spans(versions: Sequence[int | str]) -> list[dict[str, Any]]:
+    """SGLang's `meta_info.weight_versions`: runs of output tokens made by one version, as
+    `{"version": str, "start": i, "end": j}` over token indices [i, j)."""
+    spans: list[dict[str, Any]] = []
+    for index, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = index + 1
+        else:
+            spans.append({"version": str(version), "start": index, "end": index + 1})
+    return spans
+
+
+class ResultShaper:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def _decode(self, ids: list[int], opts: DetokenizeParams) -> str:
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=opts.skip_special_tokens,
+            spaces_between_special_tokens=opts.spaces_between_special_tokens,
+        )
+
+    def finished(
+        self,
+        request: GenerateRequest,
+        opts: DetokenizeParams,
+        submitted_s: float,
+        out: GenerateOutput,
+        version: str,
+    ) -> GenerateResult:
+        """A scheduler output as SGLang's `/generate` item."""
+        ids, logprobs = out.output_ids, out.output_token_logprobs
+        finish: dict[str, Any]
+        text_ids = ids
+        if out.finish_reason == FINISH_STOP:
+            finish = {"type": "stop", "matched": ids[-1]}
+            if not opts.no_stop_trim:
+                text_ids = ids[:-1]
+        elif out.finish_reason == FINISH_LENGTH:
+            finish = {"type": "length", "length": len(ids)}
+        else:
+            # user aborts are answered when asked; the scheduler aborts only what cannot fit
+            message = "the request does not fit in the KV cache"
+            finish = {"type": "abort", "message": message, "status_code": None}
+        text = self._decode(text_ids, opts)
+        if opts.stop and any(s in text for s in opts.stop):
+            k, text, matched = self._cut_at_stop(ids, opts)
+            ids, logprobs = ids[:k], logprobs[:k]
+            finish = {"type": "stop", "matched": matched}
+        meta: dict[str, Any] = {
+            "id": out.rid,
+            "finish_reason": finish,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": len(ids),
+            "cached_tokens": out.cached_tokens,
+            "reasoning_tokens": 0,
+            "weight_version": version,
+            "weight_versions": version_spans(out.token_weight_versions[: len(ids)]),
+            "e2e_latency": time.perf_counter() - submitted_s,
+        }
+        if request.return_logprob:
+            meta["output_token_logprobs"] = self._logprob_triples(ids, logprobs, opts)
+            meta["output_token_logprobs_length"] = len(ids)
+            if request.logprob_start_len >= 0:
+                meta["input_token_logprobs"] = [
+                    [lp, tid, None]
+                    for lp, tid in zip(
+                        out.input_token_logprobs,
+                        request.input_ids[request.logprob_start_len :],
+                        strict=True,
+                    )
+                ]
+        return GenerateResult(text=text, output_ids=list(ids), meta_info=meta)
+
+    def _cut_at_stop(self, ids: list[int], opts: DetokenizeParams) -> tuple[int, str, str]:
+        """The shortest output prefix whose text holds a stop string: (length, text, matched).
+
+        Finding "contains a stop string" is monotone in the prefix length, so a binary search
+        costs O(log n) decodes rather than one per token.
+        """
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in self._decode(ids[:mid], opts) for s in opts.stop):
+                hi = mid
+            else:
+                lo = mid + 1
+        text = self._decode(ids[:lo], opts)
+        pos, matched = min((text.find(s), s) for s in opts.stop if s in text)
+        end = pos + len(matched) if opts.no_stop_trim else pos
+        return lo, text[:end], matched
+
+    def _logprob_triples(
+        self, ids: list[int], logprobs: list[float], opts: DetokenizeParams
+    ) -> list[list[Any]]:
+        return [
+            [lp, tid, self.tokenizer.decode([tid]) if opts.return_text_in_logprobs else None]
+            for lp, tid in zip(logprobs, ids, strict=True)
+        ]
+
+    def aborted(
+        self, request: GenerateRequest, message: str, version: str, submitted_s: float
+    ) -> GenerateResult:
+        """A request answered with an abort before it produced anything."""
+        meta: dict[str, Any] = {
+            "id": request.rid,
+            "finish_reason": {"type": "abort", "message": message, "status_code": None},
+            "prompt_tokens": len(request.input_ids),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "reasoning_tokens": 0,
+            "weight_version": version,
+            "e2e_latency": time.perf_counter() - submitted_s,
+        }
+        if request.return_logprob:
+            meta["output_token_logprobs"] = []
+            meta["output_token_logprobs_length"] = 0
+        return GenerateResult(text="", output_ids=[], meta_info=meta)
