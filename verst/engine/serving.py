@@ -97,22 +97,50 @@ class ServingEngine:
         The KV pool takes `kv_cache_bytes`; by default half the free GPU memory on CUDA and
         256 MiB on the CPU.
         """
-        from verst.models.loading import ModelConfig, eos_token_ids, load_model_and_tokenizer
+        from verst.models.loading import ModelConfig, load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(
             ModelConfig(path=model_path), seed=seed, dtype=dtype, device=device
         )
+        return cls.from_model(
+            model,
+            tokenizer,
+            seed=seed,
+            max_batch_size=max_batch_size,
+            batch_wait_s=batch_wait_s,
+            kv_cache_bytes=kv_cache_bytes,
+            page_size=page_size,
+            model_path=model_path,
+        )
+
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        seed: int = 0,
+        max_batch_size: int = 256,
+        batch_wait_s: float = 0.002,
+        kv_cache_bytes: int | None = None,
+        page_size: int = 16,
+        model_path: str = "",
+    ) -> ServingEngine:
+        """Serve a loaded model (its device and dtype); the scheduler stops on its EOS ids."""
+        from verst.models.loading import eos_token_ids
+
+        param = next(model.parameters())
         eos = eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
         if kv_cache_bytes is None:
-            on_cuda = torch.device(device).type == "cuda"
+            on_cuda = param.device.type == "cuda"
             kv_cache_bytes = torch.cuda.mem_get_info()[0] // 2 if on_cuda else 256 << 20
         pool = KVPool.from_budget(
             model.config,
             budget_bytes=kv_cache_bytes,
             page_size=page_size,
-            dtype=dtype,
-            device=device,
+            dtype=param.dtype,
+            device=param.device,
         )
         scheduler = Scheduler(
             model,
