@@ -73,6 +73,9 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--served-model-name", help="the model name the API reports")
     parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument(
+        "--num-threads", type=int, help="torch CPU threads (default: torch's own choice)"
+    )
 
 
 def _route_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -163,7 +166,12 @@ def _create_tiny(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import torch
+
     from verst.engine.http_server import run_server
+
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
 
     run_server(
         args.model,
