@@ -114,17 +114,25 @@ def launch_local_engines(
     base_port: int | None = None,
     host: str = "127.0.0.1",
     extra_args: Sequence[str] = (),
+    engine_args: Sequence[Sequence[str]] = (),
     timeout_s: float = 120.0,
 ) -> list[LocalEngine]:
-    """Start `n` `verst serve` processes (ports base_port + i, or free ones); wait for health."""
+    """Start `n` `verst serve` processes (ports base_port + i, or free ones); wait for health.
+
+    Every process gets `extra_args`; process i also gets `engine_args[i]` when given (its
+    device, its seed).
+    """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if engine_args and len(engine_args) != n:
+        raise ValueError(f"engine_args has {len(engine_args)} entries for {n} engines")
     engines: list[LocalEngine] = []
     try:
         for i in range(n):
             port = base_port + i if base_port is not None else free_port(host)
             cmd = [sys.executable, "-m", "verst", "serve", "--model", str(model_dir)]
             cmd += ["--port", str(port), "--host", host, *extra_args]
+            cmd += list(engine_args[i]) if engine_args else []
             engines.append(_start(cmd, port, host, "verst-serve"))
         for engine in engines:  # started together, so their start-up times overlap
             wait_healthy(engine, timeout_s, "verst serve")

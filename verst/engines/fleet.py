@@ -1,0 +1,382 @@
+"""A fleet of serving engines behind a router, driven from the synchronous trainer.
+
+`Fleet.start(...)` brings up `num_engines` serving engines — in this process
+(`engines: in_process`, each also served on a loopback port) or as `verst serve` subprocesses
+(`engines: processes`) — registers them with one `Router`, and runs every coroutine on a
+background event loop. The trainer's side stays synchronous:
+
+- `fleet.generate(requests)` has the batch `Engine`'s signature, so the default rollout,
+  evaluation and the warm start's dev check run unchanged on a fleet. Samples of one prompt
+  share a routing key, so a group lands on one engine and its prompt is prefilled once.
+- `fleet.agenerate(request, key)` is the same for one request, for coroutines on the fleet's
+  loop (the fully asynchronous worker, agents).
+- `fleet.sessions_url()` starts the router's HTTP front and a session server over it, for
+  agents that speak the OpenAI chat API.
+- `fleet.clients` are the `EngineClient`s the weight-sync protocol drives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+from pydantic import Field
+
+from verst.configbase import ConfigBase
+from verst.engine import GenerateOutput, GenerateRequest
+from verst.engine.serving import ServingEngine
+from verst.engines.client import EngineClient, HttpEngineClient, InProcessEngineClient
+from verst.engines.launcher import LocalEngine, free_port, launch_local_engines
+from verst.router.policy import Router
+
+T = TypeVar("T")
+EngineKind = Literal["embedded", "in_process", "processes"]
+
+
+class PlacementConfig(ConfigBase):
+    engines: EngineKind = Field(
+        "embedded",
+        description="rollout engines: embedded = the trainer's own batch engine; in_process = "
+        "serving engines (continuous batching) in the trainer's process; processes = `verst "
+        "serve` subprocesses",
+    )
+    mode: Literal["colocated", "disaggregated"] = Field(
+        "colocated",
+        description="colocated = engines share the trainer's device; disaggregated = engine "
+        "processes on devices of their own (needed by fully_async)",
+    )
+    num_engines: int = Field(1, ge=1, description="serving engines (in_process or processes)")
+    engine_devices: list[str] = Field(
+        default_factory=list,
+        description="device of each engine process (cycled); empty = the trainer's device when "
+        "colocated, else the GPUs after the trainer's (or the CPU)",
+    )
+    engine_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads per engine process; unset = torch's default"
+    )
+    max_batch_size: int = Field(256, ge=1, description="most running requests per engine")
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="seconds an engine process may take to become healthy"
+    )
+
+    @property
+    def serving(self) -> bool:
+        return self.engines != "embedded"
+
+
+def engine_devices(cfg: PlacementConfig, trainer_device: torch.device) -> list[str]:
+    """One device per engine process, by the rule in `engine_devices`'s description."""
+    if cfg.engine_devices:
+        return [cfg.engine_devices[i % len(cfg.engine_devices)] for i in range(cfg.num_engines)]
+    if cfg.mode == "colocated" or trainer_device.type != "cuda":
+        return [str(trainer_device)] * cfg.num_engines
+    first = (trainer_device.index or 0) + 1
+    available = torch.cuda.device_count()
+    if first + cfg.num_engines > available:
+        raise RuntimeError(
+            f"placement.mode=disaggregated needs {cfg.num_engines} GPU(s) after the trainer's "
+            f"{trainer_device}, but this machine has {available}; set placement.engine_devices "
+            "explicitly (e.g. [cuda:0] to share the trainer's GPU) or lower num_engines"
+        )
+    return [f"cuda:{first + i}" for i in range(cfg.num_engines)]
+
+
+# ---- /generate bodies ------------------------------------------------------------------------
+
+
+def request_body(request: GenerateRequest) -> dict[str, Any]:
+    """A `GenerateRequest` as SGLang's `/generate` body."""
+    params = request.sampling_params
+    sampling: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+    }
+    if params.sampling_seed is not None:
+        sampling["sampling_seed"] = params.sampling_seed
+    body: dict[str, Any] = {
+        "input_ids": list(request.input_ids),
+        "sampling_params": sampling,
+        "return_logprob": request.return_logprob,
+        "rid": request.rid,
+    }
+    if request.logprob_start_len >= 0:
+        body["logprob_start_len"] = request.logprob_start_len
+    return body
+
+
+def _version(value: Any) -> int | str:
+    text = str(value)
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def output_from_body(request: GenerateRequest, body: dict[str, Any]) -> GenerateOutput:
+    """SGLang's `/generate` answer as a `GenerateOutput` (finish reason stop | length | abort)."""
+    meta = body["meta_info"]
+    ids = list(body["output_ids"])
+    logprobs = [float(triple[0]) for triple in meta.get("output_token_logprobs") or []]
+    token_versions: list[int | str] = []
+    for span in meta.get("weight_versions") or []:
+        token_versions += [_version(span["version"])] * (span["end"] - span["start"])
+    if len(token_versions) != len(ids):
+        token_versions = [_version(meta["weight_version"])] * len(ids)
+    input_logprobs = [
+        None if triple[0] is None else float(triple[0])
+        for triple in meta.get("input_token_logprobs") or []
+    ]
+    return GenerateOutput(
+        rid=request.rid,
+        output_ids=ids,
+        output_token_logprobs=logprobs,
+        finish_reason=meta["finish_reason"]["type"],
+        prompt_tokens=int(meta["prompt_tokens"]),
+        completion_tokens=int(meta["completion_tokens"]),
+        weight_version=_version(meta["weight_version"]),  # type: ignore[arg-type]
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        input_token_logprobs=input_logprobs,
+        token_weight_versions=token_versions,
+    )
+
+
+# ---- the background loop ---------------------------------------------------------------------
+
+
+class LoopThread:
+    """An asyncio event loop on a daemon thread; synchronous code submits coroutines to it."""
+
+    def __init__(self, name: str = "verst-fleet") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return self.submit(coro).result(timeout_s)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+# ---- the fleet -------------------------------------------------------------------------------
+
+
+class Fleet:
+    def __init__(
+        self,
+        loop: LoopThread,
+        clients: dict[str, EngineClient],
+        *,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        processes: list[LocalEngine] | None = None,
+        runners: list[Any] | None = None,
+    ) -> None:
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self._clients = clients  # by URL, in registration order
+        self.router = Router(list(clients))
+        self.processes = processes or []
+        self._runners = runners or []  # aiohttp runners serving in-process engines and fronts
+        self._key_refs: dict[str, int] = {}
+        self._sessions_url: str | None = None
+        self.weight_version = 0
+
+    @property
+    def clients(self) -> list[EngineClient]:
+        return list(self._clients.values())
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._clients)
+
+    # ---- start and stop ------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        cfg: PlacementConfig,
+        *,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        model_dir: Path,
+        trainer_device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+    ) -> Fleet:
+        """Bring up `cfg.num_engines` engines with `model`'s weights.
+
+        `model` is the engine's copy (its device and dtype) for in-process engines; engine
+        processes load `model_dir`, which must hold the same weights.
+        """
+        if not cfg.serving:
+            raise ValueError("Fleet.start needs placement.engines = in_process or processes")
+        loop = LoopThread()
+        try:
+            if cfg.engines == "in_process":
+                clients, runners = loop.run(_start_in_process(cfg, model, tokenizer, seed))
+                return cls(loop, clients, tokenizer=tokenizer, runners=runners)
+            processes = _start_processes(cfg, model_dir, trainer_device, dtype, seed)
+            clients = {p.url: HttpEngineClient(p.url) for p in processes}
+            return cls(loop, clients, tokenizer=tokenizer, processes=processes)
+        except BaseException:
+            loop.close()
+            raise
+
+    def close(self) -> None:
+        if self.loop.loop.is_closed():
+            return
+        try:
+            self.loop.run(self._aclose(), timeout_s=60)
+        finally:
+            self.loop.close()
+            for process in self.processes:
+                process.stop()
+
+    async def _aclose(self) -> None:
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        for client in self._clients.values():
+            await client.close()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        """Every request through the router, concurrently; outputs in request order."""
+
+        async def all_of() -> list[GenerateOutput]:
+            return await asyncio.gather(
+                *(self.agenerate(r, key=_prompt_key(r.input_ids)) for r in requests)
+            )
+
+        return self.loop.run(all_of())
+
+    async def agenerate(self, request: GenerateRequest, *, key: str | None) -> GenerateOutput:
+        """One request on the engine the router picks for `key` (on the fleet's loop)."""
+        request.sampling_params.validate()
+        target = self.router.pick(key)
+        if key:
+            self._key_refs[key] = self._key_refs.get(key, 0) + 1
+        self.router.begin(target)
+        try:
+            body = await self._clients[target].generate(request_body(request))
+        finally:
+            self.router.end(target)
+            if key:
+                self._key_refs[key] -= 1
+                if not self._key_refs[key]:
+                    del self._key_refs[key]
+                    self.router.release(key)
+        assert isinstance(body, dict)
+        return output_from_body(request, body)
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefix-cache counters summed over in-process engines (empty for processes)."""
+        totals: dict[str, float] = {}
+        for client in self._clients.values():
+            if isinstance(client, InProcessEngineClient):
+                for name, value in client.serving.cache_stats().items():
+                    totals[name] = totals.get(name, 0.0) + value
+        return totals
+
+    # ---- agents --------------------------------------------------------------------------
+
+    def sessions_url(self) -> str:
+        """The session server's base URL (started on first use, with the router's HTTP front)."""
+        if self._sessions_url is None:
+            self._sessions_url = self.loop.run(self._start_sessions())
+        return self._sessions_url
+
+    async def _start_sessions(self) -> str:
+        from verst.router.server import make_router_app
+        from verst.sessions.server import make_session_app
+        from verst.sessions.templates import ChatTokenizer
+
+        self.router.sessions = True
+        router_url = await self._serve(make_router_app(self.router))
+        chat = ChatTokenizer(self.tokenizer)
+        return await self._serve(make_session_app(router_url, chat, model_name="policy"))
+
+    async def _serve(self, app: Any) -> str:
+        runner, url = await _serve_app(app)
+        self._runners.append(runner)
+        return url
+
+
+def _prompt_key(input_ids: list[int]) -> str:
+    return f"prompt-{hash(tuple(input_ids)):x}"
+
+
+async def _serve_app(app: Any) -> tuple[Any, str]:
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _start_in_process(
+    cfg: PlacementConfig, model: torch.nn.Module, tokenizer: Any, seed: int
+) -> tuple[dict[str, EngineClient], list[Any]]:
+    """Engines on the trainer's device; the first uses `model` itself, the others copies."""
+    import copy
+
+    from verst.engine.http_server import make_app
+
+    clients: dict[str, EngineClient] = {}
+    runners = []
+    for i in range(cfg.num_engines):
+        engine_model = model if i == 0 else copy.deepcopy(model)
+        serving = ServingEngine.from_model(
+            engine_model, tokenizer, seed=seed + i, max_batch_size=cfg.max_batch_size
+        )
+        await serving.start()
+        runner, url = await _serve_app(make_app(serving, tokenizer, served_model_name="policy"))
+        runners.append(runner)
+        clients[url] = InProcessEngineClient(serving)
+    return clients, runners
+
+
+def _start_processes(
+    cfg: PlacementConfig,
+    model_dir: Path,
+    trainer_device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+) -> list[LocalEngine]:
+    """`verst serve` processes, one per device, started together and waited on together."""
+    devices = engine_devices(cfg, trainer_device)
+    common = ["--dtype", str(dtype).removeprefix("torch."), "--max-batch-size"]
+    common += [str(cfg.max_batch_size)]
+    if cfg.engine_threads is not None:
+        common += ["--num-threads", str(cfg.engine_threads)]
+    return launch_local_engines(
+        model_dir,
+        len(devices),
+        extra_args=common,
+        engine_args=[["--device", d, "--seed", str(seed + i)] for i, d in enumerate(devices)],
+        timeout_s=cfg.startup_timeout_s,
+    )
