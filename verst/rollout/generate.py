@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -32,6 +33,11 @@ class RolloutConfig(ConfigBase):
     )
     max_sampling_rounds: int = Field(
         4, ge=1, description="with dynamic_sampling: most rounds of prompts drawn per step"
+    )
+    pause_mode: Literal["retract", "in_place", "abort"] = Field(
+        "retract",
+        description="how engines pause for a weight update: retract = requeue in-flight requests "
+        "(KV recomputed), in_place = freeze them with their KV, abort = end them",
     )
     reward: str = Field(
         "exact_match",
