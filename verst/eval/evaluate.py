@@ -14,8 +14,8 @@ from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
-from verst.engine import Engine, SamplingParams
-from verst.rollout.generate import generate_groups
+from verst.engine import SamplingParams
+from verst.rollout.generate import Generator, generate_groups
 from verst.rollout.rewards import check_reward_fn
 from verst.train import distributed
 from verst.types import Sample
@@ -60,7 +60,7 @@ class Evaluator:
         self.decode = decode
         self.device = device
 
-    def run(self, engine: Engine) -> dict[str, float]:
+    def run(self, engine: Generator) -> dict[str, float]:
         groups = [[prompt.clone_prompt(0)] for prompt in self.prompts]
         generate_groups(engine, self.decode, groups, self.params, self.reward_fn)
         rewards = [group[0].reward or 0.0 for group in groups]

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
-from verst.engine import Engine, GenerateRequest, SamplingParams
+from verst.engine import GenerateOutput, GenerateRequest, SamplingParams
 from verst.rollout.rewards import check_reward_fn, compute_rewards
 from verst.types import Group, Sample, Status
+
+
+class Generator(Protocol):
+    """What a rollout generates with: the batch `Engine` or a `Fleet` of serving engines."""
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]: ...
 
 
 class RolloutConfig(ConfigBase):
@@ -67,25 +73,28 @@ class RolloutConfig(ConfigBase):
         )
 
 
-def fill_sample(
-    sample: Sample,
-    output_ids: list[int],
-    logprobs: list[float],
-    finish_reason: str,
-    weight_version: int,
-    response_text: str,
-) -> None:
-    sample.tokens = sample.prompt_tokens + list(output_ids)
-    sample.response_length = len(output_ids)
-    sample.loss_mask = [1] * len(output_ids)
-    sample.rollout_logprobs = list(logprobs)
-    sample.status = Status.COMPLETED if finish_reason == "stop" else Status.TRUNCATED
-    sample.weight_versions = [weight_version]
+STATUS_OF_FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+def output_versions(out: GenerateOutput) -> list[int]:
+    """The distinct weight versions that produced the output's tokens, oldest first (a request
+    that spans an update carries both); the engine's version when it reports no tokens'."""
+    versions = sorted({v for v in out.token_weight_versions if isinstance(v, int)})
+    return versions or [int(out.weight_version)]
+
+
+def fill_sample(sample: Sample, out: GenerateOutput, response_text: str) -> None:
+    sample.tokens = sample.prompt_tokens + list(out.output_ids)
+    sample.response_length = len(out.output_ids)
+    sample.loss_mask = [1] * len(out.output_ids)
+    sample.rollout_logprobs = list(out.output_token_logprobs)
+    sample.status = STATUS_OF_FINISH[out.finish_reason]
+    sample.weight_versions = output_versions(out)
     sample.metadata["response_text"] = response_text
 
 
 def generate_groups(
-    engine: Engine,
+    engine: Generator,
     decode: Callable[[list[int]], str],
     groups: list[Group],
     params: SamplingParams,
@@ -95,13 +104,6 @@ def generate_groups(
     samples = [sample for group in groups for sample in group]
     requests = [GenerateRequest(input_ids=s.prompt_tokens, sampling_params=params) for s in samples]
     for sample, out in zip(samples, engine.generate(requests), strict=True):
-        fill_sample(
-            sample,
-            out.output_ids,
-            out.output_token_logprobs,
-            out.finish_reason,
-            out.weight_version,
-            decode(out.output_ids),
-        )
+        fill_sample(sample, out, decode(out.output_ids))
     asyncio.run(compute_rewards(samples, reward_fn))
     return groups
