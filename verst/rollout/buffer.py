@@ -1,0 +1,319 @@
+"""The data buffer of fully asynchronous RL: finished groups wait here until the trainer takes them.
+
+A buffer has exactly three operations:
+
+- `await put(group)`: the rollout worker hands over a finished, scored group. Blocks while the
+  buffer is full, which throttles the worker.
+- `await take(n_groups, current_version)`: the trainer asks for one batch; waits until
+  `n_groups` acceptable groups are there.
+- `metrics()`: a flat dict of `buffer/*` values for the step's log line.
+
+`DataBuffer` is the built-in one: bounded (capacity in groups, typically a factor × the train
+batch), first in first out, and it drops groups at three points:
+
+- **aborted** (checked at put): any sample's status is ABORTED, so the trajectory is incomplete;
+- **filter-rejected** (checked at put): the filter (e.g. DAPO's "rewards not all equal") said no;
+  these prompts are never recycled, since they would most likely be rejected again;
+- **stale** (checked at take): staleness = `current_version` − the oldest weight version of any
+  token in the group (pessimistic, `verst.types.group_staleness`); a group is dropped when its
+  staleness exceeds `max_staleness`. Every waiting group is checked at each take, not just the
+  ones served: versions only grow, so a stale group never becomes fresh again.
+
+Aborted and stale groups go to `give_back` (the DataSource's, when `unused: retry`) so their
+prompts are served again; with `give_back=None` (`unused: drop`) they are discarded.
+
+Any other buffer is named by import path (`"pkg.mod:MyBuffer"`) and built by `make_buffer` with
+the keyword arguments of `DataBuffer.__init__` (see `BUFFER_KWARGS`). The simplest way to write
+one is to subclass `DataBuffer` and override `select` (which waiting groups a take serves);
+`examples/custom_buffer.py` serves the freshest groups first.
+
+All methods are meant to be called from one event loop (the rollout worker's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from verst.imports import load_object
+from verst.types import Group, Status, group_staleness
+
+GiveBack = Callable[[list[Group]], None]
+GroupFilter = Callable[[Group], bool]
+
+DEFAULT_BUFFER = "verst.rollout.buffer:DataBuffer"
+BUFFER_KWARGS = ("capacity", "max_staleness", "give_back", "group_filter")
+"""The keyword arguments `make_buffer` passes to a buffer class (a custom one may take **kwargs)."""
+
+
+@runtime_checkable
+class Buffer(Protocol):
+    """What the rollout worker and the trainer need from a data buffer."""
+
+    async def put(self, group: Group) -> None:
+        """Add a finished, scored group, or drop it; wait while the buffer is full."""
+        ...
+
+    async def take(self, n_groups: int, current_version: int) -> list[Group]:
+        """Wait for, remove and return `n_groups` groups acceptable at `current_version`."""
+        ...
+
+    def metrics(self) -> dict[str, Any]:
+        """`buffer/*` metrics; numbers, plus an optional `buffer/advisory` text."""
+        ...
+
+
+def is_aborted(group: Group) -> bool:
+    return any(sample.status == Status.ABORTED for sample in group)
+
+
+class DataBuffer:
+    """Bounded FIFO of groups with the aborted / filtered / stale drop rules (module docstring).
+
+    Metrics (`metrics()`):
+
+    - `buffer/queue_size`, `buffer/capacity`: groups waiting now, and the bound;
+    - `buffer/dropped_{aborted,filtered,stale}`: **cumulative** counts since the buffer was made
+      (the per-step count is the difference between consecutive steps); also cumulative
+      `buffer/put_groups` (accepted at put) and `buffer/taken_groups`;
+    - `buffer/staleness_{mean,max}`: over the groups served by the last take;
+    - `buffer/waiting_staleness_{mean,max}`: over the groups still waiting, at the last take's
+      version (0 when none wait);
+    - `buffer/take_wait_s`: how long the last take waited for groups;
+    - `buffer/rollout_bound`, `buffer/trainer_bound` (0 or 1) and `buffer/advisory` (text,
+      present only when one is 1): over the last `advisory_window` takes, the trainer had to
+      wait every time (rollout-bound: the queue is pinned at 0), or the buffer was full every
+      time it was called (trainer-bound: the queue is pinned at capacity).
+
+    Staleness that cannot be known (a group with no recorded weight versions) is never dropped
+    and is left out of the staleness means.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        max_staleness: int | None = None,
+        give_back: GiveBack | None = None,
+        group_filter: GroupFilter | None = None,
+        advisory_window: int = 5,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"buffer capacity must be >= 1 group, got {capacity}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
+        if advisory_window < 1:
+            raise ValueError(f"advisory_window must be >= 1, got {advisory_window}")
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self.give_back = give_back
+        self.group_filter = group_filter
+        self.advisory_window = advisory_window
+        self._waiting: list[Group] = []
+        self._changed = asyncio.Condition()
+        self.dropped_aborted = 0
+        self.dropped_filtered = 0
+        self.dropped_stale = 0
+        self.put_groups = 0
+        self.taken_groups = 0
+        self._last_version: int | None = None
+        self._last_staleness: list[int] = []
+        self._last_wait_s = 0.0
+        # per take: (had to wait, was full when called)
+        self._recent: deque[tuple[bool, bool]] = deque(maxlen=advisory_window)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    # -- the three operations ------------------------------------------------------------------
+
+    async def put(self, group: Group) -> None:
+        if not group:
+            raise ValueError("cannot put an empty group")
+        if is_aborted(group):
+            self.dropped_aborted += 1
+            self._unused([group])
+            return
+        if self.group_filter is not None and not self.group_filter(group):
+            self.dropped_filtered += 1
+            return
+        async with self._changed:
+            await self._changed.wait_for(lambda: len(self._waiting) < self.capacity)
+            # No await between here and the end of the block: a cancelled put adds nothing.
+            self._waiting.append(group)
+            self.put_groups += 1
+            self._changed.notify_all()
+
+    async def take(self, n_groups: int, current_version: int) -> list[Group]:
+        if not 1 <= n_groups <= self.capacity:
+            raise ValueError(
+                f"cannot take {n_groups} groups from a buffer of capacity {self.capacity}"
+            )
+        start = time.monotonic()
+        async with self._changed:
+            full_at_call = len(self._waiting) >= self.capacity
+            waited = False
+            while True:
+                if self._drop_stale(current_version):
+                    self._changed.notify_all()  # room for blocked puts
+                if len(self._waiting) >= n_groups:
+                    break
+                waited = True
+                await self._changed.wait()
+            indices = self.select(list(self._waiting), n_groups, current_version)
+            chosen = self._remove(indices, n_groups)
+            self.taken_groups += n_groups
+            self._changed.notify_all()
+        self._last_wait_s = time.monotonic() - start
+        self._last_version = current_version
+        self._last_staleness = _known_staleness(chosen, current_version)
+        self._recent.append((waited, full_at_call))
+        return chosen
+
+    def metrics(self) -> dict[str, Any]:
+        waiting = (
+            _known_staleness(self._waiting, self._last_version)
+            if self._last_version is not None
+            else []
+        )
+        rollout_bound, trainer_bound = self._bound()
+        out: dict[str, Any] = {
+            "buffer/queue_size": float(len(self._waiting)),
+            "buffer/capacity": float(self.capacity),
+            "buffer/dropped_aborted": float(self.dropped_aborted),
+            "buffer/dropped_filtered": float(self.dropped_filtered),
+            "buffer/dropped_stale": float(self.dropped_stale),
+            "buffer/put_groups": float(self.put_groups),
+            "buffer/taken_groups": float(self.taken_groups),
+            "buffer/staleness_mean": _mean(self._last_staleness),
+            "buffer/staleness_max": float(max(self._last_staleness, default=0)),
+            "buffer/waiting_staleness_mean": _mean(waiting),
+            "buffer/waiting_staleness_max": float(max(waiting, default=0)),
+            "buffer/take_wait_s": self._last_wait_s,
+            "buffer/rollout_bound": float(rollout_bound),
+            "buffer/trainer_bound": float(trainer_bound),
+        }
+        n = self.advisory_window
+        if rollout_bound:
+            out["buffer/advisory"] = (
+                f"rollout-bound: the trainer waited for groups at each of the last {n} steps "
+                "(queue pinned at 0); more generation capacity (engines, max_inflight) would help"
+            )
+        elif trainer_bound:
+            out["buffer/advisory"] = (
+                f"trainer-bound: the buffer was full at each of the last {n} steps (queue pinned "
+                "at capacity); generation waits for the trainer, so fewer engines would do, and "
+                "a smaller buffer_factor would lower staleness"
+            )
+        return out
+
+    # -- hooks and helpers ---------------------------------------------------------------------
+
+    def select(self, waiting: list[Group], n_groups: int, current_version: int) -> list[int]:
+        """Indices into `waiting` (oldest put first, none stale) of the `n_groups` to serve.
+
+        The default is first in, first out; override to change the order.
+        """
+        return list(range(n_groups))
+
+    def _remove(self, indices: list[int], n_groups: int) -> list[Group]:
+        if (
+            len(set(indices)) != n_groups
+            or len(indices) != n_groups
+            or not all(0 <= i < len(self._waiting) for i in indices)
+        ):
+            raise RuntimeError(
+                f"select returned {indices}, expected {n_groups} distinct indices "
+                f"below {len(self._waiting)}"
+            )
+        chosen = [self._waiting[i] for i in indices]
+        keep = set(range(len(self._waiting))) - set(indices)
+        self._waiting = [g for i, g in enumerate(self._waiting) if i in keep]
+        return chosen
+
+    def _drop_stale(self, current_version: int) -> bool:
+        if self.max_staleness is None:
+            return False
+        fresh, stale = [], []
+        for group in self._waiting:
+            staleness = group_staleness(group, current_version)
+            (stale if staleness is not None and staleness > self.max_staleness else fresh).append(
+                group
+            )
+        if not stale:
+            return False
+        self._waiting = fresh
+        self.dropped_stale += len(stale)
+        self._unused(stale)
+        return True
+
+    def _unused(self, groups: list[Group]) -> None:
+        if self.give_back is not None:
+            self.give_back(groups)
+
+    def _bound(self) -> tuple[bool, bool]:
+        if len(self._recent) < self.advisory_window:
+            return False, False
+        return all(w for w, _ in self._recent), all(f for _, f in self._recent)
+
+
+def _known_staleness(groups: list[Group], version: int) -> list[int]:
+    values = (group_staleness(g, version) for g in groups)
+    return [s for s in values if s is not None]
+
+
+def _mean(values: list[int]) -> float:
+    return float(statistics.fmean(values)) if values else 0.0
+
+
+def load_buffer_class(path: str) -> Callable[..., Buffer]:
+    """The buffer class (or factory) named by `path` ('pkg.mod:MyBuffer')."""
+    obj = load_object(path)
+    if not callable(obj):
+        raise ValueError(f"buffer {path!r} is a {type(obj).__name__}, not a class or factory")
+    return obj
+
+
+def check_buffer_path(path: str) -> None:
+    """Raise ValueError (config-time friendly) when `path` does not name a buffer class."""
+    try:
+        cls = load_buffer_class(path)
+    except ImportError as error:
+        raise ValueError(str(error)) from None
+    if inspect.isclass(cls):
+        missing = [m for m in ("put", "take", "metrics") if not callable(getattr(cls, m, None))]
+        if missing:
+            raise ValueError(
+                f"buffer {path!r} lacks {', '.join(missing)} (see verst.rollout.buffer)"
+            )
+
+
+def make_buffer(
+    path: str,
+    *,
+    capacity: int,
+    max_staleness: int | None,
+    give_back: GiveBack | None,
+    group_filter: GroupFilter | None,
+) -> Buffer:
+    """Build the buffer named by `path` with the `BUFFER_KWARGS`, and check its interface."""
+    cls = load_buffer_class(path)
+    buffer = cls(
+        capacity=capacity,
+        max_staleness=max_staleness,
+        give_back=give_back,
+        group_filter=group_filter,
+    )
+    if not isinstance(buffer, Buffer):
+        raise TypeError(
+            f"buffer {path!r} built a {type(buffer).__name__} without put, take and metrics"
+        )
+    for name in ("put", "take"):
+        if not inspect.iscoroutinefunction(getattr(buffer, name)):
+            raise TypeError(f"buffer {path!r}: {name} must be an async method")
+    return buffer
