@@ -14,10 +14,12 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
+from verst.engines.fleet import PlacementConfig
 from verst.eval.evaluate import EvalConfig
 from verst.models.loading import ModelConfig
 from verst.models.tiny import TinyModelConfig
 from verst.rollout.generate import RolloutConfig
+from verst.sync.fleet_sync import SyncConfig
 from verst.train.checkpoint import CheckpointConfig
 from verst.train.losses import LossConfig
 from verst.train.sft import WarmStartConfig
@@ -30,16 +32,14 @@ class ConfigError(ValueError):
     """A config value or combination is invalid; the message names the field."""
 
 
-class SyncConfig(ConfigBase):
-    transport: Literal["colocated"] = Field(
-        "colocated",
-        description="how new weights reach the engines; colocated = same process and device",
-    )
-
-
 class RunConfig(ConfigBase):
     seed: int = Field(0, description="seed for model init, data order, sampling and dropout")
     num_steps: int = Field(100, ge=1, description="RL steps (rollout → train → sync) to run")
+    mode: Literal["sync", "fully_async"] = Field(
+        "sync",
+        description="sync = rollout, train and sync in turn; fully_async = engines generate "
+        "continuously on their own devices while the trainer consumes finished groups",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads per process; unset = torch's default"
     )
@@ -53,6 +53,9 @@ class RunConfig(ConfigBase):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation")
     loss: LossConfig = Field(default_factory=LossConfig, description="RL objective")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="optimiser")
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig, description="where the rollout engines run"
+    )
     sync: SyncConfig = Field(default_factory=SyncConfig, description="weight transport")
     warm_start: WarmStartConfig = Field(
         default_factory=WarmStartConfig, description="optional SFT before RL"
@@ -70,7 +73,54 @@ class RunConfig(ConfigBase):
                 f"rollout.n_samples_per_prompt must be >= 2 for {estimator}: advantages are "
                 "relative to the group, so a group of one has advantage 0 and learns nothing"
             )
+        check_placement(self)
         return self
+
+
+def check_placement(cfg: RunConfig) -> None:
+    """Refuse engine placement, transport, pause mode and loop mode that cannot work together."""
+    placement, transport = cfg.placement, cfg.sync.resolve(cfg.placement)
+    if cfg.mode == "fully_async" and placement.mode != "disaggregated":
+        raise ValueError(
+            "mode=fully_async needs placement.mode=disaggregated (with placement.engines="
+            "processes): colocated engines share the trainer's device, so they could not "
+            "generate while it trains"
+        )
+    if cfg.mode == "fully_async" and cfg.rollout.pause_mode == "abort":
+        raise ValueError(
+            "mode=fully_async needs rollout.pause_mode retract or in_place: abort would throw "
+            "away every trajectory in flight at each weight update"
+        )
+    if placement.mode == "disaggregated" and placement.engines != "processes":
+        raise ValueError(
+            "placement.mode=disaggregated needs placement.engines=processes: engines on devices "
+            "of their own run in processes of their own"
+        )
+    if placement.engines == "embedded":
+        if transport != "colocated":
+            raise ValueError(
+                f"sync.transport={transport} needs serving engines (placement.engines="
+                "in_process or processes); the embedded batch engine is updated in place"
+            )
+        if placement.num_engines != 1:
+            raise ValueError(
+                "placement.num_engines > 1 needs placement.engines=in_process or processes"
+            )
+    if transport == "colocated" and placement.mode != "colocated":
+        raise ValueError(
+            "sync.transport=colocated needs placement.mode=colocated (engines on the trainer's "
+            "device); disaggregated engines take broadcast or disk"
+        )
+    if transport == "colocated" and placement.engines == "processes":
+        raise ValueError(
+            "sync.transport=colocated with placement.engines=processes is not available yet; "
+            "use sync.transport=broadcast or disk, or placement.engines=in_process"
+        )
+    if transport == "broadcast" and placement.engines != "processes":
+        raise ValueError(
+            "sync.transport=broadcast needs placement.engines=processes: the weight-update group "
+            "joins the trainer to engine processes"
+        )
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -36,31 +36,34 @@ def _full_tensors(
         yield bucket
 
 
+def share_storage(trainer: Trainer, model: torch.nn.Module) -> bool:
+    """Re-point `model`'s parameters at the trainer's storage when a rank holds whole
+    parameters (a world of one) with the same names, shapes, dtypes and device; else False."""
+    if distributed.world_size() != 1:
+        return False
+    engine_params = dict(model.named_parameters())
+    local = dict(trainer.named_local_parameters())
+    if engine_params.keys() != local.keys():
+        return False
+    for name, tensor in local.items():
+        target = engine_params[name]
+        if (target.shape, target.dtype, target.device) != (
+            tensor.shape,
+            tensor.dtype,
+            tensor.device,
+        ):
+            return False
+    for name, tensor in local.items():
+        engine_params[name].data = tensor
+    return True
+
+
 class ColocatedSync:
     def __init__(self, trainer: Trainer, engine: Engine, *, bucket_bytes: int = 512 << 20) -> None:
         self.trainer = trainer
         self.engine = engine
         self.bucket_bytes = bucket_bytes
-        self.zero_copy = self._try_share_storage()
-
-    def _try_share_storage(self) -> bool:
-        if distributed.world_size() != 1:
-            return False
-        engine_params = dict(self.engine.model.named_parameters())
-        local = dict(self.trainer.named_local_parameters())
-        if engine_params.keys() != local.keys():
-            return False
-        for name, tensor in local.items():
-            target = engine_params[name]
-            if (target.shape, target.dtype, target.device) != (
-                tensor.shape,
-                tensor.dtype,
-                tensor.device,
-            ):
-                return False
-        for name, tensor in local.items():
-            engine_params[name].data = tensor
-        return True
+        self.zero_copy = share_storage(trainer, engine.model)
 
     def push(self, version: int) -> None:
         """Make the engine generate with the trainer's current weights, stamped `version`."""

@@ -1,0 +1,182 @@
+"""The trainer's side of weight sync to a `Fleet` of serving engines, chosen by config.
+
+`FleetSync.push(version)` runs the version protocol (`verst.sync.protocol.WeightSync`) over
+every engine of the fleet with the transport `sync.transport` names:
+
+- `colocated`, engines in the trainer's process: an engine whose parameters were re-pointed at
+  the trainer's storage (a world of one, same dtype) needs nothing sent; the others get an
+  in-process copy;
+- `broadcast`: a process group of the trainer and every engine process (gloo / NCCL), bucketed;
+- `disk`: a safetensors snapshot or delta published once, loaded by every engine.
+
+The tensors sent are the trainer's full parameters, in the engines' dtype, gathered one at a
+time (FSDP2 shards become full tensors tensor by tensor, never the whole model at once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch.distributed.tensor import DTensor
+
+from verst.configbase import ConfigBase
+from verst.engines.client import EngineClient, InProcessEngineClient
+from verst.engines.fleet import Fleet, PlacementConfig
+from verst.engines.launcher import free_port
+from verst.sync.broadcast import BroadcastTransport
+from verst.sync.colocated import share_storage
+from verst.sync.disk import DiskPublisher
+from verst.sync.protocol import (
+    DiskTransport,
+    InProcessTensorTransport,
+    NamedTensors,
+    PauseMode,
+    Transport,
+    WeightSync,
+)
+from verst.train import distributed
+from verst.train.trainer import Trainer
+
+TransportName = Literal["auto", "colocated", "broadcast", "disk"]
+
+
+class SyncConfig(ConfigBase):
+    transport: TransportName = Field(
+        "auto",
+        description="how new weights reach the engines: colocated (shared storage / in-process "
+        "copy), broadcast (torch.distributed group), disk (snapshot or delta); auto = colocated "
+        "for engines in the trainer's process, broadcast for engine processes",
+    )
+    bucket_mb: int = Field(512, ge=1, description="largest bucket of weights sent at once, MB")
+    disk_mode: Literal["full", "xor", "overwrite"] = Field(
+        "xor", description="disk transport: full snapshots, or deltas by XOR or by overwrite"
+    )
+    max_resends: int = Field(
+        1, ge=0, description="resends to an engine that does not report the new version"
+    )
+
+    def resolve(self, placement: PlacementConfig) -> str:
+        """The transport `auto` stands for, given where the engines run."""
+        if self.transport != "auto":
+            return self.transport
+        return "broadcast" if placement.engines == "processes" else "colocated"
+
+
+class SharedStorageTransport:
+    """Colocated in one process: engines that share the trainer's storage need nothing sent
+    (the optimiser wrote their weights); the rest get an in-process copy."""
+
+    def __init__(self, shared: set[int]) -> None:
+        self.shared = shared  # ids of the clients whose weights are the trainer's tensors
+        self.copy = InProcessTensorTransport()
+
+    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
+        rest = [e for e in engines if id(e) not in self.shared]
+        if rest:
+            await self.copy.send(rest, tensors, version)
+
+
+class FleetSync:
+    def __init__(
+        self,
+        trainer: Trainer,
+        fleet: Fleet,
+        *,
+        transport: Transport,
+        pause_mode: PauseMode,
+        engine_dtype: torch.dtype,
+        max_resends: int = 1,
+    ) -> None:
+        self.trainer = trainer
+        self.fleet = fleet
+        self.engine_dtype = engine_dtype
+        self.transport = transport
+        self.protocol = WeightSync(
+            fleet.clients, transport, pause_mode=pause_mode, max_resends=max_resends
+        )
+        self.last_push: dict[str, float] = {}
+
+    @classmethod
+    def build(
+        cls,
+        cfg: SyncConfig,
+        *,
+        placement: PlacementConfig,
+        pause_mode: PauseMode,
+        trainer: Trainer,
+        fleet: Fleet,
+        engine_dtype: torch.dtype,
+        run_dir: Path,
+    ) -> FleetSync:
+        if distributed.world_size() != 1:
+            raise NotImplementedError(
+                "serving-engine placements (placement.engines = in_process | processes) run "
+                "with one trainer process for now; use placement.engines=embedded under torchrun"
+            )
+        name = cfg.resolve(placement)
+        bucket_bytes = cfg.bucket_mb << 20
+        transport: Transport
+        if name == "colocated":
+            transport = SharedStorageTransport(_share_with_in_process(trainer, fleet))
+        elif name == "broadcast":
+            on_cuda = trainer.device.type == "cuda"
+            transport = BroadcastTransport(
+                master_port=free_port(),
+                bucket_bytes=bucket_bytes,
+                backend="nccl" if on_cuda else "gloo",
+            )
+            fleet.loop.run(transport.connect(fleet.clients))
+        elif name == "disk":
+            publisher = DiskPublisher(run_dir / "weights", mode=cfg.disk_mode)
+            transport = DiskTransport(publisher)
+        else:
+            raise ValueError(f"unknown sync.transport {name!r}")
+        return cls(
+            trainer,
+            fleet,
+            transport=transport,
+            pause_mode=pause_mode,
+            engine_dtype=engine_dtype,
+            max_resends=cfg.max_resends,
+        )
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The trainer's full parameters in the engines' dtype, one tensor at a time."""
+        for name, param in self.trainer.model.named_parameters():
+            data = param.data
+            full = data.full_tensor() if isinstance(data, DTensor) else data
+            yield name, full.detach().to(self.engine_dtype)
+
+    def push(self, version: int) -> dict[str, float]:
+        """Install the trainer's weights as `version` on every engine; returns sync metrics."""
+        return self.fleet.loop.run(self.apush(version))
+
+    async def apush(self, version: int) -> dict[str, float]:
+        """`push`, for coroutines on the fleet's loop (the fully asynchronous loop)."""
+        started = time.perf_counter()
+        report = await self.protocol.push(self.tensors, version)
+        self.fleet.weight_version = version
+        self.last_push = {
+            "sync/update_s": time.perf_counter() - started,
+            "sync/resent_engines": float(len(report.resent)),
+        }
+        return self.last_push
+
+
+def _share_with_in_process(trainer: Trainer, fleet: Fleet) -> set[int]:
+    """Point in-process engines' parameters at the trainer's storage where possible."""
+    shared = set()
+    for client in fleet.clients:
+        if not isinstance(client, InProcessEngineClient):
+            raise ValueError(
+                "sync.transport=colocated reaches engines in the trainer's process only "
+                "(placement.engines=in_process); use broadcast or disk for engine processes"
+            )
+        if share_storage(trainer, client.serving.scheduler.model):
+            shared.add(id(client))
+    return shared
