@@ -58,7 +58,8 @@ def test_smoke_run_writes_metrics_checkpoints_and_config(tmp_path: Path) -> None
     for row in rows[1:]:
         assert all(key in row for key in REQUIRED), row.keys()
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-4
-    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4, 5]
+    # the warm start's two dev checks installed versions 1 and 2
+    assert [r["weight_version"] for r in rows] == [3, 4, 5, 6, 7]
     assert all("eval/accuracy" in rows[i] for i in (2, 4))
     assert (run_dir / "config.yaml").is_file()
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002", "step_000004"]

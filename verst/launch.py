@@ -1,7 +1,9 @@
 """Builds the components of a run from its config: model, trainer, engine, sync, data, eval.
 
-Placement `local`: one process (or one per rank under torchrun) holds a trainer and an engine
-on the same device; the engine's copy of the model shares the trainer's storage when it can.
+Placement `embedded` (the default): one process (or one per rank under torchrun) holds a
+trainer and a batch engine on the same device; the engine's copy of the model shares the
+trainer's storage when it can. Placements `in_process` and `processes` put serving engines
+behind a router (`verst.engines.fleet.Fleet`), updated through `sync.transport`.
 The `Run` also owns checkpoint save and restore, since both touch every component.
 """
 
@@ -20,12 +22,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from verst.config import RunConfig
 from verst.data.source import DataSource
 from verst.engine import Engine, SamplingParams
+from verst.engines.fleet import Fleet
 from verst.eval.evaluate import Evaluator
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
 from verst.rollout.dynamic import fill_batch
 from verst.rollout.generate import generate_groups
 from verst.rollout.rewards import load_reward_fn
 from verst.sync.colocated import ColocatedSync
+from verst.sync.fleet_sync import FleetSync
 from verst.train import distributed
 from verst.train.checkpoint import (
     list_checkpoints,
@@ -38,6 +42,7 @@ from verst.train.trainer import Trainer, compute_dtype
 from verst.types import Group
 
 REFERENCE_DIR = "reference"
+ENGINE_INIT_DIR = "engine_init"
 
 
 @dataclass
@@ -48,8 +53,8 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     shell: PreTrainedModel  # unsharded twin of the policy, used for its config when saving
     trainer: Trainer
-    engine: Engine
-    sync: ColocatedSync
+    engine: Engine | Fleet  # what the rollout and the evaluator generate with
+    sync: ColocatedSync | FleetSync
     data: DataSource
     sampling_params: SamplingParams
     reward_fn: Callable
@@ -57,6 +62,11 @@ class Run:
     warm_start_data: DataSource | None
     dev_evaluator: Evaluator | None
     eos_ids: list[int]
+    fleet: Fleet | None = None
+
+    def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.close()
 
     @property
     def rank_slice(self) -> slice:
@@ -88,7 +98,7 @@ class Run:
 
     def dev_accuracy(self) -> float:
         assert self.dev_evaluator is not None
-        self.sync.push(self.engine.weight_version)
+        self.sync.push(self.engine.weight_version + 1)  # every weight change is a new version
         return self.dev_evaluator.run(self.engine)["eval/accuracy"]
 
     # --- reference model -------------------------------------------------------------------------
@@ -120,8 +130,8 @@ class Run:
             "rng": {
                 "torch": torch.get_rng_state(),
                 "python": random.getstate(),
-                "engine": self.engine.generator.get_state(),
-            },
+            }
+            | self._engine_rng(),
         }
         return save_checkpoint(
             self.run_dir,
@@ -131,6 +141,12 @@ class Run:
             tokenizer=self.tokenizer,
             state=state,
             keep_last=self.cfg.checkpoint.keep_last,
+        )
+
+    def _engine_rng(self) -> dict[str, torch.Tensor]:
+        # Serving engines sample with their own seeds, in their own processes.
+        return (
+            {"engine": self.engine.generator.get_state()} if isinstance(self.engine, Engine) else {}
         )
 
     def restore_latest(self) -> tuple[int, int]:
@@ -147,7 +163,8 @@ class Run:
         self.data.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        self.engine.generator.set_state(state["rng"]["engine"])
+        if isinstance(self.engine, Engine):
+            self.engine.generator.set_state(state["rng"]["engine"])
         if self.cfg.loss.needs_reference_model:
             reference = copy.deepcopy(self.shell)
             reference.load_state_dict(load_weights(self.run_dir / REFERENCE_DIR))
@@ -178,7 +195,8 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
 
     model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device)
     shell = copy.deepcopy(model)
-    engine_model = copy.deepcopy(model).to(dtype=compute_dtype(cfg.trainer.dtype, device)).eval()
+    engine_dtype = compute_dtype(cfg.trainer.dtype, device)
+    engine_model = copy.deepcopy(model).to(dtype=engine_dtype).eval()
     trainer = Trainer(
         model,
         cfg.trainer,
@@ -191,9 +209,32 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
     )
     eos_ids = eos_token_ids(shell, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    engine = Engine(
-        engine_model, eos_token_ids=eos_ids, pad_token_id=pad_id, seed=cfg.seed + distributed.rank()
-    )
+    fleet: Fleet | None = None
+    engine: Engine | Fleet
+    sync: ColocatedSync | FleetSync
+    if cfg.placement.serving:
+        fleet = engine = start_fleet(cfg, run_dir, engine_model, shell, tokenizer, device)
+        try:
+            sync = FleetSync.build(
+                cfg.sync,
+                placement=cfg.placement,
+                pause_mode=cfg.rollout.pause_mode,
+                trainer=trainer,
+                fleet=fleet,
+                engine_dtype=engine_dtype,
+                run_dir=run_dir,
+            )
+        except BaseException:
+            fleet.close()
+            raise
+    else:
+        engine = Engine(
+            engine_model,
+            eos_token_ids=eos_ids,
+            pad_token_id=pad_id,
+            seed=cfg.seed + distributed.rank(),
+        )
+        sync = ColocatedSync(trainer, engine)
     reward_fn = load_reward_fn(cfg.rollout.reward)
     eval_reward_fn = load_reward_fn(cfg.eval.reward) if cfg.eval.reward else reward_fn
 
@@ -213,7 +254,7 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
         shell=shell,
         trainer=trainer,
         engine=engine,
-        sync=ColocatedSync(trainer, engine),
+        sync=sync,
         data=DataSource(
             cfg.data,
             tokenizer,
@@ -228,4 +269,30 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
         else None,
         dev_evaluator=evaluator_for(warm.dev_data) if warm.enabled else None,
         eos_ids=eos_ids,
+        fleet=fleet,
+    )
+
+
+def start_fleet(
+    cfg: RunConfig,
+    run_dir: Path,
+    engine_model: PreTrainedModel,
+    shell: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+) -> Fleet:
+    """Serving engines with the initial policy: in-process engines take `engine_model`, engine
+    processes load it from `run_dir/engine_init` (their weights come through sync later)."""
+    model_dir = run_dir / ENGINE_INIT_DIR
+    if cfg.placement.engines == "processes":
+        shell.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    return Fleet.start(
+        cfg.placement,
+        model=engine_model,
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        trainer_device=device,
+        dtype=next(engine_model.parameters()).dtype,
+        seed=cfg.seed,
     )

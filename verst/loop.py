@@ -44,6 +44,13 @@ def train_items(groups: list[Group], loss: LossConfig) -> list[TrainItem]:
 def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     run = launch.build(cfg, run_dir)
+    try:
+        return _train(cfg, run, run_dir, resume=resume)
+    finally:
+        run.close()
+
+
+def _train(cfg: RunConfig, run: launch.Run, run_dir: Path, *, resume: bool) -> Path:
     step, version = run.restore_latest() if resume else (0, 0)
     with MetricsLogger(run_dir, cfg.num_steps, start_step=step) as log:
         if step == 0:
@@ -59,7 +66,7 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
                     log.info,
                 )
             run.start_rl()
-            version += 1
+            version = run.engine.weight_version + 1  # after the warm start's versions, if any
             run.sync.push(version)
             first["weight_version"] = version
             if run.evaluator is not None:
@@ -82,11 +89,11 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
                 raise NonFiniteLossError(f"{error}; last good checkpoint: {saved}") from None
             trained = time.perf_counter()
             version += 1
-            run.sync.push(version)
+            sync_metrics = run.sync.push(version)
             synced = time.perf_counter()
 
             metrics = {"step": step, "weight_version": version} | metrics
-            metrics |= rollout_metrics(groups, run.device) | sampling_metrics
+            metrics |= rollout_metrics(groups, run.device) | sampling_metrics | sync_metrics
             metrics |= {
                 "perf/rollout_time_s": rolled - started,
                 "perf/train_time_s": trained - rolled,

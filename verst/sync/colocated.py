@@ -65,11 +65,10 @@ class ColocatedSync:
         self.bucket_bytes = bucket_bytes
         self.zero_copy = share_storage(trainer, engine.model)
 
-    def push(self, version: int) -> None:
+    def push(self, version: int) -> dict[str, float]:
         """Make the engine generate with the trainer's current weights, stamped `version`."""
-        if self.zero_copy:
-            self.engine.set_weight_version(version)
-            return
-        for bucket in _full_tensors(self.trainer.model, self.bucket_bytes):
-            self.engine.update_weights_from_tensors(bucket, version)
+        if not self.zero_copy:
+            for bucket in _full_tensors(self.trainer.model, self.bucket_bytes):
+                self.engine.update_weights_from_tensors(bucket, version)
         self.engine.set_weight_version(version)
+        return {}
