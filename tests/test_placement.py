@@ -1,0 +1,122 @@
+"""Serving-engine placements: config refusals, weights after each transport, end to end runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_loop import SMALL, records
+from verst import launch
+from verst.cli import main
+from verst.config import ConfigError, load_config
+from verst.engines.client import InProcessEngineClient
+from verst.loop import train_items
+
+pytest.importorskip("aiohttp")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["mode=fully_async"], "needs placement.mode=disaggregated"),
+        (["placement.mode=disaggregated"], "needs placement.engines=processes"),
+        (["placement.engines=in_process", "sync.transport=broadcast"], "joins the trainer"),
+        (["sync.transport=disk"], "needs serving engines"),
+        (["placement.num_engines=2"], "num_engines > 1 needs"),
+        (
+            [
+                "mode=fully_async",
+                "placement.engines=processes",
+                "placement.mode=disaggregated",
+                "rollout.pause_mode=abort",
+            ],
+            "retract or in_place",
+        ),
+        (
+            [
+                "placement.engines=processes",
+                "placement.mode=disaggregated",
+                "sync.transport=colocated",
+            ],
+            "needs placement.mode=colocated",
+        ),
+    ],
+)
+def test_impossible_combinations_fail_at_config_time(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_auto_transport_follows_the_engines() -> None:
+    cfg = load_config(None, ["placement.engines=processes"])
+    assert cfg.sync.resolve(cfg.placement) == "broadcast"
+    cfg = load_config(None, ["placement.engines=in_process"])
+    assert cfg.sync.resolve(cfg.placement) == "colocated"
+
+
+def _one_step_then_push(run: launch.Run) -> None:
+    groups, _ = run.rollout()
+    run.trainer.step(train_items(groups, run.cfg.loss), step=1)
+    run.sync.push(run.engine.weight_version + 1)
+
+
+@pytest.mark.parametrize("transport", ["colocated", "disk"])
+def test_in_process_engines_hold_the_trainers_weights_bit_for_bit(
+    tmp_path: Path, transport: str
+) -> None:
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            "warm_start.enabled=false",
+            "placement.engines=in_process",
+            "placement.num_engines=2",
+            f"sync.transport={transport}",
+        ],
+    )
+    run = launch.build(cfg, tmp_path)
+    try:
+        _one_step_then_push(run)
+        trainer = {n: p.detach() for n, p in run.trainer.named_local_parameters()}
+        assert run.fleet is not None
+        for client in run.fleet.clients:
+            assert isinstance(client, InProcessEngineClient)
+            engine = dict(client.serving.scheduler.model.named_parameters())
+            assert engine.keys() == trainer.keys()
+            for name, tensor in trainer.items():
+                assert torch.equal(engine[name].detach(), tensor), name
+            assert client.serving.weight_version == str(run.engine.weight_version)
+    finally:
+        run.close()
+
+
+def test_in_process_engines_train_end_to_end(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = ["placement.engines=in_process", "placement.num_engines=2"]
+    assert main(["train", *SMALL, *overrides, "--run-dir", str(run_dir)]) == 0
+    rows = records(run_dir)
+    assert [r["weight_version"] for r in rows] == [3, 4, 5, 6, 7]
+    for row in rows[1:]:
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-5
+        assert row["sync/resent_engines"] == 0
+
+
+@pytest.mark.slow
+def test_engine_processes_with_broadcast_train_end_to_end(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = [
+        "placement.engines=processes",
+        "placement.num_engines=2",
+        "placement.engine_threads=1",
+        "sync.transport=broadcast",
+        "sync.bucket_mb=1",
+    ]
+    assert main(["train", *SMALL, *overrides, "--run-dir", str(run_dir)]) == 0
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for row in rows[1:]:
+        # the engines' log-probs are the trainer's: the broadcast delivered its weights
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-5
+        assert row["sync/resent_engines"] == 0
