@@ -50,10 +50,15 @@ class KVPool:
         self.num_pages = num_pages
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        # One page more than the allocator hands out: the scratch page, which padding tokens of
+        # a fixed-shape batch (CUDA graphs) write instead of anyone's KV.
+        shape = (num_pages + 1, page_size, num_kv_heads, head_dim)
         # Zero-initialised so a stale read is recognisable in a debugger, not garbage.
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._k_store = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._v_store = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k = [store[:num_pages] for store in self._k_store]
+        self.v = [store[:num_pages] for store in self._v_store]
+        self.scratch_slot = num_pages * page_size
         # A stack popped from the end: pages come out lowest id first, which keeps runs
         # reproducible and page tables easy to read in tests.
         self._free_stack = list(range(num_pages - 1, -1, -1))
@@ -105,6 +110,12 @@ class KVPool:
             dtype=dtype,
             device=device,
         )
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as [slots, H, D] views, slot = page * page_size + offset; the
+        last page's slots (from `scratch_slot`) belong to no one."""
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        return self._k_store[layer].view(shape), self._v_store[layer].view(shape)
 
     def num_free(self) -> int:
         return len(self._free_stack)

@@ -11,10 +11,10 @@ handed to the cache and it re-enters the queue, to be recomputed (mostly from ca
 Control: `abort(rid)`, `pause(mode)` with `abort` | `retract` | `in_place` and `resume()`,
 `flush_cache()`, weight updates in place with a version stamped on every output.
 
-The attention itself is the model's own (Hugging Face) code: each step gathers the running
-requests' pages into a padded cache, runs the forward, and writes the new tokens' K/V back
-into their pages. That keeps every HF causal LM working unchanged; a fused paged-attention
-kernel is what would remove the gather on GPUs.
+The model is the Hugging Face one, layer for layer; only its attention function is swapped
+for one that reads and writes the paged pool in place (`paged_attention`, run by
+`ModelRunner`): no per-step cache rebuild, decode steps on CUDA through a Triton paged kernel
+replayed from CUDA graphs, sampling on the device and one host sync a step (the sampled ids).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from verst.engine.core import FINISH_LENGTH, FINISH_STOP, GenerateOutput, Genera
 from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.radix_cache import PrefixMatch, RadixCache
 from verst.engine.sampling import sample_next_tokens
-from verst.models.forward import cached_forward, new_cache
+from verst.engine.model_runner import ModelRunner, Row
 
 FINISH_ABORT = "abort"
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -70,9 +70,11 @@ class Scheduler:
         chunk_tokens: int = 4096,
         enable_prefix_cache: bool = True,
         seed: int = 0,
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
+        self.runner = ModelRunner(model, pool, pad_token_id=pad_token_id, cuda_graphs=cuda_graphs)
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -271,64 +273,25 @@ class Scheduler:
         return True
 
     def _forward(self, batch: list[tuple[_Running, int]]) -> torch.Tensor:
-        """Feed each row its next tokens on top of its cached KV; returns last-token logits.
-
-        Host-side lists become device tensors in one call each: the per-step cost must not
-        grow with Python work per request.
-        """
-        device, page = self.device, self.pool.page_size
-        past = [r.computed for r, _ in batch]
-        new = [n for _, n in batch]
-        width_t = max(new)
-        table_width = max(-(-(c + n) // page) for c, n in zip(past, new, strict=True))
-        table_B_P = torch.tensor(
-            [
-                r.pages[:table_width] + [-1] * (table_width - len(r.pages[:table_width]))
-                for r, _ in batch
-            ],
-            dtype=torch.long,
-            device=device,
-        )
-        input_ids_B_T = torch.tensor(
-            [
-                r.tokens[r.computed : r.computed + n] + [self.pad_token_id] * (width_t - n)
-                for r, n in batch
-            ],
-            dtype=torch.long,
-            device=device,
-        )
-        past_B = torch.tensor(past, device=device)
-        new_B = torch.tensor(new, device=device)
-        width_p = max(-(-c // page) for c in past)
-        width_s = width_p * page
-        cache = new_cache(self.model)
-        if width_p > 0:
-            for layer in range(self.pool.num_layers):
-                k_B_S_H_D, v_B_S_H_D = self.pool.gather(layer, table_B_P[:, :width_p], past_B)
-                cache.update(k_B_S_H_D.transpose(1, 2), v_B_S_H_D.transpose(1, 2), layer)
-        steps_T = torch.arange(width_t, device=device)
-        new_mask_B_T = steps_T < new_B[:, None]
-        past_mask_B_S = torch.arange(width_s, device=device) < past_B[:, None]
-        positions_B_T = past_B[:, None] + steps_T
-        logits_B_T_V = cached_forward(
-            self.model,
-            input_ids_B_T,
-            torch.cat([past_mask_B_S, new_mask_B_T], 1).long(),
-            positions_B_T,
-            cache,
-        )
-        page_index_B_T = (positions_B_T // page).clamp(max=table_width - 1)
-        pages_N = table_B_P.gather(1, page_index_B_T)[new_mask_B_T]
-        offsets_N = (positions_B_T % page)[new_mask_B_T]
-        for layer in range(self.pool.num_layers):
-            keys = cache.layers[layer].keys[:, :, width_s:].transpose(1, 2)  # [B, T, H, D]
-            values = cache.layers[layer].values[:, :, width_s:].transpose(1, 2)
-            self.pool.write(layer, pages_N, offsets_N, keys[new_mask_B_T], values[new_mask_B_T])
+        """Feed each row its next tokens on top of its KV in the pool; returns last-token
+        logits [B, V] (float32). Attention reads and writes the pool in place (`ModelRunner`)."""
+        rows = [
+            Row(
+                tokens=r.tokens[r.computed : r.computed + n],
+                past=r.computed,
+                pages=r.pages,
+                all_logits=r.request.logprob_start_len >= 0 and r.computed < r.prompt_length,
+            )
+            for r, n in batch
+        ]
+        last_B_V, full = self.runner.forward(rows)
         for row, (r, n) in enumerate(batch):
-            if r.request.logprob_start_len >= 0 and r.computed < r.prompt_length:
-                self._score_prompt(r, logits_B_T_V[row, :n])
+            if row in full:
+                self._score_prompt(r, full[row])
+            elif rows[row].all_logits:  # one token fed: its logits are the last ones
+                self._score_prompt(r, last_B_V[row : row + 1])
             r.computed += n
-        return logits_B_T_V[torch.arange(len(batch), device=device), new_B - 1].float()
+        return last_B_V
 
     def _score_prompt(self, r: _Running, logits_T_V: torch.Tensor) -> None:
         """Log-probs of the prompt tokens this chunk predicts (SGLang's input_token_logprobs)."""

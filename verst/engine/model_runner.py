@@ -1,0 +1,243 @@
+"""One forward pass of a batch of rows over the paged KV pool, eager or replayed from a CUDA graph.
+
+Owns `ModelRunner`. The scheduler hands it, per running request, the tokens to feed, how many
+tokens of the request are already in the pool, its page list, and whether it needs every
+position's logits (prompt scoring) or only the last one. The runner builds the step's index
+tensors (a handful of host-to-device copies, no per-token Python), runs the HF decoder with
+attention routed to `paged_attention` (new K/V are written into the pool in place; nothing is
+gathered into an HF cache), applies the LM head only where logits are wanted, and returns them.
+
+Decode steps (one token a row) on CUDA replay a CUDA graph captured per batch-size bucket:
+inputs are copied into one static buffer, padding rows write the pool's scratch slot, and the
+Triton decode kernel reads each row's pages up to its own length, so one graph serves every
+sequence length up to `graph_max_len`. Weight updates copy into the same parameter storage,
+so the graphs stay valid across them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verst.engine.kv_pool import KVPool
+from verst.engine.paged_attention import (
+    PagedStep,
+    decode_mask,
+    paged_attention_mode,
+    step_mask,
+    triton,
+)
+
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass
+class Row:
+    """One request's part of a step."""
+
+    tokens: list[int]  # the tokens to feed now
+    past: int  # tokens of this request already in the pool
+    pages: list[int]  # covers past + len(tokens)
+    all_logits: bool = False  # logits of every fed position, not only the last
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits_B_V: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        *,
+        pad_token_id: int = 0,
+        cuda_graphs: bool | None = None,
+        graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES,
+        graph_max_len: int | None = None,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.pad_token_id = pad_token_id
+        self.device = pool.device
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        config = model.config
+        heads = config.num_attention_heads
+        self.group = heads // (getattr(config, "num_key_value_heads", None) or heads)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        on_cuda = self.device.type == "cuda"
+        self.use_triton = on_cuda and triton is not None
+        self.cuda_graphs = self.use_triton if cuda_graphs is None else (cuda_graphs and self.use_triton)
+        self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
+        max_len = graph_max_len or int(getattr(config, "max_position_embeddings", 0) or 4096)
+        self.graph_pages = -(-max_len // pool.page_size)
+        self._graphs: dict[int, _Graph] = {}
+        self._graph_pool = None
+        self._meta: torch.Tensor | None = None  # static inputs of the graphs
+
+    # --- public ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, rows: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(last-position logits [B, V] float32, {row: logits [n, V] float32} for all_logits rows)."""
+        if all(len(r.tokens) == 1 for r in rows):
+            return self._decode(rows), {}
+        return self._general(rows)
+
+    @torch.no_grad()
+    def capture_graphs(self, max_batch: int) -> None:
+        """Capture the decode graphs of every bucket up to `max_batch` now (else on first use)."""
+        if not self.cuda_graphs:
+            return
+        for size in reversed(self.graph_batch_sizes):
+            if size <= self._bucket(max_batch) and size not in self._graphs:
+                self._capture(size)
+
+    # --- decode ---------------------------------------------------------------------------------
+
+    def _decode(self, rows: list[Row]) -> torch.Tensor:
+        page = self.pool.page_size
+        B = len(rows)
+        width = max(-(-(r.past + 1) // page) for r in rows)
+        bucket = self._bucket(B)
+        graphed = self.cuda_graphs and bucket is not None and width <= self.graph_pages
+        size = bucket if graphed else B
+        # one host tensor: token, position, slot, sequence length, page table
+        meta = [
+            [
+                r.tokens[0],
+                r.past,
+                r.pages[r.past // page] * page + r.past % page,
+                r.past + 1,
+                *r.pages[:width],
+                *([0] * (width - min(len(r.pages), width))),
+            ]
+            for r in rows
+        ]
+        pad_row = [0, 0, self.pool.scratch_slot, 1] + [0] * width
+        meta += [pad_row] * (size - B)
+        meta_B_M = torch.tensor(meta, dtype=torch.long)
+        if graphed:
+            if bucket not in self._graphs:
+                self._capture(bucket)
+            assert self._meta is not None
+            self._meta[:size, : 4 + width].copy_(meta_B_M, non_blocking=True)
+            entry = self._graphs[bucket]
+            entry.graph.replay()
+            return entry.logits_B_V[:B]
+        return self._decode_eager(meta_B_M.to(self.device, non_blocking=True))[:B]
+
+    def _decode_eager(self, meta_B_M: torch.Tensor) -> torch.Tensor:
+        ids_B_1 = meta_B_M[:, 0:1]
+        positions_B_1 = meta_B_M[:, 1:2]
+        seq_lens_B = meta_B_M[:, 3].contiguous()
+        table_B_P = meta_B_M[:, 4:].contiguous()
+        step = PagedStep(
+            pool=self.pool,
+            slots_N=meta_B_M[:, 2].contiguous(),
+            table_B_P=table_B_P,
+            decode=True,
+            seq_lens_B=seq_lens_B,
+            use_triton=self.use_triton,
+        )
+        if not self.use_triton:
+            step.mask_B_1_Q_S = decode_mask(
+                seq_lens_B, table_B_P.shape[1], self.group, self.pool.page_size
+            )
+        hidden_B_1_H = self._run_decoder(ids_B_1, positions_B_1, step)
+        return self._logits(hidden_B_1_H[:, 0])
+
+    def _bucket(self, batch: int) -> int | None:
+        for size in self.graph_batch_sizes:
+            if size >= batch:
+                return size
+        return None
+
+    def _capture(self, size: int) -> None:
+        if self._meta is None:
+            rows = self.graph_batch_sizes[-1]
+            self._meta = torch.zeros((rows, 4 + self.graph_pages), dtype=torch.long, device=self.device)
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        meta = self._meta[:size]
+        meta.zero_()
+        meta[:, 2] = self.pool.scratch_slot
+        meta[:, 3] = 1
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up (Triton compiles, cuBLAS picks kernels)
+            for _ in range(2):
+                self._decode_eager(meta)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._decode_eager(meta)
+        self._graphs[size] = _Graph(graph, logits)
+
+    # --- prefill and mixed steps ----------------------------------------------------------------
+
+    def _general(self, rows: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        device, page = self.device, self.pool.page_size
+        B = len(rows)
+        new = [len(r.tokens) for r in rows]
+        T = max(new)
+        width = max(-(-(r.past + n) // page) for r, n in zip(rows, new, strict=True))
+        ids_B_T = torch.tensor(
+            [r.tokens + [self.pad_token_id] * (T - len(r.tokens)) for r in rows], dtype=torch.long
+        ).to(device, non_blocking=True)
+        table_B_P = torch.tensor(
+            [r.pages[:width] + [0] * (width - min(len(r.pages), width)) for r in rows],
+            dtype=torch.long,
+        ).to(device, non_blocking=True)
+        past_B = torch.tensor([r.past for r in rows], dtype=torch.long).to(device, non_blocking=True)
+        new_B = torch.tensor(new, dtype=torch.long).to(device, non_blocking=True)
+        steps_T = torch.arange(T, device=device)
+        positions_B_T = past_B[:, None] + steps_T
+        valid_B_T = steps_T < new_B[:, None]
+        page_B_T = table_B_P.gather(1, (positions_B_T // page).clamp(max=width - 1))
+        slots_B_T = torch.where(
+            valid_B_T, page_B_T * page + positions_B_T % page, self.pool.scratch_slot
+        )
+        step = PagedStep(
+            pool=self.pool,
+            slots_N=slots_B_T.reshape(-1),
+            table_B_P=table_B_P,
+            mask_B_1_Q_S=step_mask(past_B, T, width, self.group, page),
+        )
+        hidden_B_T_H = self._run_decoder(ids_B_T, positions_B_T, step)
+        # the LM head only where logits are wanted
+        wanted: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}
+        last: list[int] = []
+        for b, (r, n) in enumerate(zip(rows, new, strict=True)):
+            if r.all_logits:
+                spans[b] = (len(wanted), n)
+                wanted.extend(range(b * T, b * T + n))
+                last.append(len(wanted) - 1)
+            else:
+                last.append(len(wanted))
+                wanted.append(b * T + n - 1)
+        index = torch.tensor(wanted, dtype=torch.long).to(device, non_blocking=True)
+        logits_N_V = self._logits(hidden_B_T_H.reshape(B * T, -1).index_select(0, index))
+        last_B_V = logits_N_V[torch.tensor(last, dtype=torch.long).to(device, non_blocking=True)]
+        return last_B_V, {b: logits_N_V[s : s + n] for b, (s, n) in spans.items()}
+
+    # --- shared ---------------------------------------------------------------------------------
+
+    def _run_decoder(
+        self, ids_B_T: torch.Tensor, positions_B_T: torch.Tensor, step: PagedStep
+    ) -> torch.Tensor:
+        with paged_attention_mode(self.model):
+            out = self.decoder(
+                input_ids=ids_B_T, position_ids=positions_B_T, use_cache=False, verst_paged=step
+            )
+        return out.last_hidden_state
+
+    def _logits(self, hidden_N_H: torch.Tensor) -> torch.Tensor:
+        logits_N_V = self.lm_head(hidden_N_H).float()
+        if self.softcap:
+            logits_N_V = torch.tanh(logits_N_V / self.softcap) * self.softcap
+        return logits_N_V

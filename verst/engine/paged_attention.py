@@ -1,0 +1,276 @@
+"""Attention that reads and writes the paged KV pool in place, inside the model's own code.
+
+Owns the `verst_paged` attention function, registered in transformers' `AttentionInterface`,
+and `PagedStep`, the per-step description of where each new token's K/V goes and which pages
+each row attends over. While the engine runs a forward (`paged_attention_mode`), every HF
+attention layer of the model (Qwen2, Qwen3, Llama, ... : anything that dispatches through
+`ALL_ATTENTION_FUNCTIONS` and keeps `module.layer_idx`) calls `paged_attention` with the new
+tokens' queries, keys and values after RoPE; it
+
+1. writes the new K/V into their pool slots (`index_copy_`, one op per layer for K and V);
+2. attends over the row's pages:
+   - decode steps on CUDA (one token a row): a Triton kernel that walks each row's page table
+     (no copy of the cache, any length, a fixed launch shape, so CUDA graphs can capture it);
+   - otherwise (prefill chunks, mixed steps, the CPU): a gather of the rows' pages and SDPA
+     with a mask built once per step for all layers.
+
+No `DynamicCache` is built and no attention mask goes through HF's mask code (a custom
+attention implementation makes HF skip it), so per-step work does not grow with the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from verst.engine.kv_pool import KVPool
+
+ATTENTION_NAME = "verst_paged"
+
+try:  # Triton is only used on CUDA; the CPU path needs none of it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+
+@dataclass
+class PagedStep:
+    """Where one forward's new tokens go and what each row attends over.
+
+    Rows are padded to T tokens: `slots_N` (N = B*T) is each token's flat pool slot
+    (page * page_size + offset; padding tokens write the pool's scratch slot).
+    `decode`: every row feeds one token and attends over `seq_lens_B` tokens through
+    `table_B_P` (Triton on CUDA). Otherwise `table_B_P` lists the pages to gather (padded
+    with page 0) and `mask_B_1_Q_S` says which gathered positions each query sees, with the
+    query axis already laid out as (group of query heads per KV head) x T.
+    """
+
+    pool: KVPool
+    slots_N: torch.Tensor
+    table_B_P: torch.Tensor
+    decode: bool = False
+    seq_lens_B: torch.Tensor | None = None
+    mask_B_1_Q_S: torch.Tensor | None = None
+    use_triton: bool = False
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [B, Hq, T, D], key / value [B, Hkv, T, D] -> ([B, T, Hq, D], None)."""
+    step: PagedStep | None = kwargs.get("verst_paged")
+    if step is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} runs only inside the engine's forward "
+            "(it needs the step's page tables)"
+        )
+    layer = module.layer_idx
+    B, Hq, T, D = query.shape
+    Hkv = key.shape[1]
+    pool = step.pool
+    if scaling is None:
+        scaling = D**-0.5
+    k_flat, v_flat = pool.flat(layer)
+    k_flat.index_copy_(0, step.slots_N, key.transpose(1, 2).reshape(B * T, Hkv, D).to(pool.dtype))
+    v_flat.index_copy_(
+        0, step.slots_N, value.transpose(1, 2).reshape(B * T, Hkv, D).to(pool.dtype)
+    )
+    if step.decode and step.use_triton:
+        out_B_H_D = paged_decode_triton(
+            query.reshape(B, Hq, D),
+            pool.k[layer],
+            pool.v[layer],
+            step.table_B_P,
+            step.seq_lens_B,
+            scaling,
+        )
+        return out_B_H_D.view(B, 1, Hq, D), None
+    group = Hq // Hkv
+    P = step.table_B_P.shape[1]
+    S = P * pool.page_size
+    k_B_H_S_D = pool.k[layer][step.table_B_P].view(B, S, Hkv, D).transpose(1, 2)
+    v_B_H_S_D = pool.v[layer][step.table_B_P].view(B, S, Hkv, D).transpose(1, 2)
+    # grouped-query attention without repeating K/V: the query heads that share a KV head
+    # become extra query rows of it
+    q_B_H_Q_D = query.reshape(B, Hkv, group * T, D).to(pool.dtype)
+    out = F.scaled_dot_product_attention(
+        q_B_H_Q_D, k_B_H_S_D, v_B_H_S_D, attn_mask=step.mask_B_1_Q_S, scale=scaling
+    )
+    out_B_T_H_D = out.view(B, Hkv, group, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+    return out_B_T_H_D.to(query.dtype), None
+
+
+transformers.AttentionInterface.register(ATTENTION_NAME, paged_attention)
+
+
+@contextlib.contextmanager
+def paged_attention_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Route the model's attention through `paged_attention` for the duration (the model is
+    left as it was: a trainer or HF `generate` sharing it keeps its own implementation)."""
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def decode_mask(
+    seq_lens_B: torch.Tensor, width: int, group: int, page_size: int
+) -> torch.Tensor:
+    """[B, 1, group, width*page_size] bool: position s is visible iff s < seq_len."""
+    positions_S = torch.arange(width * page_size, device=seq_lens_B.device)
+    visible_B_S = positions_S < seq_lens_B[:, None]
+    return visible_B_S[:, None, None, :].expand(-1, 1, group, -1)
+
+
+def step_mask(
+    past_B: torch.Tensor, T: int, width: int, group: int, page_size: int
+) -> torch.Tensor:
+    """[B, 1, group*T, width*page_size] bool: query t of a row with `past` cached tokens sees
+    positions s <= past + t (its own K/V is written before the gather)."""
+    positions_S = torch.arange(width * page_size, device=past_B.device)
+    last_B_T = past_B[:, None] + torch.arange(T, device=past_B.device)
+    visible_B_T_S = positions_S[None, None, :] <= last_B_T[:, :, None]
+    B = past_B.shape[0]
+    return visible_B_T_S[:, None, None].expand(B, 1, group, T, -1).reshape(B, 1, group * T, -1)
+
+
+# --- the CUDA decode kernel ------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        Q,
+        K,
+        V,
+        Out,
+        Table,
+        SeqLens,
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_kp,
+        stride_ks,
+        stride_kh,
+        stride_tb,
+        stride_ob,
+        stride_oh,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        PAGE: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq_len = tl.load(SeqLens + b)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, D)
+        heads = kv_head * GROUP + offs_g
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=offs_g[:, None] < GROUP,
+            other=0.0,
+        )
+        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
+        for start in range(0, seq_len, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            valid_n = offs_n < seq_len
+            page = tl.load(Table + b * stride_tb + offs_n // PAGE, mask=valid_n, other=0)
+            base = page * stride_kp + (offs_n % PAGE) * stride_ks + kv_head * stride_kh
+            k = tl.load(K + base[:, None] + offs_d[None, :], mask=valid_n[:, None], other=0.0)
+            v = tl.load(V + base[:, None] + offs_d[None, :], mask=valid_n[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.where(valid_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=offs_g[:, None] < GROUP,
+        )
+
+
+def paged_decode_triton(
+    q_B_H_D: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table_B_P: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token a row over its pages: [B, Hq, D] out. k/v_pages [pages, page, Hkv, D]."""
+    if triton is None:
+        raise RuntimeError("the paged decode kernel needs Triton")
+    B, Hq, D = q_B_H_D.shape
+    _, page, Hkv, _ = k_pages.shape
+    group = Hq // Hkv
+    out = torch.empty((B, Hq, D), dtype=q_B_H_D.dtype, device=q_B_H_D.device)
+    q_B_H_D = q_B_H_D.to(k_pages.dtype)
+    _paged_decode_kernel[(B, Hkv)](
+        q_B_H_D,
+        k_pages,
+        v_pages,
+        out,
+        table_B_P,
+        seq_lens_B,
+        scale,
+        q_B_H_D.stride(0),
+        q_B_H_D.stride(1),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        table_B_P.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        PAGE=page,
+        D=D,
+        BLOCK_N=64,
+    )
+    return out
+
+
+def paged_decode_reference(
+    q_B_H_D: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table_B_P: torch.Tensor,
+    seq_lens_B: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """What `paged_decode_triton` computes, in plain PyTorch (tests compare the two)."""
+    B, Hq, D = q_B_H_D.shape
+    _, page, Hkv, _ = k_pages.shape
+    P = table_B_P.shape[1]
+    k = k_pages[table_B_P].view(B, P * page, Hkv, D).transpose(1, 2).float()
+    v = v_pages[table_B_P].view(B, P * page, Hkv, D).transpose(1, 2).float()
+    q = q_B_H_D.float().view(B, Hkv, Hq // Hkv, D)
+    mask = decode_mask(seq_lens_B, P, Hq // Hkv, page)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(B, Hq, D).to(q_B_H_D.dtype)
