@@ -184,6 +184,7 @@ class Fleet:
         tokenizer: Any,
         chat_template: str | None = None,
         processes: list[LocalEngine] | None = None,
+        process_devices: list[str] | None = None,
         runners: list[Any] | None = None,
     ) -> None:
         self.loop = loop
@@ -192,6 +193,7 @@ class Fleet:
         self._clients = clients  # by URL, in registration order
         self.router = Router(list(clients))
         self.processes = processes or []
+        self.process_devices = process_devices or []  # the device of each engine process
         self._runners = runners or []  # aiohttp runners serving in-process engines and fronts
         self._key_refs: dict[str, int] = {}
         self._sessions_url: str | None = None
@@ -231,9 +233,12 @@ class Fleet:
             if cfg.engines == "in_process":
                 clients, runners = loop.run(_start_in_process(cfg, model, tokenizer, seed))
                 return cls(loop, clients, tokenizer=tokenizer, runners=runners)
-            processes = _start_processes(cfg, model_dir, trainer_device, dtype, seed)
+            devices = engine_devices(cfg, trainer_device)
+            processes = _start_processes(cfg, model_dir, devices, dtype, seed)
             clients = {p.url: HttpEngineClient(p.url) for p in processes}
-            return cls(loop, clients, tokenizer=tokenizer, processes=processes)
+            return cls(
+                loop, clients, tokenizer=tokenizer, processes=processes, process_devices=devices
+            )
         except BaseException:
             loop.close()
             raise
@@ -363,12 +368,11 @@ async def _start_in_process(
 def _start_processes(
     cfg: PlacementConfig,
     model_dir: Path,
-    trainer_device: torch.device,
+    devices: list[str],
     dtype: torch.dtype,
     seed: int,
 ) -> list[LocalEngine]:
     """`verst serve` processes, one per device, started together and waited on together."""
-    devices = engine_devices(cfg, trainer_device)
     common = ["--dtype", str(dtype).removeprefix("torch."), "--max-batch-size"]
     common += [str(cfg.max_batch_size)]
     if cfg.engine_threads is not None:

@@ -125,6 +125,12 @@ class FleetSync:
             transport = SharedStorageTransport(_share_with_in_process(trainer, fleet))
         elif name == "broadcast":
             on_cuda = trainer.device.type == "cuda"
+            if on_cuda and _same_device(trainer.device, fleet.process_devices):
+                raise ValueError(
+                    f"sync.transport=broadcast: an engine process shares the trainer's GPU "
+                    f"{trainer.device}, and NCCL cannot join two ranks on one GPU; give the "
+                    "engines other GPUs (placement.engine_devices) or use sync.transport=disk"
+                )
             transport = BroadcastTransport(
                 master_port=free_port(),
                 bucket_bytes=bucket_bytes,
@@ -166,6 +172,14 @@ class FleetSync:
             "sync/resent_engines": float(len(report.resent)),
         }
         return self.last_push
+
+
+def _same_device(device: torch.device, others: list[str]) -> bool:
+    index = device.index or 0
+    return any(
+        torch.device(o).type == device.type and (torch.device(o).index or 0) == index
+        for o in others
+    )
 
 
 def _share_with_in_process(trainer: Trainer, fleet: Fleet) -> set[int]:
