@@ -22,6 +22,8 @@ CONSOLE_KEYS = (
     ("train/grad_norm", "gnorm"),
     ("train/train_rollout_logprob_abs_diff", "lp_diff"),
     ("eval/accuracy", "eval_acc"),
+    ("buffer/queue_size", "queue"),
+    ("buffer/staleness_max", "stale_max"),
     ("perf/step_time_s", "s/step"),
 )
 
@@ -69,4 +71,6 @@ class MetricsLogger:
             f"{short} {_format(metrics[key])}" for key, short in CONSOLE_KEYS if key in metrics
         ]
         self.console.print(" | ".join(parts), highlight=False, soft_wrap=True)
+        if metrics.get("buffer/advisory"):
+            self.console.print(f"  advisory: {metrics['buffer/advisory']}", highlight=False)
         self.progress.update(self.task, completed=metrics["step"])
