@@ -364,8 +364,10 @@ class ServingEngine:
         `retract` or `abort` mode releases it; `in_place` keeps it)."""
         lock = self._engine_lock
         assert lock is not None
-        if self._queue or (self._running and not self._paused):
+        if not self._paused and (self._queue or self._running):
             return False  # requests in flight, as SGLang refuses
+        # Paused: queued requests have not reached the scheduler and hold no KV (SGLang keeps
+        # them out of its scheduler while paused too), so only frozen in-place requests refuse.
         async with lock:
             self._apply_control()  # a pause just asked for takes effect first
             return self.scheduler.flush_cache()
