@@ -1,0 +1,509 @@
+"""The fully async rollout worker: in-flight accounting under both replacement rules, throttling
+by the buffer, failures, stop, the background thread, and its config."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+from pydantic import ValidationError
+
+from verst.rollout.async_worker import (
+    AsyncConfig,
+    BackgroundRollout,
+    RolloutWorker,
+    RolloutWorkerError,
+    build_rollout_worker,
+)
+from verst.rollout.buffer import DataBuffer
+from verst.types import Group, Sample, Status
+
+
+class FakeSource:
+    """Prompts p0, p1, ... (given-back ones first), groups of `n` fresh Samples."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.counter = 0  # groups served (their group_index)
+        self.fresh = 0  # prompts served for the first time
+        self.returned: list[str] = []
+        self.given_back: list[str] = []
+
+    def take(self, n_prompts: int) -> list[Group]:
+        groups = []
+        for _ in range(n_prompts):
+            if self.returned:
+                prompt = self.returned.pop(0)
+            else:
+                prompt = f"p{self.fresh}"
+                self.fresh += 1
+            gi = self.counter
+            self.counter += 1
+            groups.append(
+                [
+                    Sample(prompt=prompt, label="ok", tokens=[1, 2], group_index=gi, index=i)
+                    for i in range(self.n)
+                ]
+            )
+        return groups
+
+    def give_back(self, groups: list[Group]) -> None:
+        for g in groups:
+            self.given_back.append(g[0].prompt)
+            self.returned.append(g[0].prompt)
+
+
+class FakeEngine:
+    """generate_sample that waits until the test releases (group_index, index), or sleeps.
+
+    Tracks how many generations run at once, and stamps the current weight version.
+    """
+
+    def __init__(self, *, manual: bool = True, delay=None) -> None:
+        self.manual = manual
+        self.delay = delay
+        self.version = 0
+        self.running = 0
+        self.peak = 0
+        self.started: list[tuple[int, int]] = []
+        self.cancelled = 0
+        self.gates: dict[tuple[int, int], asyncio.Event] = {}
+        self.fail: set[tuple[int, int]] = set()
+
+    def gate(self, key: tuple[int, int]) -> asyncio.Event:
+        return self.gates.setdefault(key, asyncio.Event())
+
+    def release(self, *keys: tuple[int, int]) -> None:
+        for key in keys:
+            self.gate(key).set()
+
+    async def __call__(self, sample: Sample) -> Sample:
+        key = (sample.group_index, sample.index)
+        self.started.append(key)
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        version = self.version
+        try:
+            if self.manual:
+                await self.gate(key).wait()
+            else:
+                await asyncio.sleep(self.delay(key) if self.delay else 0)
+            if key in self.fail:
+                raise ConnectionError(f"engine lost {key}")
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+        sample.tokens = sample.prompt_tokens + [7, 8]
+        sample.response_length = 2
+        sample.loss_mask = [1, 1]
+        sample.rollout_logprobs = [-0.5, -0.5]
+        sample.status = Status.COMPLETED
+        sample.weight_versions = [version]
+        sample.metadata["response_text"] = "ok" if key[1] else "no"
+        return sample
+
+
+def reward(sample: Sample) -> float:
+    return float(sample.metadata["response_text"] == sample.label)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=20))
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def started_groups(engine: FakeEngine) -> set[int]:
+    return {g for g, _ in engine.started}
+
+
+def test_sample_replacement_frees_places_per_trajectory() -> None:
+    async def main() -> None:
+        source, engine = FakeSource(2), FakeEngine()
+        buffer = DataBuffer(8)
+        worker = RolloutWorker(
+            source, buffer, engine, reward, n_samples_per_prompt=2, max_inflight=4
+        )
+        async with worker:
+            await settle()
+            assert started_groups(engine) == {0, 1} and worker.inflight == 4
+            engine.release((0, 0))
+            await settle()
+            # one place free, a group needs two: nothing new
+            assert started_groups(engine) == {0, 1} and worker.inflight == 3
+            engine.release((1, 1))
+            await settle()
+            # two places free (from two different unfinished groups): group 2 starts
+            assert started_groups(engine) == {0, 1, 2} and worker.inflight == 4
+            engine.release((0, 1))
+            await settle()
+            assert started_groups(engine) == {0, 1, 2} and worker.inflight == 3
+            assert len(buffer) == 1  # group 0 is done, scored and buffered
+            engine.release((2, 0), (2, 1))
+            await settle()
+            assert started_groups(engine) == {0, 1, 2, 3}
+            assert engine.peak == 4 and worker.metrics()["rollout/inflight_peak"] == 4
+            [g0, g2] = await worker.take(2, current_version=0)
+            assert [s.reward for s in g0] == [0.0, 1.0] and g0[0].weight_versions == [0]
+            assert g2[0].group_index == 2
+
+    run(main())
+
+
+def test_group_replacement_waits_for_whole_groups() -> None:
+    async def main() -> None:
+        source, engine = FakeSource(2), FakeEngine()
+        buffer = DataBuffer(8)
+        worker = RolloutWorker(
+            source,
+            buffer,
+            engine,
+            reward,
+            n_samples_per_prompt=2,
+            max_inflight=5,  # room for two groups; the odd place is never used
+            replacement="group",
+        )
+        async with worker:
+            await settle()
+            assert started_groups(engine) == {0, 1} and worker.occupied == 4
+            engine.release((0, 0), (1, 1))
+            await settle()
+            # two trajectories done, but no group is: their places stay held
+            assert started_groups(engine) == {0, 1}
+            assert worker.inflight == 2 and worker.occupied == 4
+            engine.release((1, 0))
+            await settle()
+            assert started_groups(engine) == {0, 1, 2} and worker.occupied == 4
+            assert engine.peak == 4
+            assert len(buffer) == 1 and buffer._waiting[0][0].group_index == 1
+
+    run(main())
+
+
+@pytest.mark.parametrize("replacement", ["sample", "group"])
+def test_max_inflight_never_exceeded_with_long_tailed_generations(replacement) -> None:
+    rng = random.Random(0)
+    delays = {}
+
+    def delay(key):
+        # mostly short, sometimes ten times longer
+        return delays.setdefault(key, 0.02 if rng.random() < 0.15 else 0.002)
+
+    async def main() -> None:
+        source, engine = FakeSource(4), FakeEngine(manual=False, delay=delay)
+        buffer = DataBuffer(6)
+        worker = RolloutWorker(
+            source,
+            buffer,
+            engine,
+            reward,
+            n_samples_per_prompt=4,
+            max_inflight=10,
+            replacement=replacement,
+        )
+        peaks = []
+        async with worker:
+            for step in range(6):
+                groups = await worker.take(3, current_version=step)
+                assert len(groups) == 3 and all(len(g) == 4 for g in groups)
+                assert all(s.reward is not None for g in groups for s in g)
+                engine.version = step + 1
+                peaks.append(worker.metrics()["rollout/inflight_peak"])
+                await asyncio.sleep(0.005)  # "training"
+        # two whole groups of 4 fit in 10 places; with `sample`, groups overlap into the rest
+        assert engine.peak == max(peaks) <= (8 if replacement == "group" else 10)
+        assert engine.running == 0
+
+    run(main())
+
+
+def test_full_buffer_throttles_generation() -> None:
+    async def main() -> None:
+        source, engine = FakeSource(1), FakeEngine(manual=False)
+        buffer = DataBuffer(2)
+        worker = RolloutWorker(
+            source, buffer, engine, reward, n_samples_per_prompt=1, max_inflight=3
+        )
+        async with worker:
+            await asyncio.sleep(0.05)
+            # 2 in the buffer, 1 blocked at put, and nothing else started
+            assert len(buffer) == 2 and worker.groups_started == 3
+            m = worker.metrics()
+            assert m["rollout/put_blocked"] == 1 and m["rollout/inflight"] == 0
+            assert m["rollout/inflight_groups"] == 1
+            await worker.take(1, 0)
+            await asyncio.sleep(0.05)
+            # the blocked group went in, filling the buffer again; nothing was blocked then, so
+            # one more wave of max_inflight trajectories started, finished, and now waits
+            assert len(buffer) == 2 and worker.groups_started == 6
+            assert worker.metrics()["rollout/inflight_groups"] == 3
+            await asyncio.sleep(0.05)
+            assert worker.groups_started == 6
+
+    run(main())
+
+
+def test_generation_errors_abort_the_sample_and_retry_the_prompt() -> None:
+    async def main() -> None:
+        source, engine = FakeSource(2), FakeEngine(manual=False)
+        engine.fail = {(0, 1)}
+        buffer = DataBuffer(4, give_back=source.give_back)
+        worker = RolloutWorker(
+            source, buffer, engine, reward, n_samples_per_prompt=2, max_inflight=2
+        )
+        async with worker:
+            groups = await worker.take(2, current_version=0)
+            # p0's group was dropped at put and its prompt served again, as group 1
+            assert [(g[0].prompt, g[0].group_index) for g in groups] == [("p0", 1), ("p1", 2)]
+            m = worker.metrics()
+            assert m["buffer/dropped_aborted"] == 1 and m["rollout/generate_errors"] == 1
+        assert source.given_back == ["p0"]
+
+    run(main())
+
+
+def test_aborted_sample_keeps_the_prompt_side_and_the_reason() -> None:
+    seen = []
+
+    class Recording(DataBuffer):
+        async def put(self, group):
+            seen.append(group)
+            await super().put(group)
+
+    async def main() -> None:
+        source, engine = FakeSource(2), FakeEngine(manual=False)
+        engine.fail = {(0, 0)}
+
+        async def generate(sample):
+            sample.tokens.append(99)  # half-done in place when it fails
+            return await engine(sample)
+
+        worker = RolloutWorker(
+            source, Recording(4), generate, reward, n_samples_per_prompt=2, max_inflight=2
+        )
+        async with worker:
+            await worker.take(1, 0)
+        bad = seen[0][0]
+        assert bad.status == Status.ABORTED and bad.tokens == [1, 2]
+        assert bad.response_length == 0 and bad.reward is None  # aborted groups are not scored
+        assert bad.metadata["abort_error"] == "ConnectionError: engine lost (0, 0)"
+
+    run(main())
+
+
+def test_consecutive_generation_failures_stop_the_worker() -> None:
+    async def main() -> None:
+        source = FakeSource(2)
+
+        async def broken(sample):
+            raise ConnectionRefusedError("router down")
+
+        worker = RolloutWorker(
+            source, DataBuffer(4), broken, reward, n_samples_per_prompt=2, max_inflight=4
+        )
+        await worker.start()
+        with pytest.raises(RolloutWorkerError, match="8 generations failed in a row") as info:
+            await worker.take(1, 0)
+        assert isinstance(info.value.__cause__.__cause__, ConnectionRefusedError)
+        await worker.stop()  # already reported: no second raise
+
+    run(main())
+
+
+def test_worker_bugs_surface_to_the_caller() -> None:
+    class BadSource(FakeSource):
+        def take(self, n_prompts):
+            if self.counter == 3:
+                raise KeyError("no more rows")
+            return super().take(n_prompts)
+
+    class BadBuffer(DataBuffer):
+        async def put(self, group):
+            raise RuntimeError("disk full")
+
+    async def main() -> None:
+        engine = FakeEngine(manual=False)
+        worker = RolloutWorker(
+            BadSource(1), DataBuffer(8), engine, reward, n_samples_per_prompt=1, max_inflight=2
+        )
+        await worker.start()
+        with pytest.raises(RolloutWorkerError) as info:
+            await worker.take(5, 0)
+        assert isinstance(info.value.__cause__, KeyError)
+        await worker.stop()
+
+        # a failure nobody took: stop reports it
+        worker = RolloutWorker(
+            FakeSource(1), BadBuffer(8), engine, reward, n_samples_per_prompt=1, max_inflight=1
+        )
+        await worker.start()
+        await asyncio.sleep(0.02)
+        with pytest.raises(RolloutWorkerError, match="disk full"):
+            await worker.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("retry", [False, True])
+def test_stop_aborts_in_flight_groups_and_returns_prompts(retry) -> None:
+    async def main() -> None:
+        source, engine = FakeSource(2), FakeEngine()
+        buffer = DataBuffer(1)
+        worker = RolloutWorker(
+            source,
+            buffer,
+            engine,
+            reward,
+            n_samples_per_prompt=2,
+            max_inflight=4,
+            give_back=source.give_back if retry else None,
+        )
+        await worker.start()
+        await settle()
+        engine.release((0, 0), (0, 1))
+        await settle()
+        assert len(buffer) == 1 and started_groups(engine) == {0, 1, 2}
+        engine.release((1, 0), (1, 1))
+        await settle()
+        # the buffer is full: group 1 waits at put, so no group starts in the free places
+        assert worker.metrics()["rollout/put_blocked"] == 1
+        assert started_groups(engine) == {0, 1, 2} and worker.inflight == 2
+        engine.release((2, 0))
+        await settle()
+        # group 0 buffered, group 1 blocked at put, group 2 half-generated
+        live = list(worker._flights.values())
+        await worker.stop()
+        assert engine.cancelled == 1 and engine.running == 0
+        assert worker.aborted_on_stop == 2
+        assert [s.status for f in live for s in f.group] == [
+            Status.COMPLETED,
+            Status.COMPLETED,
+            Status.COMPLETED,
+            Status.ABORTED,
+        ]
+        assert source.given_back == (["p1", "p2"] if retry else [])
+        assert len(buffer) == 1  # what the buffer holds is untouched
+        await worker.stop()  # idempotent
+        with pytest.raises(RuntimeError, match="not running"):
+            await worker.take(1, 0)
+
+    run(main())
+
+
+def test_stop_is_prompt_even_while_the_trainer_waits() -> None:
+    async def main() -> None:
+        source, engine = FakeSource(1), FakeEngine()
+        worker = RolloutWorker(
+            source, DataBuffer(2), engine, reward, n_samples_per_prompt=1, max_inflight=2
+        )
+        await worker.start()
+        waiting = asyncio.ensure_future(worker.take(1, 0))
+        await settle()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.wait_for(worker.stop(), 1)
+        assert engine.cancelled == 2
+
+    run(main())
+
+
+def test_inflight_mean_is_time_weighted() -> None:
+    async def main() -> None:
+        source, engine = FakeSource(2), FakeEngine()
+        worker = RolloutWorker(
+            source, DataBuffer(8), engine, None, n_samples_per_prompt=2, max_inflight=2
+        )
+        async with worker:
+            await settle()
+            worker.metrics()  # start a window with 2 generating
+            await asyncio.sleep(0.05)
+            engine.release((0, 0))
+            await asyncio.sleep(0.05)
+            m = worker.metrics()
+            assert m["rollout/inflight"] == 1 and m["rollout/inflight_peak"] == 2
+            assert 1.2 < m["rollout/inflight_mean"] < 1.8
+            assert m["rollout/max_inflight"] == 2 and m["rollout/groups_started"] == 1
+            assert "buffer/queue_size" in m
+
+    run(main())
+
+
+def test_background_rollout_serves_a_synchronous_trainer() -> None:
+    source = FakeSource(2)
+    engine = FakeEngine(manual=False, delay=lambda key: 0.001)
+    cfg = AsyncConfig(max_inflight=4, max_staleness=1, unused="retry")
+    worker = build_rollout_worker(
+        cfg, source, engine, reward, prompts_per_step=2, n_samples_per_prompt=2
+    )
+    assert worker.buffer.capacity == 4 and worker.buffer.give_back == source.give_back
+    main_thread = threading.get_ident()
+    with BackgroundRollout(worker) as rollout:
+        for step in range(4):
+            groups = rollout.take(2, current_version=step, timeout=10)
+            assert len(groups) == 2
+            assert all(step - g[0].weight_versions[0] <= 1 for g in groups)
+            rollout.call(setattr, engine, "version", step + 1)
+        assert rollout.call(threading.get_ident) != main_thread
+        m = rollout.metrics()
+        assert m["rollout/max_inflight"] == 4 and m["buffer/capacity"] == 4
+    assert engine.running == 0
+
+
+def test_background_rollout_reports_a_dead_worker() -> None:
+    async def broken(sample):
+        raise OSError("no route")
+
+    worker = RolloutWorker(
+        FakeSource(1), DataBuffer(2), broken, reward, n_samples_per_prompt=1, max_inflight=1
+    )
+    rollout = BackgroundRollout(worker)
+    rollout.start()
+    try:
+        with pytest.raises(RolloutWorkerError, match="no route"):
+            rollout.take(1, 0, timeout=10)
+    finally:
+        rollout.stop()
+
+
+def test_constructor_checks() -> None:
+    with pytest.raises(ValueError, match="must be at least n_samples_per_prompt"):
+        RolloutWorker(
+            FakeSource(4), DataBuffer(2), FakeEngine(), None, n_samples_per_prompt=4, max_inflight=3
+        )
+    with pytest.raises(ValueError, match="'group' or 'sample'"):
+        RolloutWorker(
+            FakeSource(1),
+            DataBuffer(2),
+            FakeEngine(),
+            None,
+            n_samples_per_prompt=1,
+            max_inflight=3,
+            replacement="trajectory",
+        )
+
+
+def test_async_config() -> None:
+    cfg = AsyncConfig()
+    assert cfg.replacement == "sample" and cfg.unused == "retry"
+    assert cfg.buffer == "verst.rollout.buffer:DataBuffer"
+    assert cfg.inflight_limit(16, 8) == 128 and cfg.buffer_capacity(16) == 32
+    assert AsyncConfig(buffer_factor=1.5).buffer_capacity(3) == 5
+    assert AsyncConfig(buffer_factor=1.0).buffer_capacity(3) == 3
+    assert AsyncConfig(max_inflight=10).inflight_limit(16, 8) == 10
+    for name, info in AsyncConfig.model_fields.items():
+        assert info.description, name
+    with pytest.raises(ValidationError, match="module 'nope' not found"):
+        AsyncConfig(buffer="nope:Buffer")
+    with pytest.raises(ValidationError):
+        AsyncConfig(buffer_factor=0.5)
+    with pytest.raises(ValidationError):
+        AsyncConfig(replacement="trajectory")
+    AsyncConfig(buffer="examples.custom_buffer:FreshestFirstBuffer", max_staleness=None)
