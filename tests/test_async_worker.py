@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 
 import pytest
 from pydantic import ValidationError
 
 from verst.rollout.async_worker import (
     AsyncConfig,
-    BackgroundRollout,
     RolloutWorker,
     RolloutWorkerError,
-    build_rollout_worker,
 )
 from verst.rollout.buffer import DataBuffer
 from verst.types import Group, Sample, Status
@@ -434,43 +431,6 @@ def test_inflight_mean_is_time_weighted() -> None:
             assert "buffer/queue_size" in m
 
     run(main())
-
-
-def test_background_rollout_serves_a_synchronous_trainer() -> None:
-    source = FakeSource(2)
-    engine = FakeEngine(manual=False, delay=lambda key: 0.001)
-    cfg = AsyncConfig(max_inflight=4, max_staleness=1, unused="retry")
-    worker = build_rollout_worker(
-        cfg, source, engine, reward, prompts_per_step=2, n_samples_per_prompt=2
-    )
-    assert worker.buffer.capacity == 4 and worker.buffer.give_back == source.give_back
-    main_thread = threading.get_ident()
-    with BackgroundRollout(worker) as rollout:
-        for step in range(4):
-            groups = rollout.take(2, current_version=step, timeout=10)
-            assert len(groups) == 2
-            assert all(step - g[0].weight_versions[0] <= 1 for g in groups)
-            rollout.call(setattr, engine, "version", step + 1)
-        assert rollout.call(threading.get_ident) != main_thread
-        m = rollout.metrics()
-        assert m["rollout/max_inflight"] == 4 and m["buffer/capacity"] == 4
-    assert engine.running == 0
-
-
-def test_background_rollout_reports_a_dead_worker() -> None:
-    async def broken(sample):
-        raise OSError("no route")
-
-    worker = RolloutWorker(
-        FakeSource(1), DataBuffer(2), broken, reward, n_samples_per_prompt=1, max_inflight=1
-    )
-    rollout = BackgroundRollout(worker)
-    rollout.start()
-    try:
-        with pytest.raises(RolloutWorkerError, match="no route"):
-            rollout.take(1, 0, timeout=10)
-    finally:
-        rollout.stop()
 
 
 def test_constructor_checks() -> None:

@@ -15,18 +15,20 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from verst.config import RunConfig
 from verst.data.source import DataSource
-from verst.engine import Engine, SamplingParams
-from verst.engines.fleet import Fleet
+from verst.engine import Engine, GenerateRequest, SamplingParams
+from verst.engines.fleet import Fleet, prompt_key
 from verst.eval.evaluate import Evaluator
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
-from verst.rollout.dynamic import fill_batch
-from verst.rollout.generate import generate_groups
+from verst.rollout.async_worker import RolloutWorker, build_rollout_worker
+from verst.rollout.dynamic import fill_batch, has_reward_variance
+from verst.rollout.generate import fill_sample, generate_groups
 from verst.rollout.rewards import load_reward_fn
 from verst.sync.colocated import ColocatedSync
 from verst.sync.fleet_sync import FleetSync
@@ -39,7 +41,7 @@ from verst.train.checkpoint import (
 )
 from verst.train.critic import ValueModel
 from verst.train.trainer import Trainer, compute_dtype
-from verst.types import Group
+from verst.types import Group, Sample
 
 REFERENCE_DIR = "reference"
 ENGINE_INIT_DIR = "engine_init"
@@ -63,6 +65,7 @@ class Run:
     dev_evaluator: Evaluator | None
     eos_ids: list[int]
     fleet: Fleet | None = None
+    _worker: RolloutWorker | None = None
 
     def close(self) -> None:
         if self.fleet is not None:
@@ -89,6 +92,58 @@ class Run:
             max_rounds=self.cfg.rollout.max_sampling_rounds,
             device=self.device,
         )
+
+    # --- fully asynchronous rollout (a fleet's loop runs the worker) ---------------------------
+
+    async def generate_sample(self, sample: Sample) -> Sample:
+        """One trajectory on the fleet; samples of one prompt share a routing key."""
+        assert self.fleet is not None
+        request = GenerateRequest(
+            input_ids=sample.prompt_tokens, sampling_params=copy.copy(self.sampling_params)
+        )
+        out = await self.fleet.agenerate(request, key=prompt_key(sample.prompt_tokens))
+        fill_sample(sample, out, self.decode(out.output_ids))
+        return sample
+
+    def start_rollout_worker(self) -> RolloutWorker:
+        fleet = self._require_fleet("mode=fully_async")
+        rollout = self.cfg.rollout
+        worker = build_rollout_worker(
+            rollout,
+            self.data,
+            self.generate_sample,
+            self.reward_fn,
+            prompts_per_step=rollout.prompts_per_step,
+            n_samples_per_prompt=rollout.n_samples_per_prompt,
+            group_filter=has_reward_variance if rollout.dynamic_sampling else None,
+        )
+        fleet.loop.run(worker.start())
+        self._worker = worker
+        return worker
+
+    def take_groups(self, worker: RolloutWorker, version: int) -> list[Group]:
+        assert self.fleet is not None
+        return self.fleet.loop.run(worker.take(self.cfg.rollout.prompts_per_step, version))
+
+    def worker_metrics(self, worker: RolloutWorker) -> dict[str, Any]:
+        assert self.fleet is not None
+        return self.fleet.loop.call(worker.metrics)
+
+    def stop_rollout_worker(self, worker: RolloutWorker) -> None:
+        assert self.fleet is not None
+        self._worker = None
+        self.fleet.loop.run(worker.stop())
+
+    def _require_fleet(self, what: str) -> Fleet:
+        if self.fleet is None:
+            raise RuntimeError(f"{what} needs serving engines (placement.engines)")
+        return self.fleet
+
+    def _data_state(self) -> dict[str, Any]:
+        # While a rollout worker runs, the data source belongs to the fleet's loop thread.
+        if self.fleet is not None and self._worker is not None:
+            return self.fleet.loop.call(self.data.state_dict)
+        return self.data.state_dict()
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -126,7 +181,7 @@ class Run:
             "step": step,
             "weight_version": version,
             "trainer": self.trainer.optimizer_state(),
-            "data": self.data.state_dict(),
+            "data": self._data_state(),
             "rng": {
                 "torch": torch.get_rng_state(),
                 "python": random.getstate(),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -164,6 +164,14 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         return self.submit(coro).result(timeout_s)
 
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the loop's thread (for objects that belong to the loop)."""
+
+        async def on_loop() -> T:
+            return fn(*args)
+
+        return self.run(on_loop())
+
     def close(self) -> None:
         if self.loop.is_closed():
             return
@@ -272,7 +280,7 @@ class Fleet:
 
         async def all_of() -> list[GenerateOutput]:
             return await asyncio.gather(
-                *(self.agenerate(r, key=_prompt_key(r.input_ids)) for r in requests)
+                *(self.agenerate(r, key=prompt_key(r.input_ids)) for r in requests)
             )
 
         return self.loop.run(all_of())
@@ -329,7 +337,8 @@ class Fleet:
         return url
 
 
-def _prompt_key(input_ids: list[int]) -> str:
+def prompt_key(input_ids: list[int]) -> str:
+    """The routing key of a prompt: its samples meet on one engine and share its prefill."""
     return f"prompt-{hash(tuple(input_ids)):x}"
 
 

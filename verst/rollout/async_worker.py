@@ -29,21 +29,19 @@ spinning. An error in the worker itself (the data source, the buffer) stops it t
 `stop()` cancels everything in flight; groups not yet accepted by the buffer are aborted, and
 their prompts go to `give_back` (the DataSource's, with `unused: retry`) or are dropped.
 
-`BackgroundRollout` runs a worker on its own event loop in a daemon thread, for a synchronous
-trainer: `take`, `metrics`, `call` and `stop` are plain blocking methods.
+`verst train` runs the worker on the fleet's event loop (`verst.engines.fleet.LoopThread`) and
+reaches it from the synchronous trainer through that loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import math
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol
 
 from pydantic import Field, field_validator
 
@@ -64,7 +62,6 @@ log = logging.getLogger(__name__)
 
 Replacement = Literal["group", "sample"]
 GenerateSample = Callable[[Sample], Awaitable[Sample]]
-T = TypeVar("T")
 
 
 class AsyncConfig(ConfigBase):
@@ -476,77 +473,3 @@ def build_rollout_worker(
         replacement=cfg.replacement,
         give_back=give_back,
     )
-
-
-class BackgroundRollout:
-    """A `RolloutWorker` on its own event loop in a daemon thread, driven by blocking calls.
-
-    Everything the worker touches (the data source, the buffer, `generate_sample`'s clients)
-    lives on that loop's thread: reach the data source through `call`, e.g.
-    `rollout.call(source.state_dict)`, never directly while the worker runs.
-    """
-
-    def __init__(self, worker: RolloutWorker, *, name: str = "verst-rollout") -> None:
-        self.worker = worker
-        self.name = name
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._loop is not None:
-            raise RuntimeError("already started")
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=self.name, daemon=True)
-        self._thread.start()
-        self.run(self.worker.start())
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run `coro` on the worker's loop and wait for its result."""
-        if self._loop is None:
-            coro.close()
-            raise RuntimeError("not started")
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout)
-        except (concurrent.futures.TimeoutError, KeyboardInterrupt):
-            future.cancel()
-            raise
-
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Call `fn(*args)` on the worker's thread and return its result."""
-
-        async def call() -> T:
-            return fn(*args)
-
-        return self.run(call())
-
-    def take(
-        self, n_groups: int, current_version: int, timeout: float | None = None
-    ) -> list[Group]:
-        """Block until the buffer serves `n_groups` groups (see `RolloutWorker.take`)."""
-        return self.run(self.worker.take(n_groups, current_version), timeout)
-
-    def metrics(self) -> dict[str, Any]:
-        return self.call(self.worker.metrics)
-
-    def stop(self, timeout: float | None = 60.0) -> None:
-        """Stop the worker (see `RolloutWorker.stop`), then the loop and its thread."""
-        if self._loop is None or self._thread is None:
-            return
-        loop, thread = self._loop, self._thread
-        try:
-            self.run(self.worker.stop(), timeout)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout)
-            if not thread.is_alive():
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.close()
-            self._loop = self._thread = None
-
-    def __enter__(self) -> BackgroundRollout:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
