@@ -1,0 +1,134 @@
+"""Time per 1,000 trajectories: the synchronous loop vs fully asynchronous mode, same hardware.
+
+Both runs use the same placement (engine processes on devices of their own, disaggregated),
+the same model, prompts, seed and batch; only `mode` differs. Response lengths are long-tailed:
+a random-weight model samples until it happens to emit EOS (about one token in the vocabulary
+size), so lengths are roughly geometric up to `max_new_tokens`, and the synchronous batch
+waits for its longest trajectory while the asynchronous worker keeps `max_inflight` going.
+
+    python bench/async_vs_sync.py                      # CPU: 1 engine process + the trainer
+    python bench/async_vs_sync.py --device cuda --engine-devices cuda:0 --hidden 1024 ...
+
+Prints both times and the speedup, and writes bench/results/async_vs_sync_<device>.json.
+The first `--skip` steps of each run (start-up, first compilation) are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from verst.config import load_config
+from verst.loop import train
+
+
+def run_mode(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, float]:
+    tiny = (
+        f"{{hidden_size: {args.hidden}, num_layers: {args.layers}, num_heads: {args.heads}, "
+        f"num_kv_heads: {args.kv_heads}, intermediate_size: {4 * args.hidden}, "
+        f"max_position_embeddings: {args.max_new_tokens + 64}}}"
+    )
+    overrides = [
+        f"mode={mode}",
+        f"num_steps={args.steps}",
+        f"seed={args.seed}",
+        f"trainer.device={args.device}",
+        f"model.tiny={tiny}",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.n_samples_per_prompt={args.n}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.max_staleness={args.max_staleness}",
+        "rollout.pause_mode=retract",
+        "placement.engines=processes",
+        "placement.mode=disaggregated",
+        f"placement.engine_devices={json.dumps(args.engine_devices)}",
+        f"sync.transport={args.transport}",
+        "eval.interval_steps=0",
+        "checkpoint.interval_steps=0",
+        "warm_start.enabled=false",
+    ]
+    if args.trainer_threads:
+        overrides.append(f"num_threads={args.trainer_threads}")
+    if args.engine_threads:
+        overrides.append(f"placement.engine_threads={args.engine_threads}")
+    cfg = load_config(None, overrides)
+    started = time.perf_counter()
+    train(cfg, run_dir)
+    wall = time.perf_counter() - started
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > args.skip]
+    seconds = sum(r["perf/step_time_s"] for r in steps)
+    trajectories = len(steps) * args.prompts * args.n
+    lengths = [r["rollout/response_len_mean"] for r in steps]
+    return {
+        "seconds_per_1k_trajectories": 1000 * seconds / trajectories,
+        "measured_steps": len(steps),
+        "measured_seconds": seconds,
+        "wall_seconds_with_startup": wall,
+        "response_len_mean": statistics.fmean(lengths),
+        "staleness_max": max((r.get("buffer/staleness_max", 0.0) for r in steps), default=0.0),
+        "dropped_stale": max((r.get("buffer/dropped_stale", 0.0) for r in steps), default=0.0),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="trainer device")
+    parser.add_argument("--engine-devices", nargs="+", default=["cpu"])
+    parser.add_argument("--transport", default="broadcast", choices=["broadcast", "disk"])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trainer-threads", type=int, default=1)
+    parser.add_argument("--engine-threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("sync", "fully_async"):
+            results[mode] = run_mode(mode, args, Path(tmp) / mode)
+            print(
+                f"{mode:>11}: {results[mode]['seconds_per_1k_trajectories']:.1f} s / 1k traj "
+                f"(mean length {results[mode]['response_len_mean']:.1f})",
+                flush=True,
+            )
+    speedup = (
+        results["sync"]["seconds_per_1k_trajectories"]
+        / results["fully_async"]["seconds_per_1k_trajectories"]
+    )
+    print(f"speedup fully_async / sync: {speedup:.2f}x")
+    device_name = (
+        torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor()
+    )
+    record = {
+        "benchmark": "async_vs_sync",
+        "device": device_name or args.device,
+        "config": vars(args) | {"out": None},
+        "results": results,
+        "speedup": speedup,
+    }
+    tag = "cpu" if args.device == "cpu" else "cuda"
+    out = args.out or Path(__file__).parent / "results" / f"async_vs_sync_{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
