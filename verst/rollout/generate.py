@@ -13,6 +13,7 @@ from typing import Literal, Protocol
 from pydantic import Field, field_validator
 
 from verst.engine import GenerateOutput, GenerateRequest, SamplingParams
+from verst.rollout.agent import AgentConfig
 from verst.rollout.async_worker import AsyncConfig
 from verst.rollout.rewards import check_reward_fn, compute_rewards
 from verst.types import Group, Sample, Status
@@ -24,8 +25,9 @@ class Generator(Protocol):
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]: ...
 
 
-class RolloutConfig(AsyncConfig):
-    """Generation, rewards, and (inherited) the fully asynchronous worker and data buffer."""
+class RolloutConfig(AsyncConfig, AgentConfig):
+    """Generation, rewards, and (inherited) the fully asynchronous worker and data buffer, and
+    the agent function of multi-turn rollouts."""
 
     prompts_per_step: int = Field(16, ge=1, description="prompts (groups) per RL step")
     n_samples_per_prompt: int = Field(8, ge=1, description="samples per prompt (the group size)")
