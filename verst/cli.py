@@ -172,6 +172,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
+    if args.device.startswith("cuda:"):
+        # kernels launched without an explicit device (Triton, CUDA graphs) use the current one
+        torch.cuda.set_device(torch.device(args.device))
 
     run_server(
         args.model,
