@@ -28,9 +28,9 @@ import torch
 
 from verst.engine.core import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
 from verst.engine.kv_pool import KVPool, OutOfPages
+from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.radix_cache import PrefixMatch, RadixCache
 from verst.engine.sampling import sample_next_tokens
-from verst.engine.model_runner import ModelRunner, Row
 
 FINISH_ABORT = "abort"
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -208,6 +208,10 @@ class Scheduler:
         self._finished_early = []
         if not batch:
             return finished
+        if self.pool.device.type == "cuda":
+            # step() runs on a worker thread, whose current device is cuda:0 by default; the
+            # Triton kernels and CUDA graphs launch on the current device
+            torch.cuda.set_device(self.pool.device)
         logits_B_V = self._forward(batch)
         ready = [i for i, (r, _) in enumerate(batch) if r.computed == len(r.tokens)]
         scored = [i for i in ready if self._remaining(batch[i][0]) <= 0]  # max_new_tokens=0
