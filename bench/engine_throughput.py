@@ -1,7 +1,10 @@
 """Generation throughput: verst's engines vs HF `generate` on the same model and workload.
 
 Runs, in one process and on one random-weight Qwen3-shaped model:
-- `verst-scheduler`: the continuous-batching scheduler (paged KV, radix prefix cache);
+- `verst-scheduler`: the continuous-batching scheduler (paged KV, radix prefix cache; on CUDA
+  the Triton paged decode kernel and decode CUDA graphs, captured untimed first);
+- `verst-scheduler-bf16` (opt-in, `--engines`): the same on a bf16 copy of the model, the
+  dtype vLLM's CPU backend runs;
 - `verst-batch`: the static batch engine the RL loop uses today;
 - `hf-generate`: `model.generate(do_sample=True)` on the same prompts;
 for each batch size, plus a multi-turn shared-prefix workload (sessions whose every turn
@@ -95,7 +98,25 @@ def new_scheduler(model, dtype, device, budget_bytes: int) -> Scheduler:
     return Scheduler(model, pool, eos_token_ids=[], pad_token_id=0)
 
 
+def warm_scheduler(scheduler: Scheduler, prompts: list[list[int]], batch: int) -> None:
+    """Untimed: first-call work (Triton compiles, the decode CUDA graphs up to `batch`), as a
+    server does at start-up."""
+    scheduler.generate(requests(prompts[:1], 4))
+    scheduler.runner.capture_graphs(batch)
+
+
+def cold_generate(scheduler: Scheduler, prompts: list[list[int]], new: int) -> None:
+    """Fresh requests on an empty prefix cache (the batch workloads measure no cache hits)."""
+    scheduler.flush_cache()
+    scheduler.generate(requests(prompts, new))
+
+
 def run_batches(model, args, preset, dtype, device) -> list[dict]:
+    bf16_model = (
+        build_model(preset["model"], torch.bfloat16, device)
+        if "verst-scheduler-bf16" in args.engines
+        else None
+    )
     vocab = model.config.vocab_size
     rows = []
     for batch in args.batches or preset["batches"]:
@@ -106,10 +127,6 @@ def run_batches(model, args, preset, dtype, device) -> list[dict]:
         ]
         new = preset["new_tokens"]
         tokens = batch * new
-        scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
-        scheduler.generate(requests(prompts[:1], 4))  # warm-up
-        engine = Engine(model, eos_token_ids=[], pad_token_id=0)
-        engine.generate(requests(prompts[:1], 4))
         input_ids = torch.tensor(prompts, device=device)
 
         def hf_generate(input_ids=input_ids, new=new):
@@ -124,19 +141,35 @@ def run_batches(model, args, preset, dtype, device) -> list[dict]:
                 pad_token_id=0,
             )
 
-        results = {
-            "verst-scheduler": timed(partial(scheduler.generate, requests(prompts, new))),
-            "verst-batch": timed(partial(engine.generate, requests(prompts, new))),
-            "hf-generate": timed(hf_generate),
-        }
+        results = {}
+        for name in args.engines:
+            if name == "verst-scheduler":
+                scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
+                warm_scheduler(scheduler, prompts, batch)
+                run = partial(cold_generate, scheduler, prompts, new)
+            elif name == "verst-scheduler-bf16":  # the CPU preset's model in bf16, as vLLM runs it
+                scheduler = new_scheduler(
+                    bf16_model, torch.bfloat16, device, args.kv_budget_mb << 20
+                )
+                warm_scheduler(scheduler, prompts, batch)
+                run = partial(cold_generate, scheduler, prompts, new)
+            elif name == "verst-batch":
+                engine = Engine(model, eos_token_ids=[], pad_token_id=0)
+                engine.generate(requests(prompts[:1], 4))
+                run = partial(engine.generate, requests(prompts, new))
+            else:
+                model.generate(input_ids[:1], max_new_tokens=4, do_sample=True, pad_token_id=0)
+                run = hf_generate
+            results[name] = min(timed(run) for _ in range(args.repeats))
         row = {"batch": batch, "prompt_tokens": preset["prompt_tokens"], "new_tokens": new}
         for name, seconds in results.items():
             row[f"{name}_tok_s"] = tokens / seconds
-        row["scheduler_over_hf"] = row["verst-scheduler_tok_s"] / row["hf-generate_tok_s"]
+        if "verst-scheduler" in results and "hf-generate" in results:
+            row["scheduler_over_hf"] = row["verst-scheduler_tok_s"] / row["hf-generate_tok_s"]
         print(
             f"batch {batch:4d}: "
             + " | ".join(f"{name} {row[f'{name}_tok_s']:9.1f} tok/s" for name in results)
-            + f" | scheduler/HF {row['scheduler_over_hf']:.2f}x",
+            + (f" | scheduler/HF {row['scheduler_over_hf']:.2f}x" if "scheduler_over_hf" in row else ""),
             flush=True,
         )
         rows.append(row)
@@ -149,6 +182,7 @@ def run_multiturn(model, args, dtype, device) -> dict:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(7)
     scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
+    scheduler.runner.capture_graphs(args.sessions)
     histories = [
         torch.randint(10, vocab, (64,), generator=gen).tolist() for _ in range(args.sessions)
     ]
@@ -185,6 +219,13 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--engines",
+        nargs="*",
+        default=["verst-scheduler", "verst-batch", "hf-generate"],
+        choices=["verst-scheduler", "verst-scheduler-bf16", "verst-batch", "hf-generate"],
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="best of N timed runs")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     torch.set_num_threads(args.threads)
@@ -197,6 +238,8 @@ def main() -> None:
         if device == "cuda"
         else platform.processor() or platform.machine(),
         "threads": args.threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "batches": run_batches(model, args, preset, dtype, device),
         "multiturn": run_multiturn(model, args, dtype, device),
     }

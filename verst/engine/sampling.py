@@ -73,11 +73,9 @@ def sample_next_tokens(
         return tokens_B, logprobs_B_V.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
     probs_B_V = logprobs_B_V.exp()
 
-    # Exponential-race sampling (argmax of p / Exp(1)) equals multinomial sampling but needs
-    # no host sync and no cumsum over the unsorted vocabulary.
+    # Multinomial sampling without a host sync (`_draw`).
     if top_p_B is None and top_k_B is None and min_p_B is None:
-        noise_B_V = torch.empty_like(probs_B_V).exponential_(generator=generator)
-        sampled_B = (probs_B_V / noise_B_V).argmax(dim=-1)
+        sampled_B = _draw(probs_B_V, generator)
     else:
         probs_sorted_B_V, idx_sorted_B_V = probs_B_V.sort(dim=-1, descending=True)
         vocab = probs_B_V.shape[-1]
@@ -97,10 +95,29 @@ def sample_next_tokens(
         if min_p_B is not None:
             floor_B_1 = min_p_B.float().unsqueeze(-1) * probs_sorted_B_V[:, :1]
             probs_sorted_B_V = probs_sorted_B_V.masked_fill(probs_sorted_B_V < floor_B_1, 0.0)
-        noise_B_V = torch.empty_like(probs_sorted_B_V).exponential_(generator=generator)
-        pick_B = (probs_sorted_B_V / noise_B_V).argmax(dim=-1, keepdim=True)
-        sampled_B = idx_sorted_B_V.gather(-1, pick_B).squeeze(-1)
+        pick_B = _draw(probs_sorted_B_V, generator)
+        sampled_B = idx_sorted_B_V.gather(-1, pick_B.unsqueeze(-1)).squeeze(-1)
 
     tokens_B = torch.where(greedy_B, logits_B_V.argmax(dim=-1), sampled_B)
     token_logprobs_B = logprobs_B_V.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
     return tokens_B, token_logprobs_B
+
+
+def _draw(weights_B_V: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row, with probability proportional to its (unnormalised) weight.
+
+    CUDA: the exponential race (argmax of w / Exp(1)), a few elementwise passes. CPU: one
+    uniform per row against the cumulative weights (inverse CDF), since a random number per
+    vocabulary entry costs more there than the model's last layer. Both sample exactly.
+    """
+    if weights_B_V.device.type == "cuda":
+        noise_B_V = torch.empty_like(weights_B_V).exponential_(generator=generator)
+        return (weights_B_V / noise_B_V).argmax(dim=-1)
+    cdf_B_V = weights_B_V.cumsum(dim=-1)
+    u_B_1 = torch.rand(
+        (weights_B_V.shape[0], 1), generator=generator, device=weights_B_V.device
+    )
+    # side="right": the first entry whose cumulative weight exceeds u * total, so entries of
+    # weight zero (truncated) are never drawn, u = 0 included
+    index_B = torch.searchsorted(cdf_B_V, u_B_1 * cdf_B_V[:, -1:], right=True).squeeze(-1)
+    return index_B.clamp(max=weights_B_V.shape[-1] - 1)
