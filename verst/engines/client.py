@@ -169,8 +169,11 @@ class HttpEngineClient:
             raise ImportError(message) from error
         # Created lazily: an aiohttp session belongs to the event loop that first uses it.
         if self._session is None or self._session.closed:
+            # No cap on connections: with aiohttp's default of 100, control calls (pause,
+            # weight updates) would queue behind 100 long generations, which wait for them.
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=0),
             )
         return self._session
 
