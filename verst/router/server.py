@@ -269,7 +269,9 @@ def make_router_app(
 
     async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
-        state["session"] = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        state["session"] = aiohttp.ClientSession(
+            timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(limit=0)
+        )
         checker = asyncio.create_task(health_loop(), name="verst-router-health")
         yield
         checker.cancel()

@@ -535,7 +535,9 @@ def make_session_app(
 
     async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
-        state["client"] = aiohttp.ClientSession(timeout=timeout)
+        state["client"] = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+        )
         yield
         await state["client"].close()
 
