@@ -333,7 +333,10 @@ def test_request_kwargs_fit_the_openai_client() -> None:
 def test_run_config_validates_rollout_agent_function() -> None:
     from verst.config import ConfigError, load_config
 
-    cfg = load_config(None, ["rollout.agent_function=tests.test_agent:tool_agent"])
+    serving = ["placement.engines=in_process"]
+    cfg = load_config(None, serving + ["rollout.agent_function=tests.test_agent:tool_agent"])
     assert cfg.rollout.agent_function == "tests.test_agent:tool_agent"
     with pytest.raises(ConfigError, match="rollout.agent_function"):
-        load_config(None, ["rollout.agent_function=tests.test_agent:sync_agent"])
+        load_config(None, serving + ["rollout.agent_function=tests.test_agent:sync_agent"])
+    with pytest.raises(ConfigError, match="needs serving engines"):
+        load_config(None, ["rollout.agent_function=tests.test_agent:tool_agent"])

@@ -91,6 +91,12 @@ def check_placement(cfg: RunConfig) -> None:
             "mode=fully_async needs rollout.pause_mode retract or in_place: abort would throw "
             "away every trajectory in flight at each weight update"
         )
+    if cfg.rollout.agent_function and placement.engines == "embedded":
+        raise ValueError(
+            "rollout.agent_function needs serving engines behind a session server: set "
+            "placement.engines=in_process (or processes); the embedded batch engine has no "
+            "chat API for an agent to call"
+        )
     if placement.mode == "disaggregated" and placement.engines != "processes":
         raise ValueError(
             "placement.mode=disaggregated needs placement.engines=processes: engines on devices "

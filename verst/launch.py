@@ -23,9 +23,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from verst.config import RunConfig
 from verst.data.source import DataSource
 from verst.engine import Engine, GenerateRequest, SamplingParams
-from verst.engines.fleet import Fleet, prompt_key
+from verst.engines.fleet import Fleet, LoopThread, prompt_key
 from verst.eval.evaluate import Evaluator
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
+from verst.rollout.agent import (
+    agent_metrics,
+    agent_request_kwargs,
+    load_agent_fn,
+    run_agent_groups,
+    run_agent_sample,
+    score_agent_groups,
+)
 from verst.rollout.async_worker import RolloutWorker, build_rollout_worker
 from verst.rollout.dynamic import fill_batch, has_reward_variance
 from verst.rollout.generate import fill_sample, generate_groups
@@ -66,8 +74,12 @@ class Run:
     eos_ids: list[int]
     fleet: Fleet | None = None
     _worker: RolloutWorker | None = None
+    _sessions_url: str | None = None
+    _agent_loop: LoopThread | None = None
 
     def close(self) -> None:
+        if self._agent_loop is not None:
+            self._agent_loop.close()
         if self.fleet is not None:
             self.fleet.close()
 
@@ -78,6 +90,8 @@ class Run:
     def draw_groups(self) -> list[Group]:
         """This rank's share of one step's prompts, generated and scored."""
         groups = self.data.take(self.cfg.rollout.prompts_per_step)[self.rank_slice]
+        if self.cfg.rollout.agent_function:
+            return self.run_agents(groups)
         return generate_groups(
             self.engine, self.decode, groups, self.sampling_params, self.reward_fn
         )
@@ -85,19 +99,77 @@ class Run:
     def rollout(self) -> tuple[list[Group], dict[str, float]]:
         """The step's groups, with DAPO dynamic sampling when it is on."""
         if not self.cfg.rollout.dynamic_sampling:
-            return self.draw_groups(), {}
-        return fill_batch(
-            self.draw_groups,
-            self.cfg.rollout.prompts_per_step,
-            max_rounds=self.cfg.rollout.max_sampling_rounds,
-            device=self.device,
+            groups, metrics = self.draw_groups(), {}
+        else:
+            groups, metrics = fill_batch(
+                self.draw_groups,
+                self.cfg.rollout.prompts_per_step,
+                max_rounds=self.cfg.rollout.max_sampling_rounds,
+                device=self.device,
+            )
+        if self.cfg.rollout.agent_function:
+            metrics |= agent_metrics(groups, self.device)
+        return groups, metrics
+
+    # --- multi-turn agents (rollout.agent_function) over the fleet's session server ------------
+
+    def agent_kwargs(self) -> dict[str, Any]:
+        rollout = self.cfg.rollout
+        return agent_request_kwargs(
+            model="policy",
+            max_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            stop_token_ids=rollout.stop_token_ids,
         )
+
+    def run_agents(self, groups: list[Group]) -> list[Group]:
+        """Every sample played by the agent function on a session of its own, then scored.
+
+        The agents run on an event loop of their own (kept for the run, so agents may keep
+        connection pools on it), apart from the fleet's loop that serves the sessions, so an
+        agent that blocks cannot stall the server."""
+        fleet = self._require_fleet("rollout.agent_function")
+        rollout = self.cfg.rollout
+        assert rollout.agent_function is not None
+
+        sessions_url = fleet.sessions_url()
+
+        async def play() -> None:
+            await run_agent_groups(
+                sessions_url,
+                groups,
+                load_agent_fn(rollout.agent_function),
+                self.agent_kwargs(),
+                timeout_s=rollout.agent_timeout_s,
+                max_concurrency=rollout.agent_max_concurrency,
+                max_seq_len=rollout.agent_max_seq_len,
+            )
+            await score_agent_groups(groups, self.reward_fn)
+
+        if self._agent_loop is None:
+            self._agent_loop = LoopThread("verst-agents")
+        self._agent_loop.run(play())
+        return groups
 
     # --- fully asynchronous rollout (a fleet's loop runs the worker) ---------------------------
 
     async def generate_sample(self, sample: Sample) -> Sample:
-        """One trajectory on the fleet; samples of one prompt share a routing key."""
+        """One trajectory on the fleet; samples of one prompt share a routing key. With an
+        agent function, the agent plays it on a session of its own (on the fleet's loop)."""
         assert self.fleet is not None
+        rollout = self.cfg.rollout
+        if rollout.agent_function:
+            return await run_agent_sample(
+                None,
+                self._require_sessions_url(),
+                sample,
+                load_agent_fn(rollout.agent_function),
+                self.agent_kwargs(),
+                timeout_s=rollout.agent_timeout_s,
+                max_seq_len=rollout.agent_max_seq_len,
+            )
         request = GenerateRequest(
             input_ids=sample.prompt_tokens, sampling_params=copy.copy(self.sampling_params)
         )
@@ -108,6 +180,8 @@ class Run:
     def start_rollout_worker(self) -> RolloutWorker:
         fleet = self._require_fleet("mode=fully_async")
         rollout = self.cfg.rollout
+        if rollout.agent_function:  # started here: the worker's loop cannot wait on itself
+            self._sessions_url = fleet.sessions_url()
         worker = build_rollout_worker(
             rollout,
             self.data,
@@ -133,6 +207,11 @@ class Run:
         assert self.fleet is not None
         self._worker = None
         self.fleet.loop.run(worker.stop())
+
+    def _require_sessions_url(self) -> str:
+        if self._sessions_url is None:
+            raise RuntimeError("the session server was not started before the rollout worker")
+        return self._sessions_url
 
     def _require_fleet(self, what: str) -> Fleet:
         if self.fleet is None:

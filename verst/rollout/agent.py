@@ -200,7 +200,7 @@ async def _json(response: Any, what: str) -> Any:
 
 
 async def run_agent_sample(
-    client: Any,
+    client: Any | None,
     sessions_url: str,
     sample: Sample,
     agent_fn: AgentFn,
@@ -210,9 +210,21 @@ async def run_agent_sample(
     max_seq_len: int | None = None,
 ) -> Sample:
     """One trajectory into `sample`, in place (see the module docstring); never raises except
-    on cancellation."""
+    on cancellation. `client` is an aiohttp ClientSession to reuse; None opens one for the
+    trajectory."""
     import aiohttp
 
+    if client is None:
+        async with aiohttp.ClientSession() as own:
+            return await run_agent_sample(
+                own,
+                sessions_url,
+                sample,
+                agent_fn,
+                request_kwargs,
+                timeout_s=timeout_s,
+                max_seq_len=max_seq_len,
+            )
     base = sessions_url.rstrip("/")
     prompt_tokens = list(sample.prompt_tokens)
     started = time.perf_counter()
@@ -327,14 +339,25 @@ async def score_agent_groups(groups: list[Group], reward_fn: RewardFn) -> None:
     await compute_rewards([s for s in samples if s.status != Status.ABORTED], reward_fn)
 
 
-def agent_metrics(groups: list[Group]) -> dict[str, float]:
-    """This rank's agent rollout figures: aborted share, turns and time per trajectory."""
+def agent_metrics(groups: list[Group], device: Any = None) -> dict[str, float]:
+    """Agent rollout figures over every rank's samples: the aborted share, turns per finished
+    trajectory, and seconds per trajectory."""
     samples = [s for group in groups for s in group]
-    n = max(len(samples), 1)
     done = [s for s in samples if s.status != Status.ABORTED]
+    totals = [
+        float(len(samples)),
+        float(len(samples) - len(done)),
+        float(len(done)),
+        float(sum(s.metadata.get("num_turns") or 0 for s in done)),
+        float(sum(s.metadata.get("agent_time_s", 0.0) for s in samples)),
+    ]
+    if device is not None:
+        from verst.train import distributed
+
+        totals = distributed.all_reduce_sum(totals, device)
+    n, aborted, finished, turns, seconds = totals
     return {
-        "rollout/agent_aborted_ratio": (len(samples) - len(done)) / n,
-        "rollout/agent_turns_mean": sum(s.metadata.get("num_turns") or 0 for s in done)
-        / max(len(done), 1),
-        "rollout/agent_time_s_mean": sum(s.metadata.get("agent_time_s", 0.0) for s in samples) / n,
+        "rollout/agent_aborted_ratio": aborted / max(n, 1.0),
+        "rollout/agent_turns_mean": turns / max(finished, 1.0),
+        "rollout/agent_time_s_mean": seconds / max(n, 1.0),
     }

@@ -1,0 +1,107 @@
+"""Agents in `verst train`: the calculator example end to end through the CLI (a few steps of a
+smaller model), and one rollout + train step on in-process serving engines with a scripted tool
+agent, checking the samples the trainer gets (exact session tokens, loss mask 0 on the tool
+turn, per-turn versions) and that aborted trajectories train as empty responses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiohttp")
+openai = pytest.importorskip("openai")
+
+from tests.test_loop import records  # noqa: E402
+from verst import launch  # noqa: E402
+from verst.cli import main  # noqa: E402
+from verst.config import load_config  # noqa: E402
+from verst.loop import train_items  # noqa: E402
+from verst.types import Status  # noqa: E402
+
+EXAMPLE = "examples/calculator_agent.yaml"
+QUICK = [
+    "num_steps=2",
+    "num_threads=1",
+    "trainer.device=cpu",
+    "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
+    "intermediate_size: 64, max_position_embeddings: 128}",
+    "rollout.prompts_per_step=2",
+    "rollout.n_samples_per_prompt=4",
+    "warm_start.max_steps=2",
+    "warm_start.batch_size=8",
+    "warm_start.check_interval_steps=1",
+    "warm_start.dev_data.max_prompts=4",
+    "checkpoint.interval_steps=0",
+]
+TOOL_RESULT = "TOOL SAYS 1776"
+
+
+async def scripted_agent(
+    base_url: str, prompt: Any, request_kwargs: dict[str, Any], metadata: dict[str, Any]
+) -> dict[str, Any]:
+    """Two model calls with a tool result between them, whatever the model says; the first
+    sample of each group raises instead after its first call."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0) as client:
+        messages: list[Any] = [{"role": "user", "content": prompt}]
+        reply = await client.chat.completions.create(messages=messages, **request_kwargs)
+        if metadata.get("fail"):
+            raise RuntimeError("scripted failure")
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "tool", "content": TOOL_RESULT},
+        ]
+        await client.chat.completions.create(messages=messages, **request_kwargs)
+    return {"correct": True}
+
+
+def test_calculator_example_trains_through_the_cli(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", EXAMPLE, *QUICK, "--run-dir", str(run_dir)]) == 0
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["warm_start/steps"] == 2
+    for row in rows[1:]:
+        assert row["rollout/agent_aborted_ratio"] == 0.0
+        assert row["rollout/agent_turns_mean"] >= 1.0
+        assert row["rollout/response_len_mean"] > 0
+        assert row["rollout/num_samples"] == 8
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-4  # the engine's log-probs
+
+
+def test_agent_rollout_feeds_the_trainer_exact_masked_samples(tmp_path: Path) -> None:
+    cfg = load_config(
+        EXAMPLE,
+        [
+            *QUICK,
+            "warm_start.enabled=false",
+            "rollout.agent_function=tests.test_agent_train:scripted_agent",
+        ],
+    )
+    run = launch.build(cfg, tmp_path)
+    try:
+        run.start_rl()
+        run.sync.push(run.engine.weight_version + 1)
+        groups = run.data.take(cfg.rollout.prompts_per_step)
+        for group in groups:
+            group[0].metadata["fail"] = True
+        run.run_agents(groups)
+        for group in groups:
+            failed, *played = group
+            assert failed.status is Status.ABORTED and failed.reward == 0.0
+            assert "scripted failure" in failed.metadata["agent_error"]
+            assert failed.response_length == 0 and failed.loss_mask == []
+            for sample in played:
+                assert sample.status is not Status.ABORTED, sample.metadata
+                assert sample.metadata["num_turns"] == 2 and sample.metadata["correct"]
+                assert sample.weight_versions == [run.engine.weight_version] * 2
+                mask = sample.loss_mask
+                assert 0 in mask and mask[0] == 1 and mask[-1] == 1
+                written = [t for t, m in zip(sample.response_tokens, mask, strict=True) if not m]
+                assert TOOL_RESULT in run.tokenizer.decode(written)
+                assert sample.metadata["mismatch"] is not None
+        metrics = run.trainer.step(train_items(groups, cfg.loss), step=1)
+        assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4
+    finally:
+        run.close()
