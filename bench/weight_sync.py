@@ -7,10 +7,19 @@ For a set of tensors of `--gb` GB (fp32 by default) it measures:
 - in-process copy (the bucketed copy a colocated push falls back to, and
   `InProcessTensorTransport`): `copy_` of every tensor into the engine's;
 - disk (`verst.sync.disk`): publish + apply of a full snapshot, and of an XOR delta where
-  `--changed` of the tensors changed.
+  `--changed` of the tensors changed;
+- shared memory across processes (`verst.sync.ipc.SharedTensorTransport`): a `verst serve`
+  process holding a random Qwen3-shaped model of about `--gb` maps the trainer's /dev/shm
+  buffers and copies from them; the send alone, and the whole version protocol (pause, flush,
+  send, version, continue, confirm), against a memcpy of the same bytes.
 Prints seconds and GB/s, each transport's share of its physical limit, and saves JSON.
 
+With `--device cuda` it measures the GPU case instead: a random Qwen2-0.5B-shaped bf16 model
+served by a `verst serve` process on the trainer's GPU, updated through CUDA IPC handles; the
+send alone against a device memcpy of the same bytes, and the whole update in milliseconds.
+
     python bench/weight_sync.py [--gb 0.5] [--changed 0.1] [--dtype float32]
+    python bench/weight_sync.py --device cuda --out bench/results/weight_sync_cuda_ipc.json
 """
 
 from __future__ import annotations
@@ -29,6 +38,17 @@ import torch
 from verst.sync.disk import DiskPublisher, apply_published
 
 TENSOR_MB = 10
+# Qwen2-0.5B's shapes (494M parameters, tied embeddings): about 0.99 GB in bf16.
+QWEN2_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
 
 
 def timed(fn, repeats: int = 3) -> float:
@@ -62,15 +82,267 @@ def disk_write_limit(root: Path, nbytes: int) -> float:
     return seconds
 
 
+# ---- shared tensors into a `verst serve` process ----------------------------------------------
+
+
+def random_model_dir(root: Path, device: str, gb: float) -> tuple[Path, torch.dtype]:
+    """A random model the engine loads: Qwen2-0.5B in bf16 on CUDA, else a Qwen3 of about
+    `gb` GB in fp32 (1024 wide, as many layers as fit); with the character tokenizer."""
+    import transformers
+
+    from verst.models.tiny import ENDOFTEXT, SPECIAL_TOKENS, build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    eos = SPECIAL_TOKENS.index(ENDOFTEXT)
+    if device == "cuda":
+        config = transformers.Qwen2Config(**QWEN2_05B, eos_token_id=eos, pad_token_id=eos)
+        cls, dtype = transformers.Qwen2ForCausalLM, torch.bfloat16
+    else:
+        per_layer = 4 * (4 * 1024 * 1024 + 3 * 1024 * 4096)
+        layers = max(1, round(gb * 1e9 / per_layer))
+        config = transformers.Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=layers,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=64,
+            max_position_embeddings=1024,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+        cls, dtype = transformers.Qwen3ForCausalLM, torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(config).to(dtype)
+    model.generation_config.eos_token_id = eos
+    path = root / "model"
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path, dtype
+
+
+def bench_shared_transport(
+    root: Path, device: str, gb: float, repeats: int, bucket_mbs: tuple[int, ...] = (512,)
+) -> dict:
+    """The shared-tensor transport into a `verst serve` process on this host (and GPU)."""
+    import asyncio
+    import statistics
+
+    import transformers
+
+    from verst.engines import HttpEngineClient, launch_local_engines
+    from verst.sync.ipc import SharedTensorTransport
+    from verst.sync.protocol import WeightSync
+
+    model_dir, dtype = random_model_dir(root, device, gb)
+    (engine,) = launch_local_engines(
+        model_dir,
+        1,
+        extra_args=["--device", device, "--dtype", str(dtype).removeprefix("torch.")],
+        timeout_s=600,
+    )
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, local_files_only=True, dtype=dtype
+        ).to(device)
+        with torch.no_grad():  # the "trained" weights differ from what the engine loaded
+            for param in model.parameters():
+                param.add_(1e-2)
+        named = {n: p.detach() for n, p in model.named_parameters()}
+        nbytes = sum(t.numel() * t.element_size() for t in named.values())
+
+        def sync() -> None:
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        src = torch.cat([t.flatten().view(torch.uint8) for t in named.values()])
+        dst = torch.empty_like(src)
+
+        def memcpy() -> None:
+            dst.copy_(src)
+            sync()
+
+        memcpy()
+        memcpy_s = min(timed(memcpy, 1) for _ in range(repeats))
+
+        async def measure() -> dict:
+            steps: dict[str, list[float]] = {}
+            client = _Timed(HttpEngineClient(engine.url), steps)
+            # two persistent buffers of bucket_mbs[0] MB (512 by default)
+            transport = SharedTensorTransport(bucket_bytes=bucket_mbs[0] << 20)
+            protocol = WeightSync([client], transport, pause_mode="retract")
+            send_s, push_s = [], []
+            first = await protocol.push(lambda: named.items(), version=1)  # maps the buffers
+            stage_s, engines_s = [], []
+            for version in range(2, 2 + repeats):
+                sync()
+                start = time.perf_counter()
+                await transport.send([client], lambda: named.items(), version)
+                send_s.append(time.perf_counter() - start)
+                stage_s += transport.timings["stage"]
+                engines_s += transport.timings["engines"]
+            steps.clear()
+            for version in range(2 + repeats, 2 + 2 * repeats):
+                sync()
+                report = await protocol.push(lambda: named.items(), version=version)
+                push_s.append(report.seconds)
+            step_ms = {name: 1e3 * statistics.median(s) for name, s in steps.items()}
+            checks = {}
+            for name in ("model.norm.weight", "model.layers.0.mlp.down_proj.weight"):
+                status, values = await _get_weights(engine.url, name, 4)
+                expected = named[name].float().cpu()[:4].tolist()
+                checks[name] = status == 200 and values == expected
+            buckets = list(transport.buckets_sent)
+            transport.close()
+            by_bucket = {}
+            for mb in bucket_mbs[1:]:  # the send alone with other bucket sizes
+                other = SharedTensorTransport(bucket_bytes=mb << 20)
+                times = []
+                for version in range(2 + 2 * repeats, 3 + 3 * repeats):
+                    sync()
+                    start = time.perf_counter()
+                    await other.send([client], lambda: named.items(), version)
+                    times.append(time.perf_counter() - start)
+                by_bucket[mb] = {"best_s": min(times[1:]), "buckets": len(other.buckets_sent)}
+                other.close()
+            await client.inner.close()
+            return {
+                "first_update_s": first.seconds,
+                "stage_ms": 1e3 * statistics.median(stage_s),
+                "engines_ms": 1e3 * statistics.median(engines_s),
+                "by_bucket": by_bucket,
+                "step_median_ms": step_ms,
+                "send_s": send_s,
+                "push_s": push_s,
+                "buckets_bytes": buckets,
+                "exact": checks,
+            }
+
+        measured = asyncio.run(measure())
+    finally:
+        engine.stop()
+    send_best, push_best = min(measured["send_s"]), min(measured["push_s"])
+    kind = "cuda_ipc" if device == "cuda" else "shared_memory"
+    return {
+        "transport": kind,
+        "model": "qwen2-0.5b-shaped bf16" if device == "cuda" else "qwen3-shaped fp32",
+        "gb": nbytes / 1e9,
+        "memcpy_s": memcpy_s,
+        "send_s": send_best,
+        "send_median_s": statistics.median(measured["send_s"]),
+        "whole_update_s": push_best,
+        "whole_update_median_s": statistics.median(measured["push_s"]),
+        "first_update_s": measured["first_update_s"],
+        "bucket_mb": bucket_mbs[0],
+        "per_bucket_median_ms": {
+            "stage (gather, copy, pickle)": measured["stage_ms"],
+            "engines (request to answer)": measured["engines_ms"],
+        },
+        "send_by_bucket_mb": measured["by_bucket"],
+        "whole_update_step_median_ms": measured["step_median_ms"],
+        "send_gb_s": nbytes / 1e9 / send_best,
+        "memcpy_gb_s": nbytes / 1e9 / memcpy_s,
+        "send_vs_memcpy": memcpy_s / send_best,
+        "buckets_bytes": measured["buckets_bytes"],
+        "exact": measured["exact"],
+        "all_send_s": measured["send_s"],
+        "all_whole_update_s": measured["push_s"],
+    }
+
+
+class _Timed:
+    """An engine client whose every call is timed into `steps[name]` (seconds)."""
+
+    def __init__(self, inner: object, steps: dict[str, list[float]]) -> None:
+        self.inner, self.steps = inner, steps
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+
+        async def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return await attr(*args, **kwargs)
+            finally:
+                self.steps.setdefault(name, []).append(time.perf_counter() - start)
+
+        return call
+
+
+async def _get_weights(url: str, name: str, rows: int) -> tuple[int, object]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        body = {"name": name, "truncate_size": rows}
+        async with session.post(url + "/get_weights_by_name", json=body) as response:
+            return response.status, await response.json()
+
+
+def print_shared(result: dict) -> None:
+    gb = result["gb"]
+    print(f"{result['transport']} into a verst serve process, {gb:.2f} GB ({result['model']}):")
+    memcpy_ms = result["memcpy_s"] * 1e3
+    print(f"  memcpy (limit)       {memcpy_ms:9.2f} ms  {result['memcpy_gb_s']:8.2f} GB/s")
+    print(
+        f"  send                 {result['send_s'] * 1e3:9.2f} ms  {result['send_gb_s']:8.2f} GB/s"
+        f"  ({result['send_vs_memcpy']:.2f} x memcpy)"
+    )
+    print(
+        f"  whole update         {result['whole_update_s'] * 1e3:9.2f} ms (best), "
+        f"{result['whole_update_median_s'] * 1e3:.2f} ms (median)"
+    )
+    print(f"  first update (maps the buffers) {result['first_update_s'] * 1e3:.2f} ms")
+    per_bucket = ", ".join(f"{k} {v:.2f}" for k, v in result["per_bucket_median_ms"].items())
+    print(f"  per {result['bucket_mb']} MB bucket (median ms): {per_bucket}")
+    for mb, other in result["send_by_bucket_mb"].items():
+        best = other["best_s"]
+        print(f"  send with {mb} MB buckets ({other['buckets']}): {best * 1e3:.2f} ms")
+    steps = ", ".join(f"{k} {v:.2f}" for k, v in result["whole_update_step_median_ms"].items())
+    print(f"  per call (median ms): {steps}")
+    print(f"  bit-exact spot checks: {result['exact']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=0.5)
     parser.add_argument("--changed", type=float, default=0.1)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--repeats", type=int, default=5, help="timed shared-tensor updates")
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "weight_sync.json"
+        "--bucket-mb",
+        default="512",
+        help="shared-tensor bucket sizes, comma-separated: the first for every measurement, the "
+        "others for the send alone",
     )
+    parser.add_argument(
+        "--no-shared", action="store_true", help="skip the shared-tensor transport (no engine)"
+    )
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    results_dir = Path(__file__).parent / "results"
+    bucket_mbs = tuple(int(mb) for mb in args.bucket_mb.split(","))
+    if args.device == "cuda":
+        root = Path(tempfile.mkdtemp(prefix="verst-ipc-bench-"))
+        try:
+            shared = bench_shared_transport(root, "cuda", args.gb, args.repeats, bucket_mbs)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print_shared(shared)
+        out = args.out or results_dir / "weight_sync_cuda_ipc.json"
+        shared["machine"] = {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(shared, indent=2))
+        print(f"saved {out}")
+        return
+    args.out = args.out or results_dir / "weight_sync.json"
     dtype = getattr(torch, args.dtype)
     item = torch.empty((), dtype=dtype).element_size()
     count = max(1, int(args.gb * 1e9) // (TENSOR_MB << 20))
@@ -103,6 +375,11 @@ def main() -> None:
         results["disk_delta_publish_s"] = time.perf_counter() - start
         results["disk_delta_apply_s"] = apply_published(engine, delta, current_version=1).seconds
         assert all(torch.equal(engine[n], t) for n, t in trainer.items())
+        shared = (
+            None
+            if args.no_shared
+            else bench_shared_transport(root, "cpu", args.gb, args.repeats, bucket_mbs)
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -117,6 +394,8 @@ def main() -> None:
         print(f"{key.removesuffix('_s'):24s} {seconds * 1e3:9.2f} ms  {rate}")
     for key, ratio in summary.items():
         print(f"{key:34s} {ratio:.2f}")
+    if shared is not None:
+        print_shared(shared)
     out = {
         "gb": gb,
         "dtype": args.dtype,
@@ -124,6 +403,7 @@ def main() -> None:
         "seconds": results,
         "rates": rates,
         "ratios": summary,
+        "shared_memory": shared,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,12 +25,14 @@ from verst.engine.protocol import (
     parse_generate,
     run_abort,
     run_destroy_weights_update_group,
+    run_get_weights_by_name,
     run_init_weights_update_group,
     run_job,
     run_pause,
     run_update_weight_version,
     run_update_weights_from_disk,
     run_update_weights_from_distributed,
+    run_update_weights_from_tensor,
     server_info_body,
     validation_error,
 )
@@ -225,6 +227,11 @@ def make_app(
     app.router.add_post(
         "/update_weights_from_distributed", weights_route(run_update_weights_from_distributed)
     )
+    app.router.add_post(
+        "/update_weights_from_tensor", weights_route(run_update_weights_from_tensor)
+    )
+    for method in ("GET", "POST"):
+        app.router.add_route(method, "/get_weights_by_name", weights_route(run_get_weights_by_name))
     app.router.add_get("/get_weight_version", get_weight_version)
     app.router.add_post("/update_weight_version", update_weight_version)
 

@@ -508,6 +508,55 @@ async def run_update_weights_from_distributed(
     return (200 if ok else 400), {"success": ok, "message": message}
 
 
+async def run_update_weights_from_tensor(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    """SGLang's `serialized_named_tensors` (one base64 pickle per TP rank; this engine has one
+    rank and reads the first), `load_format` (null, "direct" or "flattened_bucket"),
+    `flush_cache`, `abort_all_requests`, `weight_version`. The tensors arrive as handles to the
+    trainer's memory (`verst.sync.ipc`); the bytes are copied in place."""
+    body = _body_dict(payload)
+    entries = body.get("serialized_named_tensors")
+    if (
+        not isinstance(entries, list)
+        or not entries
+        or not all(isinstance(e, str) and e for e in entries)
+    ):
+        raise validation_error(
+            "serialized_named_tensors: Field required (a list of base64 strings, one per TP rank)"
+        )
+    load_format = body.get("load_format")
+    if load_format not in (None, "direct", "flattened_bucket"):
+        raise value_error(
+            f"load_format {load_format!r} is not supported (null, 'direct' or 'flattened_bucket')"
+        )
+    if body.get("abort_all_requests"):
+        await serving.abort(None, abort_all=True, message="Abort by weight update.")
+    version = body.get("weight_version")
+    ok, message = await serving.update_weights_from_shared(
+        entries[0],
+        load_format=load_format,
+        weight_version=None if version is None else str(version),
+    )
+    return (200 if ok else 400), {"success": ok, "message": message}
+
+
+async def run_get_weights_by_name(serving: ServingEngine, payload: Any) -> tuple[int, Any]:
+    """SGLang's `/get_weights_by_name`: `{"name", "truncate_size": 100}` → the parameter's first
+    `truncate_size` rows as float32 lists (a test helper, as in SGLang)."""
+    body = _body_dict(payload)
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise validation_error("name: Field required")
+    truncate = body.get("truncate_size", 100)
+    if not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < 0:
+        raise validation_error("truncate_size must be a non-negative int")
+    values = await serving.get_weights_by_name(name, truncate)
+    if values is None:
+        return 400, {"error": {"message": f"Get parameter by name failed: unknown name {name!r}"}}
+    return 200, values
+
+
 async def run_update_weight_version(serving: ServingEngine, payload: Any) -> dict[str, Any]:
     body = _body_dict(payload)
     new_version = body.get("new_version")

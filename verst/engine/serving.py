@@ -75,6 +75,7 @@ class ServingEngine:
         self._control: list[Callable[[], object]] = []  # run by the loop between two steps
         self._published_version: int | None = None  # the disk transport's base for deltas
         self._groups: dict[str, Any] = {}  # weight-update process groups, by name
+        self._params_by_name: dict[str, torch.Tensor] | None = None
         self._cond: asyncio.Condition | None = None
         self._engine_lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
@@ -411,6 +412,57 @@ class ServingEngine:
             return True, "Succeeded to update model weights."
 
         return await self._update_weights(copy, weight_version)
+
+    async def update_weights_from_shared(
+        self,
+        payload: str | bytes,
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+    ) -> tuple[bool, str]:
+        """Copy tensors another process shares (CUDA IPC handles or /dev/shm files, pickled as
+        SGLang's `/update_weights_from_tensor` carries them) into the model in place.
+
+        Names, shapes and devices are all checked before the first copy; the copy is complete
+        (CUDA synchronised) when this returns, so the trainer may reuse its buffers."""
+        from verst.sync import ipc
+
+        params = self._parameters()
+
+        def load() -> tuple[bool, str]:
+            try:
+                named = ipc.named_tensors_from_payload(payload, load_format)
+                ipc.check_targets(named, params)
+            except ipc.SharedTensorError as error:
+                return False, str(error)
+            with torch.no_grad():  # one multi-tensor copy for the bucket
+                torch._foreach_copy_([params[n] for n, _ in named], [t for _, t in named])
+            self.scheduler.weights_changed()
+            ipc.finish_receive(named)
+            return True, "Succeeded to update model weights."
+
+        return await self._update_weights(load, weight_version)
+
+    def _parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter by name, tied ones under each name (walked once: the module tree
+        does not change, and weight updates write into these very tensors)."""
+        if self._params_by_name is None:
+            model = self.scheduler.model
+            self._params_by_name = dict(model.named_parameters(remove_duplicate=False))
+        return self._params_by_name
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list | None:
+        """SGLang's test helper: the parameter as float32 nested lists, its first
+        `truncate_size` rows (None for an unknown name). Read between two steps."""
+        param = self._parameters().get(name)
+        if param is None:
+            return None
+        lock = self._engine_lock
+        assert lock is not None
+        async with lock:
+            return await asyncio.to_thread(
+                lambda: param.detach().to("cpu", torch.float32).tolist()[:truncate_size]
+            )
 
     async def init_weights_update_group(
         self,

@@ -55,6 +55,11 @@ class EngineClient(Protocol):
         """Receive one broadcast bucket (SGLang's /update_weights_from_distributed)."""
         ...
 
+    async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Copy in tensors shared as handles (SGLang's /update_weights_from_tensor body:
+        `serialized_named_tensors`, `load_format`, ...; see `verst.sync.ipc`)."""
+        ...
+
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
         """Stamp `version` on the engine (SGLang's /update_weight_version)."""
         ...
@@ -139,6 +144,15 @@ class InProcessEngineClient:
         status, reply = await protocol.run_update_weights_from_distributed(self.serving, body)
         if status != 200:
             raise EngineError(status, reply)
+
+    async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            status, reply = await protocol.run_update_weights_from_tensor(self.serving, body)
+        except protocol.ProtocolError as error:
+            raise EngineError(error.status, error.body) from error
+        if status != 200:
+            raise EngineError(status, reply)
+        return reply
 
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
         await protocol.run_update_weight_version(
@@ -235,6 +249,9 @@ class HttpEngineClient:
 
     async def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
         await self._request("POST", "/update_weights_from_distributed", body)
+
+    async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        return (await self._request("POST", "/update_weights_from_tensor", body))[1]
 
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
         payload = {"new_version": version, "abort_all_requests": abort_all}

@@ -1,0 +1,117 @@
+"""The shared-tensor transport on a GPU: CUDA IPC handles into a `verst serve` process on the
+trainer's GPU (and into an engine in the trainer's own process), bit-exact, under the protocol."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytest.importorskip("aiohttp")
+
+from tests.servers import call, tiny_model  # noqa: E402
+from verst.engine.serving import ServingEngine  # noqa: E402
+from verst.engines import HttpEngineClient, InProcessEngineClient, launch_local_engines  # noqa: E402
+from verst.sync.ipc import SharedTensorError, SharedTensorTransport  # noqa: E402
+from verst.sync.protocol import WeightSync  # noqa: E402
+
+BUCKET = 16 << 10
+GREEDY = {
+    "input_ids": [5, 6, 7, 8],
+    "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    "return_logprob": True,
+}
+
+
+async def _engine_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in names:
+        status, values = await call(
+            url, "/get_weights_by_name", {"name": name, "truncate_size": 1 << 20}
+        )
+        assert status == 200, values
+        out[name] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def _logprobs(result: dict) -> torch.Tensor:
+    return torch.tensor([t[0] for t in result["meta_info"]["output_token_logprobs"]])
+
+
+def test_cuda_ipc_into_a_serve_process_on_the_same_gpu(tmp_path: Path) -> None:
+    model_a, model_b = tiny_model(tmp_path, "a", seed=0), tiny_model(tmp_path, "b", seed=5)
+    trainer = {n: t.cuda() for n, t in load_file(str(model_b / "model.safetensors")).items()}
+    (engine,) = launch_local_engines(
+        model_a, 1, extra_args=["--device", "cuda", "--dtype", "float32"], timeout_s=180
+    )
+
+    async def reference() -> dict:
+        client = await InProcessEngineClient.from_model_dir(
+            str(model_b), seed=0, device="cuda", kv_cache_bytes=64 << 20
+        )
+        try:
+            return await client.generate(GREEDY)
+        finally:
+            await client.close()
+
+    async def scenario() -> None:
+        client = HttpEngineClient(engine.url)
+        before = await client.generate(GREEDY)
+        for version, load_format in ((1, "flattened_bucket"), (2, None)):
+            weights = {n: t * version for n, t in trainer.items()}
+            transport = SharedTensorTransport(bucket_bytes=BUCKET, load_format=load_format)
+            report = await WeightSync([client], transport).push(
+                lambda w=weights: w.items(), version=version
+            )
+            assert report.calls == ["pause", "flush", "send", "set_version", "continue"]
+            assert await client.get_weight_version() == str(version)
+            assert len(transport.buckets_sent) > 1
+            assert all(size <= BUCKET for size in transport.buckets_sent)
+            got = await _engine_weights(engine.url, list(weights))
+            for name, tensor in weights.items():
+                assert torch.equal(got[name], tensor.cpu()), (load_format, name)
+            transport.close()
+        # Back to the trainer's weights: outputs are those of model b.
+        transport = SharedTensorTransport(bucket_bytes=BUCKET)
+        await WeightSync([client], transport).push(lambda: trainer.items(), version=3)
+        after, expected = await client.generate(GREEDY), await reference()
+        assert after["output_ids"] == expected["output_ids"]
+        assert torch.allclose(_logprobs(after), _logprobs(expected), atol=1e-4)
+        assert not torch.allclose(_logprobs(after), _logprobs(before), atol=1e-3)
+        transport.close()
+        await client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.stop()
+
+
+def test_cuda_ipc_into_an_engine_in_this_process(tmp_path: Path) -> None:
+    """A process cannot open its own IPC handle: the engine finds the storage it shared."""
+    model_a, model_b = tiny_model(tmp_path, "a", seed=0), tiny_model(tmp_path, "b", seed=5)
+    trainer = {n: t.cuda() for n, t in load_file(str(model_b / "model.safetensors")).items()}
+
+    async def scenario() -> None:
+        gpu = ServingEngine.from_model_dir(str(model_a), device="cuda", kv_cache_bytes=64 << 20)
+        cpu = ServingEngine.from_model_dir(str(model_a), kv_cache_bytes=8 << 20)
+        for serving in (gpu, cpu):
+            await serving.start()
+        on_gpu, on_cpu = InProcessEngineClient(gpu, owns_serving=True), InProcessEngineClient(cpu)
+        for load_format in ("flattened_bucket", None):
+            transport = SharedTensorTransport(bucket_bytes=BUCKET, load_format=load_format)
+            await WeightSync([on_gpu], transport).push(lambda: trainer.items(), version=1)
+            params = dict(gpu.scheduler.model.named_parameters(remove_duplicate=False))
+            assert all(torch.equal(params[n].detach(), t) for n, t in trainer.items())
+            # An engine off the trainer's GPU is refused, by name, before anything is copied.
+            with pytest.raises(SharedTensorError, match="engine on the trainer's GPU"):
+                await transport.send([on_cpu], lambda: trainer.items(), 2)
+            transport.close()
+        await on_gpu.close()
+        await cpu.stop()
+
+    asyncio.run(scenario())
