@@ -51,6 +51,8 @@ def test_impossible_combinations_fail_at_config_time(overrides: list[str], messa
 
 def test_auto_transport_follows_the_engines() -> None:
     cfg = load_config(None, ["placement.engines=processes"])
+    assert cfg.sync.resolve(cfg.placement) == "colocated"
+    cfg = load_config(None, ["placement.engines=processes", "placement.mode=disaggregated"])
     assert cfg.sync.resolve(cfg.placement) == "broadcast"
     cfg = load_config(None, ["placement.engines=in_process"])
     assert cfg.sync.resolve(cfg.placement) == "colocated"
@@ -118,5 +120,20 @@ def test_engine_processes_with_broadcast_train_end_to_end(tmp_path: Path) -> Non
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     for row in rows[1:]:
         # the engines' log-probs are the trainer's: the broadcast delivered its weights
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-5
+        assert row["sync/resent_engines"] == 0
+
+
+@pytest.mark.slow
+def test_engine_process_on_the_trainers_device_takes_shared_memory(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = [
+        "placement.engines=processes",
+        "placement.engine_threads=1",
+        "sync.transport=colocated",
+        "sync.bucket_mb=1",
+    ]
+    assert main(["train", *SMALL, *overrides, "--run-dir", str(run_dir)]) == 0
+    for row in records(run_dir)[1:]:
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-5
         assert row["sync/resent_engines"] == 0

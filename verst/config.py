@@ -117,11 +117,6 @@ def check_placement(cfg: RunConfig) -> None:
             "sync.transport=colocated needs placement.mode=colocated (engines on the trainer's "
             "device); disaggregated engines take broadcast or disk"
         )
-    if transport == "colocated" and placement.engines == "processes":
-        raise ValueError(
-            "sync.transport=colocated with placement.engines=processes is not available yet; "
-            "use sync.transport=broadcast or disk, or placement.engines=in_process"
-        )
     if transport == "broadcast" and placement.engines != "processes":
         raise ValueError(
             "sync.transport=broadcast needs placement.engines=processes: the weight-update group "

@@ -80,6 +80,8 @@ class Run:
     def close(self) -> None:
         if self._agent_loop is not None:
             self._agent_loop.close()
+        if isinstance(self.sync, FleetSync):
+            self.sync.close()
         if self.fleet is not None:
             self.fleet.close()
 

@@ -5,7 +5,8 @@ every engine of the fleet with the transport `sync.transport` names:
 
 - `colocated`, engines in the trainer's process: an engine whose parameters were re-pointed at
   the trainer's storage (a world of one, same dtype) needs nothing sent; the others get an
-  in-process copy;
+  in-process copy; engine processes on the trainer's device get CUDA IPC handles (GPU) or
+  shared-memory buffers (CPU) and copy from them (`verst.sync.ipc`);
 - `broadcast`: a process group of the trainer and every engine process (gloo / NCCL), bucketed;
 - `disk`: a safetensors snapshot or delta published once, loaded by every engine.
 
@@ -31,6 +32,7 @@ from verst.engines.launcher import free_port
 from verst.sync.broadcast import BroadcastTransport
 from verst.sync.colocated import share_storage
 from verst.sync.disk import DiskPublisher
+from verst.sync.ipc import SharedTensorTransport
 from verst.sync.protocol import (
     DiskTransport,
     InProcessTensorTransport,
@@ -49,8 +51,9 @@ class SyncConfig(ConfigBase):
     transport: TransportName = Field(
         "auto",
         description="how new weights reach the engines: colocated (shared storage / in-process "
-        "copy), broadcast (torch.distributed group), disk (snapshot or delta); auto = colocated "
-        "for engines in the trainer's process, broadcast for engine processes",
+        "copy in one process; CUDA IPC or shared memory across processes), broadcast "
+        "(torch.distributed group), disk (snapshot or delta); auto = colocated when placement "
+        "is colocated, else broadcast",
     )
     bucket_mb: int = Field(512, ge=1, description="largest bucket of weights sent at once, MB")
     disk_mode: Literal["full", "xor", "overwrite"] = Field(
@@ -64,7 +67,7 @@ class SyncConfig(ConfigBase):
         """The transport `auto` stands for, given where the engines run."""
         if self.transport != "auto":
             return self.transport
-        return "broadcast" if placement.engines == "processes" else "colocated"
+        return "colocated" if placement.mode == "colocated" else "broadcast"
 
 
 class SharedStorageTransport:
@@ -121,7 +124,9 @@ class FleetSync:
         name = cfg.resolve(placement)
         bucket_bytes = cfg.bucket_mb << 20
         transport: Transport
-        if name == "colocated":
+        if name == "colocated" and fleet.processes:
+            transport = SharedTensorTransport(bucket_bytes=bucket_bytes, dtype=engine_dtype)
+        elif name == "colocated":
             transport = SharedStorageTransport(_share_with_in_process(trainer, fleet))
         elif name == "broadcast":
             on_cuda = trainer.device.type == "cuda"
@@ -129,7 +134,8 @@ class FleetSync:
                 raise ValueError(
                     f"sync.transport=broadcast: an engine process shares the trainer's GPU "
                     f"{trainer.device}, and NCCL cannot join two ranks on one GPU; give the "
-                    "engines other GPUs (placement.engine_devices) or use sync.transport=disk"
+                    "engines other GPUs (placement.engine_devices) or use sync.transport="
+                    "colocated (CUDA IPC) or disk"
                 )
             transport = BroadcastTransport(
                 master_port=free_port(),
@@ -157,6 +163,11 @@ class FleetSync:
             data = param.data
             full = data.full_tensor() if isinstance(data, DTensor) else data
             yield name, full.detach().to(self.engine_dtype)
+
+    def close(self) -> None:
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
 
     def push(self, version: int) -> dict[str, float]:
         """Install the trainer's weights as `version` on every engine; returns sync metrics."""
