@@ -181,6 +181,7 @@ if triton is not None:
         PAGE: tl.constexpr,
         D: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -203,13 +204,15 @@ if triton is not None:
             base = page * stride_kp + (offs_n % PAGE) * stride_ks + kv_head * stride_kh
             k = tl.load(K + base[:, None] + offs_d[None, :], mask=valid_n[:, None], other=0.0)
             v = tl.load(V + base[:, None] + offs_d[None, :], mask=valid_n[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
             s = tl.where(valid_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(v.dtype), v, input_precision=PRECISION
+            ).to(tl.float32)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(
@@ -256,6 +259,8 @@ def paged_decode_triton(
         PAGE=page,
         D=D,
         BLOCK_N=64,
+        # fp32 pools get fp32 products (tl.dot would otherwise round inputs to TF32)
+        PRECISION="ieee" if k_pages.dtype == torch.float32 else "tf32",
     )
     return out
 

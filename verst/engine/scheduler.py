@@ -36,7 +36,7 @@ FINISH_ABORT = "abort"
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` / `remove` on the running list stay O(1) per comparison
 class _Running:
     """One request inside the scheduler."""
 
@@ -208,7 +208,7 @@ class Scheduler:
         self._finished_early = []
         if not batch:
             return finished
-        if self.pool.device.type == "cuda":
+        if self.pool.device.type == "cuda" and self.pool.device.index is not None:
             # step() runs on a worker thread, whose current device is cuda:0 by default; the
             # Triton kernels and CUDA graphs launch on the current device
             torch.cuda.set_device(self.pool.device)
@@ -243,9 +243,10 @@ class Scheduler:
         """(request, tokens to feed) for this step, with pages allocated for them."""
         budget = self.chunk_tokens
         batch = []
+        retracted_before = len(self.waiting)
         for r in list(self.running):
-            if r not in self.running:  # retracted to make room for an earlier request
-                continue
+            if len(self.waiting) > retracted_before and r not in self.running:
+                continue  # retracted to make room for an earlier request
             n = min(len(r.tokens) - r.computed, max(budget, 1))
             if -(-len(r.tokens) // self.pool.page_size) > self.pool.num_pages:
                 self.running.remove(r)
@@ -256,7 +257,10 @@ class Scheduler:
                 continue
             batch.append((r, n))
             budget -= n
-        return [(r, n) for r, n in batch if r in self.running]
+        if len(self.waiting) == retracted_before:
+            return batch
+        running = {id(r) for r in self.running}
+        return [(r, n) for r, n in batch if id(r) in running]
 
     def _reserve(self, r: _Running, length: int) -> bool:
         """Make r's pages cover `length` tokens, evicting cache or retracting newer requests."""
