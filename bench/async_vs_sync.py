@@ -45,7 +45,7 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, fl
         f"rollout.n_samples_per_prompt={args.n}",
         f"rollout.max_new_tokens={args.max_new_tokens}",
         f"rollout.max_staleness={args.max_staleness}",
-        "rollout.pause_mode=retract",
+        f"rollout.pause_mode={args.pause_mode}",
         "placement.engines=processes",
         "placement.mode=disaggregated",
         f"placement.engine_devices={json.dumps(args.engine_devices)}",
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--pause-mode", default="in_place", choices=["in_place", "retract"])
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -97,17 +98,20 @@ def main() -> None:
     parser.add_argument("--trainer-threads", type=int, default=1)
     parser.add_argument("--engine-threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--modes", nargs="+", default=["sync", "fully_async"])
     args = parser.parse_args()
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("sync", "fully_async"):
+        for mode in args.modes:
             results[mode] = run_mode(mode, args, Path(tmp) / mode)
             print(
                 f"{mode:>11}: {results[mode]['seconds_per_1k_trajectories']:.1f} s / 1k traj "
                 f"(mean length {results[mode]['response_len_mean']:.1f})",
                 flush=True,
             )
+    if set(results) != {"sync", "fully_async"}:
+        return
     speedup = (
         results["sync"]["seconds_per_1k_trajectories"]
         / results["fully_async"]["seconds_per_1k_trajectories"]
