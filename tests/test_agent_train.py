@@ -105,3 +105,20 @@ def test_agent_rollout_feeds_the_trainer_exact_masked_samples(tmp_path: Path) ->
         assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4
     finally:
         run.close()
+
+
+@pytest.mark.slow
+def test_calculator_example_fully_async_on_engine_processes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    fully_async = [
+        "mode=fully_async",
+        "placement.engines=processes",
+        "placement.mode=disaggregated",
+        "placement.engine_threads=1",
+        "rollout.pause_mode=retract",
+    ]
+    assert main(["train", EXAMPLE, *QUICK, *fully_async, "--run-dir", str(run_dir)]) == 0
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["rollout/num_samples"] == 8 and row["rollout/response_len_mean"] > 0
