@@ -170,21 +170,33 @@ class BroadcastTransport:
     ) -> None:
         if self.group is None:
             raise RuntimeError("BroadcastTransport.send before connect()")
-        named = dict(tensors())
-        specs = [TensorSpec.of(name, t) for name, t in named.items()]
         self.buckets_sent = []
-        for bucket in plan_buckets(specs, self.bucket_bytes):
-            body = {
-                "names": [s.name for s in bucket],
-                "dtypes": [s.dtype for s in bucket],
-                "shapes": [list(s.shape) for s in bucket],
-                "group_name": self.group_name,
-                "load_format": "flattened_bucket",
-            }
-            await asyncio.gather(
-                asyncio.to_thread(
-                    send_bucket, self.group, [named[s.name] for s in bucket], flattened=True
-                ),
-                *(e.update_weights_from_distributed(body) for e in engines),
-            )
-            self.buckets_sent.append(sum(s.nbytes for s in bucket))
+        # Tensors are taken (for FSDP2: gathered) as the buckets fill, never all at once.
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in tensors():
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > self.bucket_bytes:
+                await self._send_bucket(engines, bucket)
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            await self._send_bucket(engines, bucket)
+
+    async def _send_bucket(
+        self, engines: list[EngineClient], bucket: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        specs = [TensorSpec.of(name, t) for name, t in bucket]
+        body = {
+            "names": [s.name for s in specs],
+            "dtypes": [s.dtype for s in specs],
+            "shapes": [list(s.shape) for s in specs],
+            "group_name": self.group_name,
+            "load_format": "flattened_bucket",
+        }
+        await asyncio.gather(
+            asyncio.to_thread(send_bucket, self.group, [t for _, t in bucket], flattened=True),
+            *(e.update_weights_from_distributed(body) for e in engines),
+        )
+        self.buckets_sent.append(sum(s.nbytes for s in specs))
