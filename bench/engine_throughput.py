@@ -169,7 +169,11 @@ def run_batches(model, args, preset, dtype, device) -> list[dict]:
         print(
             f"batch {batch:4d}: "
             + " | ".join(f"{name} {row[f'{name}_tok_s']:9.1f} tok/s" for name in results)
-            + (f" | scheduler/HF {row['scheduler_over_hf']:.2f}x" if "scheduler_over_hf" in row else ""),
+            + (
+                f" | scheduler/HF {row['scheduler_over_hf']:.2f}x"
+                if "scheduler_over_hf" in row
+                else ""
+            ),
             flush=True,
         )
         rows.append(row)

@@ -46,7 +46,9 @@ def scheduler(model, dtype, **kw) -> Scheduler:
     return Scheduler(model, pool, eos_token_ids=[63], pad_token_id=0, **kw)
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d", "page"), [(14, 2, 64, 16), (4, 2, 16, 4), (16, 8, 128, 16)])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "page"), [(14, 2, 64, 16), (4, 2, 16, 4), (16, 8, 128, 16)]
+)
 def test_triton_decode_kernel_matches_reference(hq, hkv, d, page) -> None:
     torch.manual_seed(0)
     k = torch.randn(50, page, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -84,12 +86,16 @@ def test_logprobs_equal_full_forward_with_graphs() -> None:
     sched = scheduler(model, torch.float32)
     p = [3, 9, 27, 17, 51, 25, 11, 33, 2]
     reqs = [
-        GenerateRequest(input_ids=p, sampling_params=SamplingParams(max_new_tokens=20, ignore_eos=True))
+        GenerateRequest(
+            input_ids=p, sampling_params=SamplingParams(max_new_tokens=20, ignore_eos=True)
+        )
         for _ in range(3)
     ]
     for out in sched.generate(reqs):
         with torch.no_grad():
-            logits = model(torch.tensor([p + out.output_ids], device="cuda")).logits[0, len(p) - 1 : -1]
+            logits = model(torch.tensor([p + out.output_ids], device="cuda")).logits[
+                0, len(p) - 1 : -1
+            ]
         expected = torch.log_softmax(logits.float(), -1).gather(
             -1, torch.tensor(out.output_ids, device="cuda")[:, None]
         )[:, 0]

@@ -54,8 +54,12 @@ class KVPool:
         # a fixed-shape batch (CUDA graphs) write instead of anyone's KV.
         shape = (num_pages + 1, page_size, num_kv_heads, head_dim)
         # Zero-initialised so a stale read is recognisable in a debugger, not garbage.
-        self._k_store = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self._v_store = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._k_store = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self._v_store = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
         self.k = [store[:num_pages] for store in self._k_store]
         self.v = [store[:num_pages] for store in self._v_store]
         self.scratch_slot = num_pages * page_size

@@ -71,7 +71,9 @@ class ModelRunner:
         self.softcap = getattr(config, "final_logit_softcapping", None)
         on_cuda = self.device.type == "cuda"
         self.use_triton = on_cuda and triton is not None
-        self.cuda_graphs = self.use_triton if cuda_graphs is None else (cuda_graphs and self.use_triton)
+        self.cuda_graphs = (
+            self.use_triton if cuda_graphs is None else (cuda_graphs and self.use_triton)
+        )
         self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
         max_len = graph_max_len or int(getattr(config, "max_position_embeddings", 0) or 4096)
         self.graph_pages = -(-max_len // pool.page_size)
@@ -83,7 +85,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, rows: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """(last-position logits [B, V] float32, {row: logits [n, V] float32} for all_logits rows)."""
+        """(last-position logits [B, V], {row: logits [n, V]} of all_logits rows), float32."""
         if all(len(r.tokens) == 1 for r in rows):
             return self._decode(rows), {}
         return self._general(rows)
@@ -160,7 +162,9 @@ class ModelRunner:
     def _capture(self, size: int) -> None:
         if self._meta is None:
             rows = self.graph_batch_sizes[-1]
-            self._meta = torch.zeros((rows, 4 + self.graph_pages), dtype=torch.long, device=self.device)
+            self._meta = torch.zeros(
+                (rows, 4 + self.graph_pages), dtype=torch.long, device=self.device
+            )
             self._graph_pool = torch.cuda.graph_pool_handle()
         meta = self._meta[:size]
         meta.zero_()
@@ -192,7 +196,9 @@ class ModelRunner:
             [r.pages[:width] + [0] * (width - min(len(r.pages), width)) for r in rows],
             dtype=torch.long,
         ).to(device, non_blocking=True)
-        past_B = torch.tensor([r.past for r in rows], dtype=torch.long).to(device, non_blocking=True)
+        past_B = torch.tensor([r.past for r in rows], dtype=torch.long).to(
+            device, non_blocking=True
+        )
         new_B = torch.tensor(new, dtype=torch.long).to(device, non_blocking=True)
         steps_T = torch.arange(T, device=device)
         positions_B_T = past_B[:, None] + steps_T

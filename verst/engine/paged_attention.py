@@ -86,9 +86,7 @@ def paged_attention(
         scaling = D**-0.5
     k_flat, v_flat = pool.flat(layer)
     k_flat.index_copy_(0, step.slots_N, key.transpose(1, 2).reshape(B * T, Hkv, D).to(pool.dtype))
-    v_flat.index_copy_(
-        0, step.slots_N, value.transpose(1, 2).reshape(B * T, Hkv, D).to(pool.dtype)
-    )
+    v_flat.index_copy_(0, step.slots_N, value.transpose(1, 2).reshape(B * T, Hkv, D).to(pool.dtype))
     if step.decode and step.use_triton:
         out_B_H_D = paged_decode_triton(
             query.reshape(B, Hq, D),
@@ -134,18 +132,14 @@ def paged_attention_mode(model: torch.nn.Module) -> Iterator[None]:
         config._attn_implementation = before
 
 
-def decode_mask(
-    seq_lens_B: torch.Tensor, width: int, group: int, page_size: int
-) -> torch.Tensor:
+def decode_mask(seq_lens_B: torch.Tensor, width: int, group: int, page_size: int) -> torch.Tensor:
     """[B, 1, group, width*page_size] bool: position s is visible iff s < seq_len."""
     positions_S = torch.arange(width * page_size, device=seq_lens_B.device)
     visible_B_S = positions_S < seq_lens_B[:, None]
     return visible_B_S[:, None, None, :].expand(-1, 1, group, -1)
 
 
-def step_mask(
-    past_B: torch.Tensor, T: int, width: int, group: int, page_size: int
-) -> torch.Tensor:
+def step_mask(past_B: torch.Tensor, T: int, width: int, group: int, page_size: int) -> torch.Tensor:
     """[B, 1, group*T, width*page_size] bool: query t of a row with `past` cached tokens sees
     positions s <= past + t (its own K/V is written before the gather)."""
     positions_S = torch.arange(width * page_size, device=past_B.device)
@@ -210,9 +204,9 @@ if triton is not None:
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(
-                p.to(v.dtype), v, input_precision=PRECISION
-            ).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(
+                tl.float32
+            )
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(

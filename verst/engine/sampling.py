@@ -114,9 +114,7 @@ def _draw(weights_B_V: torch.Tensor, generator: torch.Generator | None) -> torch
         noise_B_V = torch.empty_like(weights_B_V).exponential_(generator=generator)
         return (weights_B_V / noise_B_V).argmax(dim=-1)
     cdf_B_V = weights_B_V.cumsum(dim=-1)
-    u_B_1 = torch.rand(
-        (weights_B_V.shape[0], 1), generator=generator, device=weights_B_V.device
-    )
+    u_B_1 = torch.rand((weights_B_V.shape[0], 1), generator=generator, device=weights_B_V.device)
     # side="right": the first entry whose cumulative weight exceeds u * total, so entries of
     # weight zero (truncated) are never drawn, u = 0 included
     index_B = torch.searchsorted(cdf_B_V, u_B_1 * cdf_B_V[:, -1:], right=True).squeeze(-1)
