@@ -1,7 +1,7 @@
 """Agents in `verst train`: the calculator example end to end through the CLI (a few steps of a
 smaller model), and one rollout + train step on in-process serving engines with a scripted tool
 agent, checking the samples the trainer gets (exact session tokens, loss mask 0 on the tool
-turn, per-turn versions) and that aborted trajectories train as empty responses."""
+turn, per-turn versions) and that aborted trajectories are left out of training."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.test_loop import records  # noqa: E402
 from verst import launch  # noqa: E402
 from verst.cli import main  # noqa: E402
 from verst.config import load_config  # noqa: E402
-from verst.loop import train_items  # noqa: E402
+from verst.loop import train_items, without_aborted  # noqa: E402
 from verst.types import Status  # noqa: E402
 
 EXAMPLE = "examples/calculator_agent.yaml"
@@ -101,7 +101,10 @@ def test_agent_rollout_feeds_the_trainer_exact_masked_samples(tmp_path: Path) ->
                 written = [t for t, m in zip(sample.response_tokens, mask, strict=True) if not m]
                 assert TOOL_RESULT in run.tokenizer.decode(written)
                 assert sample.metadata["mismatch"] is not None
-        metrics = run.trainer.step(train_items(groups, cfg.loss), step=1)
+        trainable = without_aborted(groups)
+        assert all(s.status is not Status.ABORTED for g in trainable for s in g)
+        assert sum(map(len, trainable)) == sum(map(len, groups)) - len(groups)
+        metrics = run.trainer.step(train_items(trainable, cfg.loss), step=1)
         assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4
     finally:
         run.close()

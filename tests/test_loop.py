@@ -180,3 +180,30 @@ def test_custom_data_and_reward_example_runs(tmp_path: Path, monkeypatch) -> Non
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert 0.0 <= rows[1]["rollout/reward_mean"] <= 1.0
+
+
+def test_aborted_samples_leave_their_group_before_advantages() -> None:
+    from verst.loop import train_items, without_aborted
+    from verst.train.losses import LossConfig
+    from verst.types import Sample, Status
+
+    def sample(group: int, reward: float, status: Status = Status.COMPLETED) -> Sample:
+        return Sample(
+            tokens=[1, 2, 3],
+            response_length=1,
+            loss_mask=[1],
+            rollout_logprobs=[-1.0],
+            reward=reward,
+            status=status,
+            group_index=group,
+        )
+
+    groups = [
+        [sample(0, 1.0), sample(0, 0.0), sample(0, 0.0, Status.ABORTED)],
+        [sample(1, 0.0, Status.ABORTED)],
+    ]
+    kept = without_aborted(groups)
+    assert [len(g) for g in kept] == [2]
+    # Dr.GRPO advantage = reward − group mean over the completed attempts: mean 0.5, not 1/3
+    items = train_items(kept, LossConfig(advantage_estimator="dr_grpo"))
+    assert [item.advantage for item in items] == [0.5, -0.5]

@@ -15,11 +15,12 @@ from verst import launch
 from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
 from verst.rollout.metrics import rollout_metrics
+from verst.train import distributed
 from verst.train.batching import TrainItem
 from verst.train.losses import LossConfig, group_advantages
 from verst.train.sft import warm_start
 from verst.train.trainer import NonFiniteLossError
-from verst.types import Group
+from verst.types import Group, Status
 
 
 def train_items(groups: list[Group], loss: LossConfig) -> list[TrainItem]:
@@ -39,6 +40,14 @@ def train_items(groups: list[Group], loss: LossConfig) -> list[TrainItem]:
     else:
         advantages = rewards
     return [TrainItem.from_sample(s, float(a)) for s, a in zip(samples, advantages, strict=True)]
+
+
+def without_aborted(groups: list[Group]) -> list[Group]:
+    """The groups without their ABORTED samples: an abandoned trajectory (an agent that raised
+    or timed out, an engine abort) teaches nothing, and kept with reward 0 it would pull its
+    group's baseline towards a score no completed attempt earned. Emptied groups go."""
+    kept = [[s for s in group if s.status != Status.ABORTED] for group in groups]
+    return [group for group in kept if group]
 
 
 def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
@@ -116,10 +125,17 @@ def sync_steps(
         started = time.perf_counter()
         groups, sampling_metrics = run.rollout()
         rolled = time.perf_counter()
-        metrics = train_step(run, groups, step, version)
-        trained = time.perf_counter()
-        version += 1
-        sync_metrics = run.sync.push(version)
+        trainable = without_aborted(groups)
+        metrics: dict[str, float] = {}
+        sync_metrics: dict[str, float] = {}
+        if distributed.all_reduce_sum([float(len(trainable))], run.device)[0] > 0:
+            metrics = train_step(run, trainable, step, version)
+            trained = time.perf_counter()
+            version += 1
+            sync_metrics = run.sync.push(version)
+        else:
+            log.info(f"step {step}: every trajectory was aborted; no update this step")
+            trained = time.perf_counter()
         synced = time.perf_counter()
 
         metrics = {"step": step, "weight_version": version} | metrics

@@ -21,18 +21,20 @@ def rollout_metrics(groups: list[Group], device: torch.device) -> dict[str, floa
             float(sum(s.response_length for s in samples)),
             float(sum(s.status == Status.TRUNCATED for s in samples)),
             float(sum(s.status == Status.FAILED for s in samples)),
+            float(sum(s.status == Status.ABORTED for s in samples)),
             float(zero_std),
             float(len(groups)),
         ],
         device,
     )
-    n, reward, length, truncated, failed, zero, num_groups = totals
+    n, reward, length, truncated, failed, aborted, zero, num_groups = totals
     n = max(n, 1.0)
     return {
         "rollout/reward_mean": reward / n,
         "rollout/response_len_mean": length / n,
         "rollout/truncated_ratio": truncated / n,
         "rollout/failed_ratio": failed / n,
+        "rollout/aborted_ratio": aborted / n,
         "rollout/zero_std_ratio": zero / max(num_groups, 1.0),
         "rollout/num_samples": n,
     }
