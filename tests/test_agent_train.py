@@ -125,3 +125,4 @@ def test_calculator_example_fully_async_on_engine_processes(tmp_path: Path) -> N
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
         assert row["rollout/num_samples"] == 8 and row["rollout/response_len_mean"] > 0
+        assert "rollout/agent_turns_mean" in row and "buffer/queue_size" in row

@@ -37,6 +37,7 @@ from verst.rollout.agent import (
 from verst.rollout.async_worker import RolloutWorker, build_rollout_worker
 from verst.rollout.dynamic import fill_batch, has_reward_variance
 from verst.rollout.generate import fill_sample, generate_groups
+from verst.rollout.metrics import rollout_metrics
 from verst.rollout.rewards import load_reward_fn
 from verst.sync.colocated import ColocatedSync
 from verst.sync.fleet_sync import FleetSync
@@ -109,9 +110,14 @@ class Run:
                 max_rounds=self.cfg.rollout.max_sampling_rounds,
                 device=self.device,
             )
+        return groups, metrics
+
+    def group_metrics(self, groups: list[Group]) -> dict[str, float]:
+        """Rollout metrics of the groups a step trained on (and the agents', with agents)."""
+        metrics = rollout_metrics(groups, self.device)
         if self.cfg.rollout.agent_function:
             metrics |= agent_metrics(groups, self.device)
-        return groups, metrics
+        return metrics
 
     # --- multi-turn agents (rollout.agent_function) over the fleet's session server ------------
 

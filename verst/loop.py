@@ -14,7 +14,6 @@ import torch
 from verst import launch
 from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
-from verst.rollout.metrics import rollout_metrics
 from verst.train import distributed
 from verst.train.batching import TrainItem
 from verst.train.losses import LossConfig, group_advantages
@@ -139,7 +138,7 @@ def sync_steps(
         synced = time.perf_counter()
 
         metrics = {"step": step, "weight_version": version} | metrics
-        metrics |= rollout_metrics(groups, run.device) | sampling_metrics | sync_metrics
+        metrics |= run.group_metrics(groups) | sampling_metrics | sync_metrics
         metrics |= {
             "perf/rollout_time_s": rolled - started,
             "perf/train_time_s": trained - rolled,
@@ -168,7 +167,7 @@ def fully_async_steps(
             synced = time.perf_counter()
 
             metrics = {"step": step, "weight_version": version} | metrics
-            metrics |= rollout_metrics(groups, run.device) | sync_metrics
+            metrics |= run.group_metrics(groups) | sync_metrics
             metrics |= run.worker_metrics(worker)
             metrics |= {
                 "perf/wait_time_s": waited - started,
