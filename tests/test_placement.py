@@ -137,3 +137,21 @@ def test_engine_process_on_the_trainers_device_takes_shared_memory(tmp_path: Pat
     for row in records(run_dir)[1:]:
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-5
         assert row["sync/resent_engines"] == 0
+
+
+def test_pause_mode_defaults_to_in_place_only_when_fully_async() -> None:
+    assert load_config(None, []).pause_mode == "retract"
+    disaggregated = ["placement.engines=processes", "placement.mode=disaggregated"]
+    assert load_config(None, ["mode=fully_async", *disaggregated]).pause_mode == "in_place"
+    chosen = ["mode=fully_async", *disaggregated, "rollout.pause_mode=retract"]
+    assert load_config(None, chosen).pause_mode == "retract"
+
+
+def test_agents_refuse_the_abort_pause() -> None:
+    overrides = [
+        "placement.engines=in_process",
+        "rollout.agent_function=examples.calculator_agent:run_agent",
+        "rollout.pause_mode=abort",
+    ]
+    with pytest.raises(ConfigError, match="cut agents' turns short"):
+        load_config(None, overrides)

@@ -76,6 +76,13 @@ class RunConfig(ConfigBase):
         check_placement(self)
         return self
 
+    @property
+    def pause_mode(self) -> str:
+        """`rollout.pause_mode`, or its default for the loop mode when unset."""
+        if self.rollout.pause_mode is not None:
+            return self.rollout.pause_mode
+        return "in_place" if self.mode == "fully_async" else "retract"
+
 
 def check_placement(cfg: RunConfig) -> None:
     """Refuse engine placement, transport, pause mode and loop mode that cannot work together."""
@@ -86,7 +93,7 @@ def check_placement(cfg: RunConfig) -> None:
             "processes): colocated engines share the trainer's device, so they could not "
             "generate while it trains"
         )
-    if cfg.mode == "fully_async" and cfg.rollout.pause_mode == "abort":
+    if cfg.mode == "fully_async" and cfg.pause_mode == "abort":
         raise ValueError(
             "mode=fully_async needs rollout.pause_mode retract or in_place: abort would throw "
             "away every trajectory in flight at each weight update"
@@ -96,6 +103,11 @@ def check_placement(cfg: RunConfig) -> None:
             "rollout.agent_function needs serving engines behind a session server: set "
             "placement.engines=in_process (or processes); the embedded batch engine has no "
             "chat API for an agent to call"
+        )
+    if cfg.rollout.agent_function and cfg.pause_mode == "abort":
+        raise ValueError(
+            "rollout.agent_function needs rollout.pause_mode retract or in_place: abort would "
+            "cut agents' turns short at every weight update"
         )
     if placement.mode == "disaggregated" and placement.engines != "processes":
         raise ValueError(

@@ -360,7 +360,7 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
             sync = FleetSync.build(
                 cfg.sync,
                 placement=cfg.placement,
-                pause_mode=cfg.rollout.pause_mode,
+                pause_mode=cfg.pause_mode,
                 trainer=trainer,
                 fleet=fleet,
                 engine_dtype=engine_dtype,

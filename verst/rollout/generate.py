@@ -44,10 +44,11 @@ class RolloutConfig(AsyncConfig, AgentConfig):
     max_sampling_rounds: int = Field(
         4, ge=1, description="with dynamic_sampling: most rounds of prompts drawn per step"
     )
-    pause_mode: Literal["retract", "in_place", "abort"] = Field(
-        "retract",
+    pause_mode: Literal["retract", "in_place", "abort"] | None = Field(
+        None,
         description="how engines pause for a weight update: retract = requeue in-flight requests "
-        "(KV recomputed), in_place = freeze them with their KV, abort = end them",
+        "(KV recomputed), in_place = freeze them with their KV, abort = end them; unset = "
+        "in_place with mode fully_async, else retract",
     )
     reward: str = Field(
         "exact_match",
