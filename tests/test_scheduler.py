@@ -80,6 +80,19 @@ def test_prefix_cache_hit_returns_the_same_output_as_a_miss(model) -> None:
     assert sched.cache_stats()["hit_rate"] > 0
 
 
+def test_a_groups_samples_share_one_prefill_of_their_prompt(model) -> None:
+    """Requests with one prompt arriving together (a GRPO group): the first prefills it and
+    caches it as soon as its prefill ends; the rest wait one step and take it from the cache."""
+    shared = prompt(2, 21)
+    group = [GenerateRequest(input_ids=shared, sampling_params=greedy()) for _ in range(8)]
+    outs = scheduler(model).generate(group)
+    assert sorted(o.cached_tokens for o in outs) == [0] + [20] * 7  # whole pages of 20 tokens
+    cold = scheduler(model, enable_prefix_cache=False).generate(
+        [GenerateRequest(input_ids=shared, sampling_params=greedy())]
+    )[0]
+    assert all(o.output_ids == cold.output_ids for o in outs)
+
+
 def test_200_concurrent_requests_complete_under_memory_pressure(model) -> None:
     sched = scheduler(model, num_pages=40, page_size=4, chunk_tokens=64)
     requests = [

@@ -213,6 +213,9 @@ class Scheduler:
             # Triton kernels and CUDA graphs launch on the current device
             torch.cuda.set_device(self.pool.device)
         logits_B_V = self._forward(batch)
+        for r, n in batch:
+            if r.computed - n < r.prompt_length <= r.computed:  # its prefill ended this step
+                self._share_prompt(r)
         ready = [i for i, (r, _) in enumerate(batch) if r.computed == len(r.tokens)]
         scored = [i for i in ready if self._remaining(batch[i][0]) <= 0]  # max_new_tokens=0
         for i in scored:
@@ -224,6 +227,8 @@ class Scheduler:
 
     def _admit(self) -> list[GenerateOutput]:
         finished = []
+        prefilling = {self._prompt_key(r) for r in self.running if r.computed < r.prompt_length}
+        deferred = []
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting.popleft()
             if self._remaining(r) <= 0 and r.request.logprob_start_len < 0:
@@ -232,12 +237,42 @@ class Scheduler:
             # scoring the prompt needs its logits, so it cannot skip cached positions
             if self.cache is not None and r.computed == 0 and r.request.logprob_start_len < 0:
                 # keep one token to compute: the last prompt token's logits start decoding
-                r.match = self.cache.match_prefix(r.tokens[:-1])
-                self.cache.lock(r.match)
-                r.pages, r.computed = list(r.match.pages), r.match.length
-                r.cached_tokens = max(r.cached_tokens, r.match.length)
+                match = self.cache.match_prefix(r.tokens[:-1])
+                key = self._prompt_key(r)
+                if key in prefilling and match.length < len(key):
+                    # the same prompt is being prefilled now: wait one step and take it from
+                    # the cache (a group's samples arrive together), rather than recompute it
+                    deferred.append(r)
+                    continue
+                self.cache.lock(match)
+                r.match = match
+                r.pages, r.computed = list(match.pages), match.length
+                r.cached_tokens = max(r.cached_tokens, match.length)
+                prefilling.add(key)
             self.running.append(r)
+        self.waiting.extendleft(reversed(deferred))
         return finished
+
+    def _prompt_key(self, r: _Running) -> tuple[int, ...]:
+        """The whole pages of r's prompt that a cache hit can cover (all but its last token)."""
+        ps = self.pool.page_size
+        return tuple(r.tokens[: (r.prompt_length - 1) // ps * ps])
+
+    def _share_prompt(self, r: _Running) -> None:
+        """Put r's freshly prefilled prompt pages in the prefix cache now, not when r ends, so
+        requests with the same prompt skip its prefill; r keeps them locked while it runs."""
+        key = self._prompt_key(r)
+        if self.cache is None or not key or (r.match is not None and r.match.length >= len(key)):
+            return
+        pages = len(key) // self.pool.page_size
+        duplicates = self.cache.insert(list(key), r.pages[:pages])
+        match = self.cache.match_prefix(list(key), record_stats=False)
+        self.cache.lock(match)
+        if r.match is not None:
+            self.cache.unlock(r.match)
+        r.match = match
+        r.pages[:pages] = match.pages  # the tree's copy where another request cached it first
+        self.pool.free(duplicates)
 
     def _plan(self) -> list[tuple[_Running, int]]:
         """(request, tokens to feed) for this step, with pages allocated for them."""
