@@ -38,6 +38,9 @@ import torch
 from verst.sync.disk import DiskPublisher, apply_published
 
 TENSOR_MB = 10
+# plain NCCL broadcast between two H200s of one host, 1 GB buffers (measured there; the issue's
+# figure): the link the broadcast transport's send is compared with
+NCCL_REFERENCE_GB_S = 342.0
 # Qwen2-0.5B's shapes (494M parameters, tied embeddings): about 0.99 GB in bf16.
 QWEN2_05B = dict(
     vocab_size=151936,
@@ -252,6 +255,117 @@ def bench_shared_transport(
     }
 
 
+def bench_broadcast_update(
+    root: Path, device: str, gb: float, repeats: int, bucket_mb: int
+) -> dict:
+    """Broadcast from the trainer into a `verst serve` process: the transfer alone and the whole
+    update (pause, flush, send, version, continue, confirm). CUDA: NCCL from cuda:0 to an engine
+    on cuda:1, a Qwen2-0.5B-shaped bf16 model; CPU: gloo, a Qwen3-shaped fp32 model."""
+    import asyncio
+    import statistics
+
+    import transformers
+
+    from verst.engines import HttpEngineClient, launch_local_engines
+    from verst.engines.launcher import free_port
+    from verst.sync.broadcast import BroadcastTransport
+    from verst.sync.protocol import WeightSync
+
+    on_cuda = device == "cuda"
+    if on_cuda and torch.cuda.device_count() < 2:
+        raise SystemExit("--transport broadcast needs two GPUs (trainer cuda:0, engine cuda:1)")
+    trainer_device, engine_device = ("cuda:0", "cuda:1") if on_cuda else ("cpu", "cpu")
+    model_dir, dtype = random_model_dir(root, device, gb)
+    dtype_name = str(dtype).removeprefix("torch.")
+    (engine,) = launch_local_engines(
+        model_dir, 1, extra_args=["--device", engine_device, "--dtype", dtype_name], timeout_s=600
+    )
+
+    def sync() -> None:
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, local_files_only=True, dtype=dtype
+        ).to(trainer_device)
+        with torch.no_grad():  # the "trained" weights differ from what the engine loaded
+            for param in model.parameters():
+                param.add_(1e-2)
+        named = {n: p.detach() for n, p in model.named_parameters()}
+        nbytes = sum(t.numel() * t.element_size() for t in named.values())
+        src = torch.cat([t.flatten().view(torch.uint8) for t in named.values()])
+        dst = torch.empty_like(src)
+
+        def memcpy() -> None:
+            dst.copy_(src)
+            sync()
+
+        memcpy()
+        memcpy_s = min(timed(memcpy, 1) for _ in range(repeats))
+
+        async def measure() -> dict:
+            steps: dict[str, list[float]] = {}
+            client = _Timed(HttpEngineClient(engine.url), steps)
+            transport = BroadcastTransport(
+                master_port=free_port(),
+                bucket_bytes=bucket_mb << 20,
+                backend="nccl" if on_cuda else "gloo",
+            )
+            await transport.connect([client])
+            protocol = WeightSync([client], transport, pause_mode="retract")
+            first = await protocol.push(lambda: named.items(), version=1)
+            send_s, push_s = [], []
+            for version in range(2, 2 + repeats):
+                sync()
+                start = time.perf_counter()
+                await transport.send([client], lambda: named.items(), version)
+                sync()
+                send_s.append(time.perf_counter() - start)
+            steps.clear()
+            for version in range(2 + repeats, 2 + 2 * repeats):
+                sync()
+                push_s.append((await protocol.push(lambda: named.items(), version)).seconds)
+            checks = {}
+            for name in ("model.norm.weight", "model.layers.0.mlp.down_proj.weight"):
+                status, values = await _get_weights(engine.url, name, 4)
+                checks[name] = status == 200 and values == named[name].float().cpu()[:4].tolist()
+            step_ms = {name: 1e3 * statistics.median(s) for name, s in steps.items()}
+            await client.inner.close()
+            return {
+                "first": first.seconds,
+                "send": send_s,
+                "push": push_s,
+                "steps": step_ms,
+                "exact": checks,
+                "buckets": list(transport.buckets_sent),
+            }
+
+        measured = asyncio.run(measure())
+    finally:
+        engine.stop()
+    send_best = min(measured["send"])
+    return {
+        "transport": "broadcast_nccl" if on_cuda else "broadcast_gloo",
+        "model": "qwen2-0.5b-shaped bf16" if on_cuda else "qwen3-shaped fp32",
+        "gb": nbytes / 1e9,
+        "bucket_mb": bucket_mb,
+        "memcpy_s": memcpy_s,
+        "send_s": send_best,
+        "send_gb_s": nbytes / 1e9 / send_best,
+        "send_vs_memcpy": memcpy_s / send_best,
+        "send_vs_reference_link": (
+            nbytes / 1e9 / send_best / NCCL_REFERENCE_GB_S if on_cuda else None
+        ),
+        "whole_update_s": min(measured["push"]),
+        "whole_update_median_s": statistics.median(measured["push"]),
+        "first_update_s": measured["first"],
+        "whole_update_step_median_ms": measured["steps"],
+        "buckets_bytes": measured["buckets"],
+        "exact": measured["exact"],
+    }
+
+
 class _Timed:
     """An engine client whose every call is timed into `steps[name]` (seconds)."""
 
@@ -320,10 +434,30 @@ def main() -> None:
     parser.add_argument(
         "--no-shared", action="store_true", help="skip the shared-tensor transport (no engine)"
     )
+    parser.add_argument(
+        "--transport",
+        choices=["shared", "broadcast"],
+        default="shared",
+        help="shared = CUDA IPC (or /dev/shm) into an engine on this device; broadcast = NCCL "
+        "into an engine on a second GPU (gloo on the CPU)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     results_dir = Path(__file__).parent / "results"
     bucket_mbs = tuple(int(mb) for mb in args.bucket_mb.split(","))
+    if args.transport == "broadcast":
+        root = Path(tempfile.mkdtemp(prefix="verst-broadcast-bench-"))
+        try:
+            result = bench_broadcast_update(root, args.device, args.gb, args.repeats, bucket_mbs[0])
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(json.dumps(result, indent=2))
+        name = "h200x2" if args.device == "cuda" else "cpu"
+        out = args.out or results_dir / f"weight_sync_broadcast_{name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"saved {out}")
+        return
     if args.device == "cuda":
         root = Path(tempfile.mkdtemp(prefix="verst-ipc-bench-"))
         try:
