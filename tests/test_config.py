@@ -91,3 +91,9 @@ def test_cli_names_a_reward_that_cannot_be_imported(tmp_path: Path, capsys) -> N
     )
     assert code == 2
     assert "verst.nothing:here" in capsys.readouterr().err
+
+
+def test_fully_async_example_loads() -> None:
+    cfg = load_config(Path(__file__).parent.parent / "examples" / "fully_async.yaml")
+    assert cfg.mode == "fully_async" and cfg.pause_mode == "in_place"
+    assert cfg.sync.resolve(cfg.placement) == "broadcast"
