@@ -24,6 +24,7 @@ from verst.config import RunConfig
 from verst.data.source import DataSource
 from verst.engine import Engine, GenerateRequest, SamplingParams
 from verst.engines.fleet import Fleet, LoopThread, prompt_key
+from verst.engines.ranked import RankedFleet
 from verst.eval.evaluate import Evaluator
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
 from verst.rollout.agent import (
@@ -64,7 +65,7 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     shell: PreTrainedModel  # unsharded twin of the policy, used for its config when saving
     trainer: Trainer
-    engine: Engine | Fleet  # what the rollout and the evaluator generate with
+    engine: Engine | Fleet | RankedFleet  # what the rollout and the evaluator generate with
     sync: ColocatedSync | FleetSync
     data: DataSource
     sampling_params: SamplingParams
@@ -352,10 +353,14 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
     eos_ids = eos_token_ids(shell, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     fleet: Fleet | None = None
-    engine: Engine | Fleet
+    engine: Engine | Fleet | RankedFleet
     sync: ColocatedSync | FleetSync
     if cfg.placement.serving:
-        fleet = engine = start_fleet(cfg, run_dir, engine_model, shell, tokenizer, device)
+        check_ranks_for_fleet(cfg)
+        if distributed.rank() == 0:
+            fleet = start_fleet(cfg, run_dir, engine_model, shell, tokenizer, device)
+        distributed.barrier()
+        engine = fleet if distributed.world_size() == 1 else RankedFleet(fleet)
         try:
             sync = FleetSync.build(
                 cfg.sync,
@@ -363,11 +368,13 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
                 pause_mode=cfg.pause_mode,
                 trainer=trainer,
                 fleet=fleet,
+                generator=engine,
                 engine_dtype=engine_dtype,
                 run_dir=run_dir,
             )
         except BaseException:
-            fleet.close()
+            if fleet is not None:
+                fleet.close()
             raise
     else:
         engine = Engine(
@@ -413,6 +420,17 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
         eos_ids=eos_ids,
         fleet=fleet,
     )
+
+
+def check_ranks_for_fleet(cfg: RunConfig) -> None:
+    """Under torchrun, rank 0 holds the engines and serves every rank's generate calls; the
+    parts that run on the fleet's own loop (the async worker, agents) need one rank."""
+    if distributed.world_size() == 1:
+        return
+    if cfg.mode == "fully_async":
+        raise ValueError("mode=fully_async runs with one trainer process for now (no torchrun)")
+    if cfg.rollout.agent_function:
+        raise ValueError("rollout.agent_function runs with one trainer process for now")
 
 
 def start_fleet(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -74,9 +74,9 @@ class SharedStorageTransport:
     """Colocated in one process: engines that share the trainer's storage need nothing sent
     (the optimiser wrote their weights); the rest get an in-process copy."""
 
-    def __init__(self, shared: set[int]) -> None:
+    def __init__(self, shared: set[int], bucket_bytes: int = 512 << 20) -> None:
         self.shared = shared  # ids of the clients whose weights are the trainer's tensors
-        self.copy = InProcessTensorTransport()
+        self.copy = InProcessTensorTransport(bucket_bytes)
 
     async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
         rest = [e for e in engines if id(e) not in self.shared]
@@ -85,22 +85,29 @@ class SharedStorageTransport:
 
 
 class FleetSync:
+    """Rank 0 runs the protocol over the fleet; under torchrun the other ranks only take part in
+    gathering each full tensor (FSDP2 shards), in the same order, once per push."""
+
     def __init__(
         self,
         trainer: Trainer,
-        fleet: Fleet,
+        fleet: Fleet | None,
         *,
-        transport: Transport,
+        transport: Transport | None,
         pause_mode: PauseMode,
         engine_dtype: torch.dtype,
+        generator: Any,
         max_resends: int = 1,
     ) -> None:
         self.trainer = trainer
         self.fleet = fleet
         self.engine_dtype = engine_dtype
         self.transport = transport
-        self.protocol = WeightSync(
-            fleet.clients, transport, pause_mode=pause_mode, max_resends=max_resends
+        self.generator = generator  # what the rollout generates with; it carries the version
+        self.protocol = (
+            WeightSync(fleet.clients, transport, pause_mode=pause_mode, max_resends=max_resends)
+            if fleet is not None and transport is not None
+            else None
         )
         self.last_push: dict[str, float] = {}
 
@@ -112,14 +119,20 @@ class FleetSync:
         placement: PlacementConfig,
         pause_mode: PauseMode,
         trainer: Trainer,
-        fleet: Fleet,
+        fleet: Fleet | None,
+        generator: Any,
         engine_dtype: torch.dtype,
         run_dir: Path,
     ) -> FleetSync:
-        if distributed.world_size() != 1:
-            raise NotImplementedError(
-                "serving-engine placements (placement.engines = in_process | processes) run "
-                "with one trainer process for now; use placement.engines=embedded under torchrun"
+        """`fleet` is rank 0's; other ranks pass None and follow."""
+        if fleet is None:
+            return cls(
+                trainer,
+                None,
+                transport=None,
+                pause_mode=pause_mode,
+                engine_dtype=engine_dtype,
+                generator=generator,
             )
         name = cfg.resolve(placement)
         bucket_bytes = cfg.bucket_mb << 20
@@ -127,7 +140,7 @@ class FleetSync:
         if name == "colocated" and fleet.processes:
             transport = SharedTensorTransport(bucket_bytes=bucket_bytes, dtype=engine_dtype)
         elif name == "colocated":
-            transport = SharedStorageTransport(_share_with_in_process(trainer, fleet))
+            transport = SharedStorageTransport(_share_with_in_process(trainer, fleet), bucket_bytes)
         elif name == "broadcast":
             on_cuda = trainer.device.type == "cuda"
             if on_cuda and _same_device(trainer.device, fleet.process_devices):
@@ -148,13 +161,16 @@ class FleetSync:
             transport = DiskTransport(publisher)
         else:
             raise ValueError(f"unknown sync.transport {name!r}")
+        # A resend gathers the tensors again, which other ranks would not join: report instead.
+        max_resends = cfg.max_resends if distributed.world_size() == 1 else 0
         return cls(
             trainer,
             fleet,
             transport=transport,
             pause_mode=pause_mode,
             engine_dtype=engine_dtype,
-            max_resends=cfg.max_resends,
+            generator=generator,
+            max_resends=max_resends,
         )
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -171,13 +187,20 @@ class FleetSync:
 
     def push(self, version: int) -> dict[str, float]:
         """Install the trainer's weights as `version` on every engine; returns sync metrics."""
+        if self.fleet is None:  # another rank: join each tensor's gather, send nothing
+            for _ in self.tensors():
+                pass
+            self.generator.weight_version = version
+            return {}
         return self.fleet.loop.run(self.apush(version))
 
     async def apush(self, version: int) -> dict[str, float]:
         """`push`, for coroutines on the fleet's loop (the fully asynchronous loop)."""
+        assert self.protocol is not None and self.fleet is not None
         started = time.perf_counter()
         report = await self.protocol.push(self.tensors, version)
         self.fleet.weight_version = version
+        self.generator.weight_version = version
         self.last_push = {
             "sync/update_s": time.perf_counter() - started,
             "sync/resent_engines": float(len(report.resent)),

@@ -52,10 +52,24 @@ class PushReport:
 
 
 class InProcessTensorTransport:
-    """Engines in this process (`InProcessEngineClient`): tensors are copied straight in."""
+    """Engines in this process (`InProcessEngineClient`): tensors are copied straight in, bucket
+    by bucket, every engine from one pass over the tensors."""
+
+    def __init__(self, bucket_bytes: int = 512 << 20) -> None:
+        self.bucket_bytes = bucket_bytes
 
     async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
-        await asyncio.gather(*(e.update_weights_from_tensors(tensors()) for e in engines))
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in tensors():
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > self.bucket_bytes:
+                await asyncio.gather(*(e.update_weights_from_tensors(bucket) for e in engines))
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            await asyncio.gather(*(e.update_weights_from_tensors(bucket) for e in engines))
 
 
 class DiskTransport:
