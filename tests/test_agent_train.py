@@ -126,3 +126,25 @@ def test_calculator_example_fully_async_on_engine_processes(tmp_path: Path) -> N
     for row in rows[1:]:
         assert row["rollout/num_samples"] == 8 and row["rollout/response_len_mean"] > 0
         assert "rollout/agent_turns_mean" in row and "buffer/queue_size" in row
+
+
+@pytest.mark.slow
+def test_calculator_example_on_two_trainer_ranks(tmp_path: Path) -> None:
+    """torchrun: rank 0's fleet and session server play both ranks' samples."""
+    import os
+    import subprocess
+    import sys
+
+    from verst.engines.launcher import free_port
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), "-m", "verst", "train", EXAMPLE, *QUICK]
+    cmd += ["--run-dir", str(run_dir)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["rollout/num_samples"] == 8 and "rollout/agent_turns_mean" in row

@@ -163,8 +163,14 @@ def test_agents_refuse_the_abort_pause() -> None:
     [
         ["placement.engines=in_process", "placement.num_engines=2"],
         ["placement.engines=processes", "placement.engine_threads=1", "sync.transport=broadcast"],
+        [
+            "mode=fully_async",
+            "placement.engines=processes",
+            "placement.mode=disaggregated",
+            "placement.engine_threads=1",
+        ],
     ],
-    ids=["in_process", "processes_broadcast"],
+    ids=["in_process", "processes_broadcast", "fully_async"],
 )
 def test_two_trainer_ranks_share_rank_zeros_engines(tmp_path: Path, overrides: list[str]) -> None:
     """torchrun: FSDP2 over two ranks; rank 0 holds the engines and serves both ranks' prompts;
@@ -186,6 +192,8 @@ def test_two_trainer_ranks_share_rank_zeros_engines(tmp_path: Path, overrides: l
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["rollout/num_samples"] == 16  # both ranks' samples, counted once
     for row in rows[1:]:
-        # the engines' log-probs are the trainer's: the gathered weights arrived
-        assert row["train/train_rollout_logprob_abs_diff"] < 1e-4
         assert row["sync/resent_engines"] == 0
+        if "mode=fully_async" in overrides:
+            assert row["buffer/staleness_max"] <= 4  # the default max_staleness
+        else:  # the engines' log-probs are the trainer's: the gathered weights arrived
+            assert row["train/train_rollout_logprob_abs_diff"] < 1e-4

@@ -24,7 +24,7 @@ from verst.config import RunConfig
 from verst.data.source import DataSource
 from verst.engine import Engine, GenerateRequest, SamplingParams
 from verst.engines.fleet import Fleet, LoopThread, prompt_key
-from verst.engines.ranked import RankedFleet
+from verst.engines.ranked import RankedFleet, on_rank_zero, scatter_from_rank_zero
 from verst.eval.evaluate import Evaluator
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
 from verst.rollout.agent import (
@@ -139,6 +139,12 @@ class Run:
         The agents run on an event loop of their own (kept for the run, so agents may keep
         connection pools on it), apart from the fleet's loop that serves the sessions, so an
         agent that blocks cannot stall the server."""
+        if distributed.world_size() > 1:  # rank 0 plays every rank's samples
+            here = self._run_agents_here if self.fleet is not None else None
+            return on_rank_zero(groups, here)
+        return self._run_agents_here(groups)
+
+    def _run_agents_here(self, groups: list[Group]) -> list[Group]:
         fleet = self._require_fleet("rollout.agent_function")
         rollout = self.cfg.rollout
         assert rollout.agent_function is not None
@@ -186,7 +192,10 @@ class Run:
         fill_sample(sample, out, self.decode(out.output_ids))
         return sample
 
-    def start_rollout_worker(self) -> RolloutWorker:
+    def start_rollout_worker(self) -> RolloutWorker | None:
+        """The worker on rank 0's fleet; None on the other ranks (rank 0 deals them groups)."""
+        if distributed.rank() != 0:
+            return None
         fleet = self._require_fleet("mode=fully_async")
         rollout = self.cfg.rollout
         if rollout.agent_function:  # started here: the worker's loop cannot wait on itself
@@ -204,18 +213,31 @@ class Run:
         self._worker = worker
         return worker
 
-    def take_groups(self, worker: RolloutWorker, version: int) -> list[Group]:
-        assert self.fleet is not None
-        return self.fleet.loop.run(worker.take(self.cfg.rollout.prompts_per_step, version))
+    def take_groups(self, worker: RolloutWorker | None, version: int) -> list[Group]:
+        """This rank's share of one step's groups from the buffer (a collective under torchrun)."""
+        groups = None
+        if worker is not None:
+            assert self.fleet is not None
+            groups = self.fleet.loop.run(worker.take(self.cfg.rollout.prompts_per_step, version))
+        world = distributed.world_size()
+        if world == 1:
+            assert groups is not None
+            return groups
+        return scatter_from_rank_zero(
+            None if groups is None else [groups[r::world] for r in range(world)]
+        )
 
-    def worker_metrics(self, worker: RolloutWorker) -> dict[str, Any]:
+    def worker_metrics(self, worker: RolloutWorker | None) -> dict[str, Any]:
+        if worker is None:
+            return {}
         assert self.fleet is not None
         return self.fleet.loop.call(worker.metrics)
 
-    def stop_rollout_worker(self, worker: RolloutWorker) -> None:
-        assert self.fleet is not None
+    def stop_rollout_worker(self, worker: RolloutWorker | None) -> None:
         self._worker = None
-        self.fleet.loop.run(worker.stop())
+        if worker is not None:
+            assert self.fleet is not None
+            self.fleet.loop.run(worker.stop())
 
     def _require_sessions_url(self) -> str:
         if self._sessions_url is None:
@@ -356,7 +378,6 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
     engine: Engine | Fleet | RankedFleet
     sync: ColocatedSync | FleetSync
     if cfg.placement.serving:
-        check_ranks_for_fleet(cfg)
         if distributed.rank() == 0:
             fleet = start_fleet(cfg, run_dir, engine_model, shell, tokenizer, device)
         distributed.barrier()
@@ -420,17 +441,6 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
         eos_ids=eos_ids,
         fleet=fleet,
     )
-
-
-def check_ranks_for_fleet(cfg: RunConfig) -> None:
-    """Under torchrun, rank 0 holds the engines and serves every rank's generate calls; the
-    parts that run on the fleet's own loop (the async worker, agents) need one rank."""
-    if distributed.world_size() == 1:
-        return
-    if cfg.mode == "fully_async":
-        raise ValueError("mode=fully_async runs with one trainer process for now (no torchrun)")
-    if cfg.rollout.agent_function:
-        raise ValueError("rollout.agent_function runs with one trainer process for now")
 
 
 def start_fleet(
