@@ -197,3 +197,31 @@ def test_two_trainer_ranks_share_rank_zeros_engines(tmp_path: Path, overrides: l
             assert row["buffer/staleness_max"] <= 4  # the default max_staleness
         else:  # the engines' log-probs are the trainer's: the gathered weights arrived
             assert row["train/train_rollout_logprob_abs_diff"] < 1e-4
+
+
+@pytest.mark.slow
+def test_a_dead_engine_process_is_routed_around(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            "warm_start.enabled=false",
+            "placement.engines=processes",
+            "placement.num_engines=2",
+            "placement.engine_threads=1",
+            "sync.transport=disk",
+        ],
+    )
+    run = launch.build(cfg, tmp_path)
+    try:
+        assert run.fleet is not None
+        _one_step_then_push(run)
+        run.fleet.processes[1].stop()  # the engine dies between two steps
+        groups, _ = run.rollout()
+        assert all(s.response_length > 0 for g in groups for s in g)
+        assert len(run.fleet.router.live_engines) == 1
+        run.trainer.step(train_items(groups, cfg.loss), step=2)
+        metrics = run.sync.push(run.engine.weight_version + 1)
+        assert metrics["sync/live_engines"] == 1 and metrics["sync/resent_engines"] == 0
+    finally:
+        run.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -35,6 +36,7 @@ from verst.engines.launcher import LocalEngine, free_port, launch_local_engines
 from verst.router.policy import Router
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 EngineKind = Literal["embedded", "in_process", "processes"]
 
 
@@ -286,14 +288,31 @@ class Fleet:
         return self.loop.run(all_of())
 
     async def agenerate(self, request: GenerateRequest, *, key: str | None) -> GenerateOutput:
-        """One request on the engine the router picks for `key` (on the fleet's loop)."""
+        """One request on the engine the router picks for `key` (on the fleet's loop). An engine
+        that cannot be reached is taken out of routing and the request goes to another one;
+        `NoEngineAvailable` when none is left."""
         request.sampling_params.validate()
-        target = self.router.pick(key)
+        body = request_body(request)
+        while True:
+            target = self.router.pick(key)
+            try:
+                answer = await self._on(target, key, self._clients[target].generate(body))
+                break
+            except Exception as error:
+                if not self._unreachable(error):
+                    raise
+                self.router.set_healthy(target, False)
+                log.warning("engine %s is unreachable (%s); routing around it", target, error)
+        assert isinstance(answer, dict)
+        return output_from_body(request, answer)
+
+    async def _on(self, target: str, key: str | None, call: Coroutine[Any, Any, T]) -> T:
+        """Await `call` on `target`, counted as an active request there (and for `key`)."""
         if key:
             self._key_refs[key] = self._key_refs.get(key, 0) + 1
         self.router.begin(target)
         try:
-            body = await self._clients[target].generate(request_body(request))
+            return await call
         finally:
             self.router.end(target)
             if key:
@@ -301,8 +320,20 @@ class Fleet:
                 if not self._key_refs[key]:
                     del self._key_refs[key]
                     self.router.release(key)
-        assert isinstance(body, dict)
-        return output_from_body(request, body)
+
+    @staticmethod
+    def _unreachable(error: BaseException) -> bool:
+        try:
+            import aiohttp
+        except ImportError:
+            return False
+        return isinstance(error, aiohttp.ClientConnectionError | ConnectionError)
+
+    @property
+    def live_clients(self) -> list[EngineClient]:
+        """The engines still in routing (weight updates go to these)."""
+        live = set(self.router.live_engines)
+        return [client for url, client in self._clients.items() if url in live]
 
     def cache_stats(self) -> dict[str, float]:
         """Prefix-cache counters summed over in-process engines (empty for processes)."""

@@ -40,6 +40,7 @@ from verst.sync.protocol import (
     PauseMode,
     Transport,
     WeightSync,
+    WeightSyncError,
 )
 from verst.train import distributed
 from verst.train.trainer import Trainer
@@ -198,12 +199,22 @@ class FleetSync:
         """`push`, for coroutines on the fleet's loop (the fully asynchronous loop)."""
         assert self.protocol is not None and self.fleet is not None
         started = time.perf_counter()
+        live = self.fleet.live_clients
+        if len(live) < len(self.fleet.clients) and isinstance(self.transport, BroadcastTransport):
+            raise WeightSyncError(
+                f"{len(self.fleet.clients) - len(live)} engine(s) went down, and the broadcast "
+                "group needs every member; restart the run (--resume) to rebuild it"
+            )
+        if not live:
+            raise WeightSyncError("every engine is down: no engine left to update")
+        self.protocol.engines = live  # an engine taken out of routing gets no more updates
         report = await self.protocol.push(self.tensors, version)
         self.fleet.weight_version = version
         self.generator.weight_version = version
         self.last_push = {
             "sync/update_s": time.perf_counter() - started,
             "sync/resent_engines": float(len(report.resent)),
+            "sync/live_engines": float(len(live)),
         }
         return self.last_push
 
