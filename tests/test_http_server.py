@@ -462,6 +462,38 @@ def test_launcher_starts_verst_serve(server: Server) -> None:
     assert engine.process.poll() is not None
 
 
+def test_an_engine_process_stops_when_its_launcher_dies(server: Server) -> None:
+    """A training run killed without cleanup must not leave its engine servers running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys\n"
+        "from verst.engines import launch_local_engines\n"
+        f"(engine,) = launch_local_engines({str(server.model_a)!r}, 1, timeout_s=60)\n"
+        "print(engine.process.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    engine_pid = int(launcher.stdout.readline())
+    launcher.send_signal(signal.SIGKILL)  # no cleanup runs in the launcher
+    launcher.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(engine_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(engine_pid, signal.SIGKILL)
+    pytest.fail("the engine process outlived its launcher by 20 s")
+
+
 def test_launch_sglang_without_sglang_is_a_clear_error() -> None:
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed")

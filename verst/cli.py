@@ -76,6 +76,9 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--num-threads", type=int, help="torch CPU threads (default: torch's own choice)"
     )
+    parser.add_argument(
+        "--parent-pid", type=int, help="stop when this process (the launcher) is gone"
+    )
 
 
 def _route_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -185,6 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         served_model_name=args.served_model_name,
         max_batch_size=args.max_batch_size,
+        parent_pid=args.parent_pid,
     )
     return 0
 

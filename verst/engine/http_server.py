@@ -254,8 +254,10 @@ def run_server(
     dtype: str = "auto",
     served_model_name: str | None = None,
     max_batch_size: int = 256,
+    parent_pid: int | None = None,
 ) -> None:
-    """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM)."""
+    """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
+    `parent_pid`, until that process is gone (a training run that launched it and died)."""
     import torch
     from aiohttp import web
 
@@ -277,5 +279,28 @@ def run_server(
         host=host,
         port=port,
     )
+    if parent_pid is not None:
+        app.cleanup_ctx.append(_exit_with_parent(parent_pid))
     print(f"verst serve: {model_path} on http://{host}:{port} ({device}, {dtype})", flush=True)
     web.run_app(app, host=host, port=port, print=None, access_log=None)
+
+
+def _exit_with_parent(parent_pid: int, poll_s: float = 1.0):  # type: ignore[no-untyped-def]
+    """An aiohttp cleanup context that stops the server once `parent_pid` is no longer its
+    parent (the parent died and the process was adopted)."""
+    import asyncio
+    import os
+    import signal
+
+    async def watch() -> None:
+        while os.getppid() == parent_pid:
+            await asyncio.sleep(poll_s)
+        print(f"verst serve: parent process {parent_pid} is gone; stopping", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # run_app's own graceful shutdown
+
+    async def context(app):  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(watch(), name="verst-parent-watch")
+        yield
+        task.cancel()
+
+    return context

@@ -131,7 +131,8 @@ def launch_local_engines(
         for i in range(n):
             port = base_port + i if base_port is not None else free_port(host)
             cmd = [sys.executable, "-m", "verst", "serve", "--model", str(model_dir)]
-            cmd += ["--port", str(port), "--host", host, *extra_args]
+            cmd += ["--port", str(port), "--host", host, "--parent-pid", str(os.getpid())]
+            cmd += list(extra_args)
             cmd += list(engine_args[i]) if engine_args else []
             engines.append(_start(cmd, port, host, "verst-serve"))
         for engine in engines:  # started together, so their start-up times overlap
