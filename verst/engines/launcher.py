@@ -70,12 +70,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _start(cmd: list[str], port: int, host: str, name: str) -> LocalEngine:
+def _start(
+    cmd: list[str], port: int, host: str, name: str, env: dict[str, str] | None = None
+) -> LocalEngine:
     fd, log_name = tempfile.mkstemp(prefix=f"{name}-{port}-", suffix=".log")
     log = os.fdopen(fd, "wb")
     # The child gets its own session so stop() never signals the caller's process group.
     process = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
     )
     return LocalEngine(process=process, port=port, log_path=Path(log_name), host=host, _log=log)
 
