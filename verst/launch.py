@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -454,9 +455,17 @@ def start_fleet(
     """Serving engines with the initial policy: in-process engines take `engine_model`, engine
     processes load it from `run_dir/engine_init` (their weights come through sync later)."""
     model_dir = run_dir / ENGINE_INIT_DIR
-    if cfg.placement.engines == "processes":
+    placement = cfg.placement
+    if placement.engines == "processes":
         shell.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
+        # engine processes take seconds to import and load; say what the wait is for
+        print(
+            f"verst: starting {placement.num_engines} engine process(es) "
+            f"({placement.mode}); their logs are named in any start-up error",
+            file=sys.stderr,
+            flush=True,
+        )
     return Fleet.start(
         cfg.placement,
         model=engine_model,
