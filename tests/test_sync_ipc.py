@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from verst.sync import ipc
+from verst.sync import ipc, shared_tensors
 from verst.sync.ipc import SharedTensorError, SharedTensorTransport, plan_shared_buckets
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -62,8 +62,8 @@ def test_a_payload_crosses_into_an_unrelated_process_bit_exact(
     out = tmp_path / "got.pt"
     # A fresh interpreter, not a multiprocessing child: only the file_system strategy reaches it.
     script = (
-        "import sys, torch; from verst.sync import ipc\n"
-        f"got = ipc.named_tensors_from_payload(sys.stdin.read(), {load_format!r})\n"
+        "import sys, torch; from verst.sync import shared_tensors\n"
+        f"got = shared_tensors.named_tensors_from_payload(sys.stdin.read(), {load_format!r})\n"
         f"torch.save({{n: t.clone() for n, t in got}}, {str(out)!r})\n"
     )
     subprocess.run(
@@ -98,14 +98,15 @@ def test_buckets_respect_the_bound_and_align() -> None:
 def test_only_tensor_payloads_unpickle() -> None:
     evil = base64.b64encode(pickle.dumps(os.system)).decode()
     with pytest.raises(SharedTensorError, match="refused to unpickle"):
-        ipc.loads(evil)
+        shared_tensors.loads(evil)
     # torch's default CPU strategy hands over a file descriptor: refused with the reason.
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump([("w", torch.ones(3))])
     with pytest.raises(SharedTensorError, match="file descriptor"):
-        ipc.named_tensors_from_payload(base64.b64encode(buffer.getvalue()).decode(), None)
+        payload = base64.b64encode(buffer.getvalue()).decode()
+        shared_tensors.named_tensors_from_payload(payload, None)
     with pytest.raises(SharedTensorError, match="load_format"):
-        ipc.named_tensors_from_payload(ipc.dumps([]), "safetensors")
+        shared_tensors.named_tensors_from_payload(shared_tensors.dumps([]), "safetensors")
 
 
 # ---- a verst serve process under the protocol -------------------------------------------------
@@ -265,7 +266,7 @@ def test_fsdp_shards_are_gathered_bucket_by_bucket(tmp_path: Path) -> None:
         transport = SharedTensorTransport(bucket_bytes=1 << 20)
         (bucket,) = plan_shared_buckets(sharded.items(), transport.bucket_bytes)
         (body,) = transport._stage(0, bucket, 1)
-        got = ipc.named_tensors_from_payload(
+        got = shared_tensors.named_tensors_from_payload(
             body["serialized_named_tensors"][0], body["load_format"]
         )
         assert [n for n, _ in got] == list(full)

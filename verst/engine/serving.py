@@ -425,20 +425,20 @@ class ServingEngine:
 
         Names, shapes and devices are all checked before the first copy; the copy is complete
         (CUDA synchronised) when this returns, so the trainer may reuse its buffers."""
-        from verst.sync import ipc
+        from verst.sync import shared_tensors
 
         params = self._parameters()
 
         def load() -> tuple[bool, str]:
             try:
-                named = ipc.named_tensors_from_payload(payload, load_format)
-                ipc.check_targets(named, params)
-            except ipc.SharedTensorError as error:
+                named = shared_tensors.named_tensors_from_payload(payload, load_format)
+                shared_tensors.check_targets(named, params)
+            except shared_tensors.SharedTensorError as error:
                 return False, str(error)
             with torch.no_grad():  # one multi-tensor copy for the bucket
                 torch._foreach_copy_([params[n] for n, _ in named], [t for _, t in named])
             self.scheduler.weights_changed()
-            ipc.finish_receive(named)
+            shared_tensors.finish_receive(named)
             return True, "Succeeded to update model weights."
 
         return await self._update_weights(load, weight_version)
