@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +33,7 @@ from verst.engine.kv_pool import KVPool
 from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
 from verst.engine.sampling import SamplingParams
 from verst.engine.scheduler import Scheduler
+from verst.engine.weight_loading import checkpoint_files, checkpoint_tensors, load_published
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -505,7 +506,7 @@ class ServingEngine:
         group = self._groups.get(group_name)
         if group is None:
             return False, f"no weights update group {group_name!r}: call init first"
-        params = dict(self.scheduler.model.named_parameters(remove_duplicate=False))
+        params = self._parameters()
         unknown = [s.name for s in specs if s.name not in params]
         if unknown:
             return False, f"unknown parameter names {unknown}"
@@ -549,56 +550,19 @@ class ServingEngine:
         )
 
     def _load_from_disk(self, model_path: str) -> tuple[bool, str]:
-        from safetensors import safe_open
-
         path = Path(model_path).expanduser()
-        if (path / "manifest.json").is_file():
-            return self._load_published(path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not files[0].is_file():
-            return False, f"no .safetensors weights found at {model_path!r}"
-        params = dict(self.scheduler.model.named_parameters(remove_duplicate=False))
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if name not in params:
-                        return False, f"{file.name}: unknown parameter name {name!r}"
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != tuple(params[name].shape):
-                        return False, (
-                            f"{file.name}: shape mismatch for {name!r}: model "
-                            f"{tuple(params[name].shape)}, checkpoint {shape}"
-                        )
-
-        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for file in files:
-                with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name)
-
-        self.scheduler.update_weights_from_tensors(tensors(), self.scheduler.weight_version)
+        if (path / "manifest.json").is_file():  # a directory of the disk transport
+            target = dict(self.scheduler.model.named_parameters())
+            ok, message, version = load_published(target, path, self._published_version)
+            if ok:
+                self._published_version = version
+                self.scheduler.weights_changed()
+            return ok, message
+        files, problem = checkpoint_files(path, self._parameters())
+        if problem:
+            return False, problem
+        self.scheduler.update_weights_from_tensors(
+            checkpoint_tensors(files), self.scheduler.weight_version
+        )
         self._published_version = None  # a plain checkpoint is no base for the next delta
         return True, "Succeeded to update model weights."
-
-    @torch.no_grad()
-    def _load_published(self, path: Path) -> tuple[bool, str]:
-        """A directory of the disk transport: a full snapshot or a delta with checksums.
-
-        A delta whose base is not what this engine holds, or that fails its checksums, is
-        replaced by a full reload from the newest snapshot and its deltas: the engine never
-        keeps running silently wrong weights.
-        """
-        from verst.sync import disk
-
-        target = dict(self.scheduler.model.named_parameters())
-        try:
-            result = disk.apply_published(target, path, current_version=self._published_version)
-            how = f"applied {result.mode} version {result.version}"
-        except (disk.StaleBase, disk.ChecksumMismatch) as error:
-            result = disk.load_full(target, path.parent)
-            how = f"full reload to version {result.version} ({type(error).__name__})"
-        except disk.DiskSyncError as error:
-            return False, str(error)
-        self._published_version = result.version
-        self.scheduler.weights_changed()
-        return True, f"Succeeded to update model weights: {how}."
