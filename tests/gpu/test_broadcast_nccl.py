@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from verst.sync.broadcast import TensorSpec, create_group, plan_buckets, receive_bucket, send_bucket
+from verst.sync.broadcast import TensorSpec, create_group, receive_bucket, send_bucket
+from verst.sync.buckets import bucketed
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -27,8 +28,7 @@ def test_nccl_buckets_arrive_bit_exact_and_fast() -> None:
         f"w{i}": torch.randn((64 << 20) // 2, generator=gen, device="cuda:0", dtype=torch.bfloat16)
         for i in range(16)
     }  # 1 GiB
-    specs = [TensorSpec.of(n, t) for n, t in weights.items()]
-    buckets = plan_buckets(specs, 512 << 20)
+    buckets = [[TensorSpec.of(n, t) for n, t in b] for b in bucketed(weights.items(), 512 << 20)]
     received: dict[str, torch.Tensor] = {}
     seconds: list[float] = []
 
@@ -61,7 +61,7 @@ def test_nccl_buckets_arrive_bit_exact_and_fast() -> None:
     thread.join()
     for name, tensor in weights.items():
         assert torch.equal(received[name].cpu(), tensor.cpu()), name
-    gb = sum(s.nbytes for s in specs) / 1e9
+    gb = sum(s.nbytes for bucket in buckets for s in bucket) / 1e9
     print(
         f"NCCL broadcast of {gb:.2f} GB in {seconds[-1] * 1e3:.1f} ms: {gb / seconds[-1]:.1f} GB/s"
     )

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from verst.engines.client import EngineClient
+from verst.sync.buckets import bucketed
 
 
 @dataclass(frozen=True)
@@ -71,20 +72,6 @@ def create_group(
             raise RuntimeError("backend 'nccl' needs a CUDA build of torch; use 'gloo' on CPU")
         return dist.ProcessGroupNCCL(prefixed, rank, world_size)
     raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-
-
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[TensorSpec]]:
-    """Consecutive tensors in buckets of at most `bucket_bytes` (a larger one goes alone)."""
-    buckets: list[list[TensorSpec]] = []
-    size = 0
-    for spec in specs:
-        if buckets and size + spec.nbytes <= bucket_bytes:
-            buckets[-1].append(spec)
-            size += spec.nbytes
-        else:
-            buckets.append([spec])
-            size = spec.nbytes
-    return buckets
 
 
 def send_bucket(group: dist.Backend, tensors: list[torch.Tensor], *, flattened: bool) -> None:
@@ -171,17 +158,8 @@ class BroadcastTransport:
         if self.group is None:
             raise RuntimeError("BroadcastTransport.send before connect()")
         self.buckets_sent = []
-        # Tensors are taken (for FSDP2: gathered) as the buckets fill, never all at once.
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in tensors():
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > self.bucket_bytes:
-                await self._send_bucket(engines, bucket)
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
+        # tensors are taken (for FSDP2: gathered) as the buckets fill, never all at once
+        for bucket in bucketed(tensors(), self.bucket_bytes):
             await self._send_bucket(engines, bucket)
 
     async def _send_bucket(

@@ -8,32 +8,12 @@ gathers full tensors bucket by bucket and copies them into the engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
-from torch.distributed.tensor import DTensor
 
 from verst.engine import Engine
+from verst.sync.buckets import bucketed, full_parameters
 from verst.train import distributed
 from verst.train.trainer import Trainer
-
-
-def _full_tensors(
-    model: torch.nn.Module, bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Unsharded parameters in buckets of at most `bucket_bytes` (a lone tensor may exceed it)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, param in model.named_parameters():
-        data = param.data
-        full = data.full_tensor() if isinstance(data, DTensor) else data
-        if bucket and size + full.numel() * full.element_size() > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, full))
-        size += full.numel() * full.element_size()
-    if bucket:
-        yield bucket
 
 
 def share_storage(trainer: Trainer, model: torch.nn.Module) -> bool:
@@ -68,7 +48,7 @@ class ColocatedSync:
     def push(self, version: int) -> dict[str, float]:
         """Make the engine generate with the trainer's current weights, stamped `version`."""
         if not self.zero_copy:
-            for bucket in _full_tensors(self.trainer.model, self.bucket_bytes):
+            for bucket in bucketed(full_parameters(self.trainer.model), self.bucket_bytes):
                 self.engine.update_weights_from_tensors(bucket, version)
         self.engine.set_weight_version(version)
         return {}

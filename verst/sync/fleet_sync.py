@@ -23,13 +23,13 @@ from typing import Any, Literal
 
 import torch
 from pydantic import Field
-from torch.distributed.tensor import DTensor
 
 from verst.configbase import ConfigBase
 from verst.engines.client import EngineClient, InProcessEngineClient
 from verst.engines.fleet import Fleet, PlacementConfig
 from verst.engines.launcher import free_port
 from verst.sync.broadcast import BroadcastTransport
+from verst.sync.buckets import full_parameters
 from verst.sync.colocated import share_storage
 from verst.sync.disk import DiskPublisher
 from verst.sync.ipc import SharedTensorTransport
@@ -176,10 +176,7 @@ class FleetSync:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The trainer's full parameters in the engines' dtype, one tensor at a time."""
-        for name, param in self.trainer.model.named_parameters():
-            data = param.data
-            full = data.full_tensor() if isinstance(data, DTensor) else data
-            yield name, full.detach().to(self.engine_dtype)
+        return full_parameters(self.trainer.model, self.engine_dtype)
 
     def close(self) -> None:
         close = getattr(self.transport, "close", None)

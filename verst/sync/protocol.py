@@ -25,6 +25,7 @@ from typing import Literal, Protocol
 import torch
 
 from verst.engines.client import EngineClient
+from verst.sync.buckets import bucketed
 from verst.sync.disk import DiskPublisher
 
 PauseMode = Literal["retract", "in_place", "abort"]
@@ -59,16 +60,7 @@ class InProcessTensorTransport:
         self.bucket_bytes = bucket_bytes
 
     async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in tensors():
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > self.bucket_bytes:
-                await asyncio.gather(*(e.update_weights_from_tensors(bucket) for e in engines))
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
+        for bucket in bucketed(tensors(), self.bucket_bytes):
             await asyncio.gather(*(e.update_weights_from_tensors(bucket) for e in engines))
 
 
