@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
 
-from tests.test_loop import records  # noqa: E402
+from tests.test_loop import records, torchrun_train  # noqa: E402
 from verst import launch  # noqa: E402
 from verst.cli import main  # noqa: E402
 from verst.config import load_config  # noqa: E402
@@ -131,19 +131,8 @@ def test_calculator_example_fully_async_on_engine_processes(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_calculator_example_on_two_trainer_ranks(tmp_path: Path) -> None:
     """torchrun: rank 0's fleet and session server play both ranks' samples."""
-    import os
-    import subprocess
-    import sys
-
-    from verst.engines.launcher import free_port
-
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), "-m", "verst", "train", EXAMPLE, *QUICK]
-    cmd += ["--run-dir", str(run_dir)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun_train([EXAMPLE, *QUICK], run_dir)
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:

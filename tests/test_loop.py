@@ -127,32 +127,26 @@ def test_malformed_jsonl_names_file_and_line(tmp_path: Path, capsys) -> None:
     assert "prompts.jsonl" in err and ":2" in err or "line 2" in err
 
 
-def test_torchrun_two_ranks_on_gloo(tmp_path: Path) -> None:
-    """Two trainer ranks (FSDP2 over gloo), each with its own engine and share of the batch."""
+def torchrun_train(args: list[str], run_dir: Path, nproc: int = 2) -> None:
+    """`verst train ARGS` under torchrun with `nproc` ranks (gloo on the CPU); asserts success."""
     import os
     import subprocess
     import sys
 
-    run_dir = tmp_path / "run"
+    from verst.engines.launcher import free_port
+
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "29533",
-        "-m",
-        "verst",
-        "train",
-        *SMALL,
-        "num_steps=2",
-        "--run-dir",
-        str(run_dir),
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += ["--master-port", str(free_port()), "-m", "verst", "train", *args]
+    cmd += ["--run-dir", str(run_dir)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_torchrun_two_ranks_on_gloo(tmp_path: Path) -> None:
+    """Two trainer ranks (FSDP2 over gloo), each with its own engine and share of the batch."""
+    run_dir = tmp_path / "run"
+    torchrun_train([*SMALL, "num_steps=2"], run_dir)
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["rollout/num_samples"] == 16  # both ranks' samples counted once

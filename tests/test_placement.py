@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_loop import SMALL, records
+from tests.test_loop import SMALL, records, torchrun_train
 from verst import launch
 from verst.cli import main
 from verst.config import ConfigError, load_config
@@ -175,19 +175,8 @@ def test_agents_refuse_the_abort_pause() -> None:
 def test_two_trainer_ranks_share_rank_zeros_engines(tmp_path: Path, overrides: list[str]) -> None:
     """torchrun: FSDP2 over two ranks; rank 0 holds the engines and serves both ranks' prompts;
     weights reach the engines gathered tensor by tensor."""
-    import os
-    import subprocess
-    import sys
-
-    from verst.engines.launcher import free_port
-
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), "-m", "verst", "train", *SMALL, *overrides]
-    cmd += ["num_steps=2", "--run-dir", str(run_dir)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun_train([*SMALL, *overrides, "num_steps=2"], run_dir)
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["rollout/num_samples"] == 16  # both ranks' samples, counted once
