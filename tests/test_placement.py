@@ -106,35 +106,22 @@ def test_in_process_engines_train_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_engine_processes_with_broadcast_train_end_to_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["placement.num_engines=2", "sync.transport=broadcast"],
+        ["sync.transport=colocated"],  # an engine process on the trainer's device: shared memory
+    ],
+    ids=["broadcast", "shared_memory"],
+)
+def test_engine_processes_train_end_to_end(tmp_path: Path, overrides: list[str]) -> None:
     run_dir = tmp_path / "run"
-    overrides = [
-        "placement.engines=processes",
-        "placement.num_engines=2",
-        "placement.engine_threads=1",
-        "sync.transport=broadcast",
-        "sync.bucket_mb=1",
-    ]
-    assert main(["train", *SMALL, *overrides, "--run-dir", str(run_dir)]) == 0
+    processes = ["placement.engines=processes", "placement.engine_threads=1", "sync.bucket_mb=1"]
+    assert main(["train", *SMALL, *processes, *overrides, "--run-dir", str(run_dir)]) == 0
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     for row in rows[1:]:
-        # the engines' log-probs are the trainer's: the broadcast delivered its weights
-        assert row["train/train_rollout_logprob_abs_diff"] < 1e-5
-        assert row["sync/resent_engines"] == 0
-
-
-@pytest.mark.slow
-def test_engine_process_on_the_trainers_device_takes_shared_memory(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    overrides = [
-        "placement.engines=processes",
-        "placement.engine_threads=1",
-        "sync.transport=colocated",
-        "sync.bucket_mb=1",
-    ]
-    assert main(["train", *SMALL, *overrides, "--run-dir", str(run_dir)]) == 0
-    for row in records(run_dir)[1:]:
+        # the engines' log-probs are the trainer's: the transport delivered its weights
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-5
         assert row["sync/resent_engines"] == 0
 
