@@ -31,6 +31,7 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -126,14 +127,40 @@ def random_model_dir(root: Path, device: str, gb: float) -> tuple[Path, torch.dt
     return path, dtype
 
 
+def trained_weights(model_dir: Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """The model's weights, moved so they differ from what an engine loaded from `model_dir`."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, local_files_only=True, dtype=dtype
+    ).to(device)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1e-2)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def device_memcpy_s(
+    named: dict[str, torch.Tensor], sync: Callable[[], None], repeats: int
+) -> float:
+    """Best time of one device copy of all of `named`'s bytes (the physical limit)."""
+    src = torch.cat([t.flatten().view(torch.uint8) for t in named.values()])
+    dst = torch.empty_like(src)
+
+    def memcpy() -> None:
+        dst.copy_(src)
+        sync()
+
+    memcpy()
+    return min(timed(memcpy, 1) for _ in range(repeats))
+
+
 def bench_shared_transport(
     root: Path, device: str, gb: float, repeats: int, bucket_mbs: tuple[int, ...] = (512,)
 ) -> dict:
     """The shared-tensor transport into a `verst serve` process on this host (and GPU)."""
     import asyncio
     import statistics
-
-    import transformers
 
     from verst.engines import HttpEngineClient, launch_local_engines
     from verst.sync.ipc import SharedTensorTransport
@@ -147,28 +174,14 @@ def bench_shared_transport(
         timeout_s=600,
     )
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, local_files_only=True, dtype=dtype
-        ).to(device)
-        with torch.no_grad():  # the "trained" weights differ from what the engine loaded
-            for param in model.parameters():
-                param.add_(1e-2)
-        named = {n: p.detach() for n, p in model.named_parameters()}
+        named = trained_weights(model_dir, dtype, device)
         nbytes = sum(t.numel() * t.element_size() for t in named.values())
 
         def sync() -> None:
             if device == "cuda":
                 torch.cuda.synchronize()
 
-        src = torch.cat([t.flatten().view(torch.uint8) for t in named.values()])
-        dst = torch.empty_like(src)
-
-        def memcpy() -> None:
-            dst.copy_(src)
-            sync()
-
-        memcpy()
-        memcpy_s = min(timed(memcpy, 1) for _ in range(repeats))
+        memcpy_s = device_memcpy_s(named, sync, repeats)
 
         async def measure() -> dict:
             steps: dict[str, list[float]] = {}
@@ -264,8 +277,6 @@ def bench_broadcast_update(
     import asyncio
     import statistics
 
-    import transformers
-
     from verst.engines import HttpEngineClient, launch_local_engines
     from verst.engines.launcher import free_port
     from verst.sync.broadcast import BroadcastTransport
@@ -286,23 +297,9 @@ def bench_broadcast_update(
             torch.cuda.synchronize()
 
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, local_files_only=True, dtype=dtype
-        ).to(trainer_device)
-        with torch.no_grad():  # the "trained" weights differ from what the engine loaded
-            for param in model.parameters():
-                param.add_(1e-2)
-        named = {n: p.detach() for n, p in model.named_parameters()}
+        named = trained_weights(model_dir, dtype, trainer_device)
         nbytes = sum(t.numel() * t.element_size() for t in named.values())
-        src = torch.cat([t.flatten().view(torch.uint8) for t in named.values()])
-        dst = torch.empty_like(src)
-
-        def memcpy() -> None:
-            dst.copy_(src)
-            sync()
-
-        memcpy()
-        memcpy_s = min(timed(memcpy, 1) for _ in range(repeats))
+        memcpy_s = device_memcpy_s(named, sync, repeats)
 
         async def measure() -> dict:
             steps: dict[str, list[float]] = {}
