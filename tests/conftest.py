@@ -7,10 +7,7 @@ import torch
 import transformers
 
 
-# Module scope, not session: test_engine's weight-update test copies new weights into this model
-# in place (restoring them afterwards), so each module gets its own copy.
-@pytest.fixture(scope="module")
-def model() -> transformers.Qwen3ForCausalLM:
+def tiny_qwen3() -> transformers.Qwen3ForCausalLM:
     """A tiny random Qwen3 (vocab 64, 2 layers) on the CPU, in float32 and eval mode."""
     torch.manual_seed(0)
     config = transformers.Qwen3Config(
@@ -28,3 +25,10 @@ def model() -> transformers.Qwen3ForCausalLM:
         initializer_range=0.2,
     )
     return transformers.Qwen3ForCausalLM(config).float().eval()
+
+
+# Module scope, not session: test_engine's weight-update test copies new weights into this model
+# in place (restoring them afterwards), so each module gets its own copy.
+@pytest.fixture(scope="module")
+def model() -> transformers.Qwen3ForCausalLM:
+    return tiny_qwen3()

@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from tests.conftest import tiny_qwen3
 from verst.engine import GenerateRequest, SamplingParams
 from verst.engine.kv_pool import KVPool
 from verst.engine.paged_attention import paged_decode_reference, paged_decode_triton, triton
@@ -17,20 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def tiny_model(dtype: torch.dtype) -> transformers.Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-    )
-    return transformers.Qwen3ForCausalLM(config).to("cuda", dtype).eval()
+    return tiny_qwen3().to("cuda", dtype)
 
 
 def scheduler(model, dtype, **kw) -> Scheduler:
