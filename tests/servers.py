@@ -7,10 +7,8 @@ Imports aiohttp at module level: test files import this only after
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,6 +18,7 @@ from aiohttp import web
 
 from verst.engine.http_server import make_app
 from verst.engine.serving import ServingEngine
+from verst.engines.fleet import LoopThread as FleetLoopThread
 from verst.models.tiny import TinyModelConfig, create_tiny
 from verst.router import ROUTING_KEY_HEADER
 
@@ -51,21 +50,12 @@ def tiny_model(
     return path
 
 
-class LoopThread:
-    """An event loop in a daemon thread: servers and clients live on it, so blocking code in the
-    test's own thread can drive them."""
+class LoopThread(FleetLoopThread):
+    """verst's event loop in a daemon thread, with the tests' step timeout: servers and clients
+    live on it, so blocking code in the test's own thread can drive them."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(STEP_TIMEOUT_S)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = STEP_TIMEOUT_S) -> T:
+        return super().run(coro, timeout_s)
 
 
 async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
