@@ -213,10 +213,6 @@ class Fleet:
     def clients(self) -> list[EngineClient]:
         return list(self._clients.values())
 
-    @property
-    def urls(self) -> list[str]:
-        return list(self._clients)
-
     # ---- start and stop ------------------------------------------------------------------
 
     @classmethod
@@ -334,15 +330,6 @@ class Fleet:
         """The engines still in routing (weight updates go to these)."""
         live = set(self.router.live_engines)
         return [client for url, client in self._clients.items() if url in live]
-
-    def cache_stats(self) -> dict[str, float]:
-        """Prefix-cache counters summed over in-process engines (empty for processes)."""
-        totals: dict[str, float] = {}
-        for client in self._clients.values():
-            if isinstance(client, InProcessEngineClient):
-                for name, value in client.serving.cache_stats().items():
-                    totals[name] = totals.get(name, 0.0) + value
-        return totals
 
     # ---- agents --------------------------------------------------------------------------
 
