@@ -207,11 +207,13 @@ class ModelRunner:
         slots_B_T = torch.where(
             valid_B_T, page_B_T * page + positions_B_T % page, self.pool.scratch_slot
         )
+        fresh = all(r.past == 0 for r in rows)
         step = PagedStep(
             pool=self.pool,
             slots_N=slots_B_T.reshape(-1),
             table_B_P=table_B_P,
-            mask_B_1_Q_S=step_mask(past_B, T, width, self.group, page),
+            mask_B_1_Q_S=None if fresh else step_mask(past_B, T, width, self.group, page),
+            fresh=fresh,
         )
         hidden_B_T_H = self._run_decoder(ids_B_T, positions_B_T, step)
         # the LM head only where logits are wanted

@@ -11,8 +11,10 @@ tokens' queries, keys and values after RoPE; it
 2. attends over the row's pages:
    - decode steps on CUDA (one token a row): a Triton kernel that walks each row's page table
      (no copy of the cache, any length, a fixed launch shape, so CUDA graphs can capture it);
-   - otherwise (prefill chunks, mixed steps, the CPU): a gather of the rows' pages and SDPA
-     with a mask built once per step for all layers.
+   - a step whose rows all start at position 0 (fresh prompts): causal SDPA over the new
+     tokens alone;
+   - otherwise (later prefill chunks, mixed steps, the CPU): a gather of the rows' pages and
+     SDPA with a mask built once per step for all layers.
 
 No `DynamicCache` is built and no attention mask goes through HF's mask code (a custom
 attention implementation makes HF skip it), so per-step work does not grow with the cache.
@@ -49,7 +51,8 @@ class PagedStep:
     `decode`: every row feeds one token and attends over `seq_lens_B` tokens through
     `table_B_P` (Triton on CUDA). Otherwise `table_B_P` lists the pages to gather (padded
     with page 0) and `mask_B_1_Q_S` says which gathered positions each query sees, with the
-    query axis already laid out as (group of query heads per KV head) x T.
+    query axis already laid out as (group of query heads per KV head) x T. A `fresh` step
+    (every row starts at position 0) needs neither: it attends over its new tokens alone.
     """
 
     pool: KVPool
@@ -59,6 +62,7 @@ class PagedStep:
     seq_lens_B: torch.Tensor | None = None
     mask_B_1_Q_S: torch.Tensor | None = None
     use_triton: bool = False
+    fresh: bool = False  # no row has KV in the pool yet: attend over the new tokens alone
 
 
 def paged_attention(
@@ -97,6 +101,19 @@ def paged_attention(
             scaling,
         )
         return out_B_H_D.view(B, 1, Hq, D), None
+    if step.fresh:
+        # no row has KV in the pool before this step: causal attention over the new tokens
+        # alone (flash / memory-efficient kernels, no gather, no mask); rows are right-padded,
+        # so a real query never sees a padding key
+        out_B_H_T_D = F.scaled_dot_product_attention(
+            query.to(pool.dtype),
+            key.to(pool.dtype),
+            value.to(pool.dtype),
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=Hq != Hkv,
+        )
+        return out_B_H_T_D.transpose(1, 2).to(query.dtype), None
     group = Hq // Hkv
     P = step.table_B_P.shape[1]
     S = P * pool.page_size
