@@ -29,6 +29,17 @@ from verst.config import load_config
 from verst.loop import train
 
 
+BREAKDOWN = (
+    "perf/rollout_time_s",
+    "perf/wait_time_s",
+    "perf/train_time_s",
+    "perf/sync_time_s",
+    "sync/update_s",
+    "rollout/inflight_mean",
+    "rollout/max_inflight",
+)
+
+
 def run_mode(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, float]:
     tiny = (
         f"{{hidden_size: {args.hidden}, num_layers: {args.layers}, num_heads: {args.heads}, "
@@ -75,6 +86,12 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, fl
         "response_len_mean": statistics.fmean(lengths),
         "staleness_max": max((r.get("buffer/staleness_max", 0.0) for r in steps), default=0.0),
         "dropped_stale": max((r.get("buffer/dropped_stale", 0.0) for r in steps), default=0.0),
+        # where a step's time goes (means over the measured steps, where the mode logs them)
+        "step_means": {
+            key: statistics.fmean(r[key] for r in steps)
+            for key in BREAKDOWN
+            if all(key in r for r in steps)
+        },
     }
 
 
