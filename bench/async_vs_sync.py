@@ -28,7 +28,6 @@ import torch
 from verst.config import load_config
 from verst.loop import train
 
-
 BREAKDOWN = (
     "perf/rollout_time_s",
     "perf/wait_time_s",
