@@ -11,7 +11,8 @@ Decode steps (one token a row) on CUDA replay a CUDA graph captured per batch-si
 inputs are copied into one static buffer, padding rows write the pool's scratch slot, and the
 Triton decode kernel reads each row's pages up to its own length, so one graph serves every
 sequence length up to `graph_max_len`. Weight updates copy into the same parameter storage,
-so the graphs stay valid across them.
+so the graphs stay valid across them. A mixed step (prompt chunks beside decode rows) runs its
+decode rows this way and the rest through the general path.
 """
 
 from __future__ import annotations
@@ -86,9 +87,20 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, rows: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """(last-position logits [B, V], {row: logits [n, V]} of all_logits rows), float32."""
-        if all(len(r.tokens) == 1 for r in rows):
+        decoding = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
+        if len(decoding) == len(rows):
             return self._decode(rows), {}
-        return self._general(rows)
+        if not decoding:
+            return self._general(rows)
+        # A mixed step runs as two forwards: padded into one batch, every decode row would
+        # compute as many positions as the longest prompt chunk, and none could use the graphs.
+        feeding = [i for i, r in enumerate(rows) if len(r.tokens) > 1]
+        general_last, general_full = self._general([rows[i] for i in feeding])
+        decode_last = self._decode([rows[i] for i in decoding])
+        last_B_V = decode_last.new_empty((len(rows), decode_last.shape[1]))
+        last_B_V[decoding] = decode_last
+        last_B_V[feeding] = general_last
+        return last_B_V, {feeding[j]: logits for j, logits in general_full.items()}
 
     @torch.no_grad()
     def capture_graphs(self, max_batch: int) -> None:
