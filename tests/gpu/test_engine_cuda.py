@@ -8,6 +8,7 @@ import transformers
 
 from tests.conftest import tiny_qwen3
 from verst.engine import GenerateRequest, SamplingParams
+from verst.engine.fused_norm import fusable_norms, rms_norm_triton
 from verst.engine.kv_pool import KVPool
 from verst.engine.paged_attention import paged_decode_reference, paged_decode_triton, triton
 from verst.engine.scheduler import Scheduler
@@ -48,6 +49,27 @@ def test_triton_decode_kernel_matches_reference(hq, hkv, d, page) -> None:
     torch.testing.assert_close(
         out.float(), paged_decode_reference(q, k, v, table, seq, d**-0.5).float(), atol=2e-2, rtol=0
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 5, 896), (2, 7, 14, 64), (1, 1, 100)])
+def test_fused_rms_norm_matches_hf(dtype, shape) -> None:
+    norm = transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm(shape[-1], eps=1e-6)
+    norm = norm.to("cuda", dtype)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        norm.weight.normal_()
+        x = torch.randn(shape, device="cuda", dtype=dtype) * 3
+        expected, fused = norm(x), rms_norm_triton(x, norm.weight, norm.variance_epsilon)
+    assert fused.dtype == expected.dtype and fused.shape == expected.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fused, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_the_engine_fuses_every_norm_of_qwen3() -> None:
+    model = tiny_model(torch.float32)
+    layers = model.config.num_hidden_layers
+    assert len(fusable_norms(model)) == 4 * layers + 1  # input, post, q, k; the final norm
 
 
 @pytest.mark.parametrize("graphs", [True, False])

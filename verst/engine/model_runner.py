@@ -6,6 +6,7 @@ position's logits (prompt scoring) or only the last one. The runner builds the s
 tensors (a handful of host-to-device copies, no per-token Python), runs the HF decoder with
 attention routed to `paged_attention` (new K/V are written into the pool in place; nothing is
 gathered into an HF cache), applies the LM head only where logits are wanted, and returns them.
+On CUDA the model's RMSNorms run as one fused kernel each.
 
 Decode steps (one token a row) on CUDA replay a CUDA graph captured per batch-size bucket:
 inputs are copied into one static buffer, padding rows write the pool's scratch slot, and the
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verst.engine.fused_norm import fusable_norms, fused_norms
 from verst.engine.kv_pool import KVPool
 from verst.engine.paged_attention import (
     PagedStep,
@@ -81,6 +83,8 @@ class ModelRunner:
         self._graphs: dict[int, _Graph] = {}
         self._graph_pool = None
         self._meta: torch.Tensor | None = None  # static inputs of the graphs
+        # on CUDA the model's RMSNorms run as one Triton kernel each (`fused_norm`)
+        self.fused = fusable_norms(model) if self.use_triton else []
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -189,7 +193,9 @@ class ModelRunner:
                 self._decode_eager(meta)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: other threads (another in-process engine, the trainer) may sync the
+        # device while this one captures
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             logits = self._decode_eager(meta)
         self._graphs[size] = _Graph(graph, logits)
 
@@ -250,7 +256,7 @@ class ModelRunner:
     def _run_decoder(
         self, ids_B_T: torch.Tensor, positions_B_T: torch.Tensor, step: PagedStep
     ) -> torch.Tensor:
-        with paged_attention_mode(self.model):
+        with paged_attention_mode(self.model), fused_norms(self.fused):
             out = self.decoder(
                 input_ids=ids_B_T, position_ids=positions_B_T, use_cache=False, verst_paged=step
             )
