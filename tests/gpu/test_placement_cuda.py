@@ -36,6 +36,8 @@ def test_serving_placements_train_on_cuda(tmp_path: Path, name: str) -> None:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == rows[0]["step"] + len(rows) - 1
     for row in rows[1:]:
-        # bf16 engines and bf16 trainer: same weights (a stale group differs by one update)
-        assert row["train/train_rollout_logprob_abs_diff"] < 5e-2
+        # bf16 engines and bf16 trainer: same weights, unless fully async mode trained on groups
+        # generated some updates ago (lr 1e-3 moves these log-probs by ~0.03 an update)
+        bound = 5e-2 if row.get("buffer/staleness_max", 0) == 0 else 0.25
+        assert row["train/train_rollout_logprob_abs_diff"] < bound
         assert row["sync/resent_engines"] == 0
