@@ -8,7 +8,8 @@ Runs, in one process and on one random-weight Qwen3-shaped model:
 - `verst-batch`: the static batch engine the RL loop uses today;
 - `hf-generate`: `model.generate(do_sample=True)` on the same prompts;
 for each batch size, plus a multi-turn shared-prefix workload (sessions whose every turn
-extends the previous one) that reports the scheduler's prefix-cache hit rate. Sampling at
+extends the previous one) that reports the scheduler's prefix-cache hit rate, and a staggered
+workload (requests arriving while others decode, the scheduler alone). Sampling at
 temperature 1, EOS ignored so every request generates exactly `--new-tokens`.
 
     python bench/engine_throughput.py                      # CPU preset
@@ -272,6 +273,47 @@ def run_multiturn(model, args, dtype, device) -> dict:
     return result
 
 
+def run_staggered(model, args, dtype, device) -> dict:
+    """Requests arriving while others decode, as on a busy server: `--arrive` new requests
+    every `--arrive-every` steps until `--staggered` have come, each with a prompt of
+    `prompt_tokens` and `new_tokens` to generate (EOS ignored)."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(11)
+    preset = PRESETS[args.preset]
+    scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
+    prompts = [
+        torch.randint(10, vocab, (preset["prompt_tokens"],), generator=gen).tolist()
+        for _ in range(args.staggered)
+    ]
+    warm_scheduler(scheduler, prompts[: args.arrive], args.staggered)
+    scheduler.flush_cache()
+    pending = requests(prompts, preset["new_tokens"])
+    generated = steps = 0
+    start = time.perf_counter()
+    while pending or scheduler.has_work():
+        if steps % args.arrive_every == 0:
+            for request in pending[: args.arrive]:
+                scheduler.submit(request)
+            pending = pending[args.arrive :]
+        generated += sum(out.completion_tokens for out in scheduler.step())
+        steps += 1
+    seconds = time.perf_counter() - start
+    result = {
+        "requests": args.staggered,
+        "arrive": args.arrive,
+        "arrive_every_steps": args.arrive_every,
+        "tok_s": generated / seconds,
+        "ms_per_step": 1e3 * seconds / steps,
+    }
+    print(
+        f"staggered arrivals ({args.arrive} every {args.arrive_every} steps, "
+        f"{args.staggered} requests): {result['tok_s']:.1f} tok/s, "
+        f"{result['ms_per_step']:.1f} ms a step",
+        flush=True,
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -294,6 +336,11 @@ def main() -> None:
         "default: this one",
     )
     parser.add_argument("--repeats", type=int, default=1, help="best of N timed runs")
+    parser.add_argument(
+        "--staggered", type=int, default=64, help="requests of the staggered workload (0: skip)"
+    )
+    parser.add_argument("--arrive", type=int, default=4, help="staggered: requests per arrival")
+    parser.add_argument("--arrive-every", type=int, default=6, help="staggered: steps between")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     torch.set_num_threads(args.threads)
@@ -311,6 +358,8 @@ def main() -> None:
         "batches": run_batches(model, args, preset, dtype, device),
         "multiturn": run_multiturn(model, args, dtype, device),
     }
+    if args.staggered:
+        result["staggered"] = run_staggered(model, args, dtype, device)
     out = args.out or Path(__file__).parent / "results" / f"engine_throughput_{args.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
