@@ -6,7 +6,8 @@ position's logits (prompt scoring) or only the last one. The runner builds the s
 tensors (a handful of host-to-device copies, no per-token Python), runs the HF decoder with
 attention routed to `paged_attention` (new K/V are written into the pool in place; nothing is
 gathered into an HF cache), applies the LM head only where logits are wanted, and returns them.
-On CUDA the model's RMSNorms run as one fused kernel each.
+On CUDA the model's RMSNorms run as one fused kernel each; on the CPU its bf16 linear layers
+run on weights packed once for oneDNN (`packed_linear`).
 
 Decode steps (one token a row) on CUDA replay a CUDA graph captured per batch-size bucket:
 inputs are copied into one static buffer, padding rows write the pool's scratch slot, and the
@@ -18,12 +19,14 @@ decode rows this way and the rest through the general path.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from verst.engine.fused_norm import fusable_norms, fused_norms
 from verst.engine.kv_pool import KVPool
+from verst.engine.packed_linear import PackedLinears
 from verst.engine.paged_attention import (
     PagedStep,
     decode_mask,
@@ -85,12 +88,24 @@ class ModelRunner:
         self._meta: torch.Tensor | None = None  # static inputs of the graphs
         # on CUDA the model's RMSNorms run as one Triton kernel each (`fused_norm`)
         self.fused = fusable_norms(model) if self.use_triton else []
+        # on the CPU, bf16 linear layers run on weights packed once for oneDNN
+        self.packed = None if on_cuda else PackedLinears.of(model)
 
     # --- public ---------------------------------------------------------------------------------
 
     @torch.no_grad()
     def forward(self, rows: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """(last-position logits [B, V], {row: logits [n, V]} of all_logits rows), float32."""
+        with self.packed.swapped() if self.packed is not None else contextlib.nullcontext():
+            return self._forward_rows(rows)
+
+    def weights_changed(self) -> None:
+        """Every weight update and version bump comes through here: derived copies of the
+        weights (the CPU's packed linears) are made again before the next forward."""
+        if self.packed is not None:
+            self.packed.stale()
+
+    def _forward_rows(self, rows: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         decoding = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
         if len(decoding) == len(rows):
             return self._decode(rows), {}

@@ -189,10 +189,13 @@ class Scheduler:
 
     def weights_changed(self) -> None:
         """Cached prefixes hold KV of the old weights: drop every one no request is using."""
+        self.runner.weights_changed()
         if self.cache is not None:
             self.cache.evict(self.cache.evictable_pages())
 
     def set_weight_version(self, version: int | str) -> None:
+        # a zero-copy colocated update changes the weights under us and only bumps the version
+        self.runner.weights_changed()
         self.weight_version = version
 
     # --- one step -------------------------------------------------------------------------------
