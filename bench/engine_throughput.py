@@ -320,7 +320,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-budget-mb", type=int, default=2048)
-    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument(
+        "--sessions", type=int, default=16, help="multi-turn workload's sessions (0: skip)"
+    )
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
@@ -356,8 +358,9 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "batches": run_batches(model, args, preset, dtype, device),
-        "multiturn": run_multiturn(model, args, dtype, device),
     }
+    if args.sessions:
+        result["multiturn"] = run_multiturn(model, args, dtype, device)
     if args.staggered:
         result["staggered"] = run_staggered(model, args, dtype, device)
     out = args.out or Path(__file__).parent / "results" / f"engine_throughput_{args.preset}.json"
