@@ -147,92 +147,99 @@ def vllm_generate(client, prompts: list[list[int]], new: int) -> None:
 
 
 def run_batches(model, args, preset, dtype, device) -> list[dict]:
-    vllm = None
+    """Every engine at every batch size. vLLM goes first and alone: its server is stopped
+    before the other engines are timed (its idle processes slow them down on a CPU)."""
+    batches = args.batches or preset["batches"]
+    seconds: dict[int, dict[str, float]] = {batch: {} for batch in batches}
     if "vllm" in args.engines:
         vllm_root = Path(tempfile.mkdtemp(prefix="verst-bench-vllm-"))
-        vllm = start_vllm(model, args, vllm_root)
-    try:
-        return _run_batches(model, args, preset, dtype, device, vllm)
-    finally:
-        if vllm is not None:
-            vllm[0].stop()
+        server, client = start_vllm(model, args, vllm_root)
+        try:
+            for batch in batches:
+                prompts = batch_prompts(model, preset, batch)
+                vllm_generate(client, prompts[:1], 4)
+                run = partial(vllm_generate, client, prompts, preset["new_tokens"])
+                seconds[batch]["vllm"] = min(timed(run) for _ in range(args.repeats))
+                print(f"batch {batch:4d}: vllm timed", flush=True)
+        finally:
+            server.stop()
             shutil.rmtree(vllm_root, ignore_errors=True)
-
-
-def _run_batches(model, args, preset, dtype, device, vllm) -> list[dict]:
+    others = [name for name in args.engines if name != "vllm"]
     bf16_model = (
         build_model(preset["model"], torch.bfloat16, device)
-        if "verst-scheduler-bf16" in args.engines
+        if "verst-scheduler-bf16" in others
         else None
     )
-    vocab = model.config.vocab_size
     rows = []
-    for batch in args.batches or preset["batches"]:
-        gen = torch.Generator().manual_seed(batch)
-        prompts = [
-            torch.randint(10, vocab, (preset["prompt_tokens"],), generator=gen).tolist()
-            for _ in range(batch)
-        ]
-        new = preset["new_tokens"]
-        tokens = batch * new
-        input_ids = torch.tensor(prompts, device=device)
-
-        def hf_generate(input_ids=input_ids, new=new):
-            return model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                pad_token_id=0,
-            )
-
-        results = {}
-        for name in args.engines:
-            if name == "verst-scheduler":
-                scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
-                warm_scheduler(scheduler, prompts, batch)
-                run = partial(cold_generate, scheduler, prompts, new)
-            elif name == "verst-scheduler-bf16":  # the CPU preset's model in bf16, as vLLM runs it
-                scheduler = new_scheduler(
-                    bf16_model, torch.bfloat16, device, args.kv_budget_mb << 20
-                )
-                warm_scheduler(scheduler, prompts, batch)
-                run = partial(cold_generate, scheduler, prompts, new)
-            elif name == "vllm":
-                vllm_generate(vllm[1], prompts[:1], 4)
-                run = partial(vllm_generate, vllm[1], prompts, new)
-            elif name == "verst-batch":
-                engine = Engine(model, eos_token_ids=[], pad_token_id=0)
-                engine.generate(requests(prompts[:1], 4))
-                run = partial(engine.generate, requests(prompts, new))
-            else:
-                hf_generate(new=4)  # untimed: the kernels' first use at these shapes
-                run = hf_generate
-            results[name] = min(timed(run) for _ in range(args.repeats))
-        row = {"batch": batch, "prompt_tokens": preset["prompt_tokens"], "new_tokens": new}
-        for name, seconds in results.items():
-            row[f"{name}_tok_s"] = tokens / seconds
-        if "verst-scheduler" in results and "hf-generate" in results:
-            row["scheduler_over_hf"] = row["verst-scheduler_tok_s"] / row["hf-generate_tok_s"]
-        if "vllm" in results:
-            for name in ("verst-scheduler", "verst-scheduler-bf16"):
-                if name in results:
-                    row[f"{name}_over_vllm"] = row[f"{name}_tok_s"] / row["vllm_tok_s"]
-        print(
-            f"batch {batch:4d}: "
-            + " | ".join(f"{name} {row[f'{name}_tok_s']:9.1f} tok/s" for name in results)
-            + (
-                f" | scheduler/HF {row['scheduler_over_hf']:.2f}x"
-                if "scheduler_over_hf" in row
-                else ""
-            ),
-            flush=True,
-        )
-        rows.append(row)
+    for batch in batches:
+        for name in others:
+            run = engine_run(name, model, bf16_model, args, preset, dtype, device, batch)
+            seconds[batch][name] = min(timed(run) for _ in range(args.repeats))
+        rows.append(batch_row(batch, preset, seconds[batch]))
     return rows
+
+
+def batch_prompts(model, preset: dict, batch: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch)
+    vocab = model.config.vocab_size
+    return [
+        torch.randint(10, vocab, (preset["prompt_tokens"],), generator=gen).tolist()
+        for _ in range(batch)
+    ]
+
+
+def engine_run(name, model, bf16_model, args, preset, dtype, device, batch):
+    """`name` warmed up at this batch's shapes (untimed), and the timed run to call."""
+    prompts = batch_prompts(model, preset, batch)
+    new = preset["new_tokens"]
+    if name in ("verst-scheduler", "verst-scheduler-bf16"):
+        if name == "verst-scheduler-bf16":  # the CPU preset's model in bf16, as vLLM runs it
+            model, dtype = bf16_model, torch.bfloat16
+        scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
+        warm_scheduler(scheduler, prompts, batch)
+        return partial(cold_generate, scheduler, prompts, new)
+    if name == "verst-batch":
+        engine = Engine(model, eos_token_ids=[], pad_token_id=0)
+        engine.generate(requests(prompts[:1], 4))
+        return partial(engine.generate, requests(prompts, new))
+    input_ids = torch.tensor(prompts, device=device)
+
+    def hf_generate(new: int = new):
+        return model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            pad_token_id=0,
+        )
+
+    hf_generate(new=4)  # untimed: the kernels' first use at these shapes
+    return hf_generate
+
+
+def batch_row(batch: int, preset: dict, seconds: dict[str, float]) -> dict:
+    """tok/s of each engine at this batch, with the ratios; printed as a line."""
+    new = preset["new_tokens"]
+    row = {"batch": batch, "prompt_tokens": preset["prompt_tokens"], "new_tokens": new}
+    for name, spent in seconds.items():
+        row[f"{name}_tok_s"] = batch * new / spent
+    if "verst-scheduler" in seconds and "hf-generate" in seconds:
+        row["scheduler_over_hf"] = row["verst-scheduler_tok_s"] / row["hf-generate_tok_s"]
+    if "vllm" in seconds:
+        for name in ("verst-scheduler", "verst-scheduler-bf16"):
+            if name in seconds:
+                row[f"{name}_over_vllm"] = row[f"{name}_tok_s"] / row["vllm_tok_s"]
+    ratios = {k: v for k, v in row.items() if k.endswith(("_over_hf", "_over_vllm"))}
+    print(
+        f"batch {batch:4d}: "
+        + " | ".join(f"{name} {row[f'{name}_tok_s']:9.1f} tok/s" for name in seconds)
+        + "".join(f" | {k} {v:.2f}x" for k, v in ratios.items()),
+        flush=True,
+    )
+    return row
 
 
 def run_multiturn(model, args, dtype, device) -> dict:
