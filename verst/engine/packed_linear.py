@@ -2,9 +2,9 @@
 
 `F.linear` on bf16 CPU tensors lays the weight out for oneDNN again on every call. Packing each
 weight once (`torch.ops.mkldnn._reorder_linear_weight`) and calling the packed kernel measured
-1.3-1.9x faster a call on the 2-core AMX VM, which makes the linear layers most of a decode
-step's time. `PackedLinears.swapped()` routes the model's bf16 `nn.Linear`s through the packed
-kernel for the duration of an engine forward (a trainer sharing the model keeps `F.linear`).
+1.3-1.9x faster a call on the 2-core AMX VM, where the linear layers are most of a decode
+step. `PackedLinears.swapped()` routes the model's bf16 `nn.Linear`s through the packed kernel
+for the duration of an engine forward (a trainer sharing the model keeps `F.linear`).
 
 A packed weight is a copy, so it must never outlive the weights it was made from: the runner
 drops every packed copy whenever it is told the weights changed (each weight update and each
