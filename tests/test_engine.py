@@ -191,6 +191,18 @@ def test_sampler_rows_differ_and_truncation_holds():
     torch.testing.assert_close(logprobs_B, expected)
 
 
+def test_skipping_the_argmax_when_no_row_is_greedy_draws_the_same_tokens():
+    logits_B_V = torch.randn(16, 50, generator=torch.Generator().manual_seed(1))
+    temperature_B = torch.full((16,), 0.7)
+    draws = [
+        sample_next_tokens(
+            logits_B_V, temperature_B, None, None, torch.Generator().manual_seed(5), any_greedy=g
+        )
+        for g in (True, False)
+    ]
+    torch.testing.assert_close(draws[0], draws[1], rtol=0, atol=0)
+
+
 def test_group_samples_share_one_prefill_and_stay_exact(model):
     """n samples of one prompt (plus another prompt) in one batch: sampled outputs keep exact
     log-probs, and greedy outputs equal each prompt generated alone."""

@@ -156,6 +156,7 @@ class Engine:
 
         temperature_B = torch.tensor([p.temperature for p in params], device=device)
         any_sampled = any(p.temperature > 0 for p in params)
+        any_greedy = any(p.temperature <= 0 for p in params)
         top_p_B = top_k_B = None
         if any(p.top_p < 1.0 for p in params):
             top_p_B = torch.tensor([p.top_p for p in params], device=device)
@@ -209,6 +210,7 @@ class Engine:
                 self.generator,
                 any_sampled=any_sampled,
                 min_p_B=min_p_B,
+                any_greedy=any_greedy,
             )
             tokens_B_N[:, step] = tokens_B
             logprobs_B_N[:, step] = token_logprobs_B

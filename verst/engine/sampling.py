@@ -55,12 +55,14 @@ def sample_next_tokens(
     *,
     any_sampled: bool = True,
     min_p_B: torch.Tensor | None = None,
+    any_greedy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return `(tokens_B int64, logprobs_B float32)`.
 
     `top_p_B` / `top_k_B` may be None when no row truncates (the caller knows this on the host),
     which skips the vocabulary sort. Rows with temperature 0 take the argmax; `any_sampled=False`
-    (every row greedy, known on the host) skips the random draw entirely.
+    (every row greedy, known on the host) skips the random draw entirely, and
+    `any_greedy=False` (no row greedy) skips the argmax.
     """
     logits_B_V = logits_B_V.float()
     greedy_B = temperature_B <= 0
@@ -98,7 +100,9 @@ def sample_next_tokens(
         pick_B = _draw(probs_sorted_B_V, generator)
         sampled_B = idx_sorted_B_V.gather(-1, pick_B.unsqueeze(-1)).squeeze(-1)
 
-    tokens_B = torch.where(greedy_B, logits_B_V.argmax(dim=-1), sampled_B)
+    tokens_B = sampled_B
+    if any_greedy:
+        tokens_B = torch.where(greedy_B, logits_B_V.argmax(dim=-1), sampled_B)
     token_logprobs_B = logprobs_B_V.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
     return tokens_B, token_logprobs_B
 

@@ -369,6 +369,7 @@ class Scheduler:
             top_k_B,
             self.generator,
             any_sampled=any(p.temperature > 0 for p in params),
+            any_greedy=any(p.temperature <= 0 for p in params),
             min_p_B=min_p_B,
         )
         # a seeded request draws from its own generator, so its tokens do not depend on
