@@ -180,6 +180,21 @@ def test_weight_update_switches_outputs_and_stamps_the_version(model) -> None:
     assert after.weight_version == 3 and after.cached_tokens == 0  # old-weight KV was dropped
 
 
+def test_a_bad_weight_update_changes_nothing(model) -> None:
+    import copy
+
+    sched = scheduler(copy.deepcopy(model))
+    before = {n: p.clone() for n, p in sched.model.named_parameters()}
+    good = [(n, torch.zeros_like(p)) for n, p in before.items()]
+    with pytest.raises(KeyError, match="unknown parameter name"):
+        sched.update_weights_from_tensors([*good, ("no.such.weight", torch.zeros(1))], version=1)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        sched.update_weights_from_tensors([*good[:-1], (good[-1][0], torch.zeros(1))], version=1)
+    for name, param in sched.model.named_parameters():
+        assert torch.equal(param, before[name]), name
+    assert sched.weight_version == 0
+
+
 def test_teacher_scoring_of_a_prompt(model) -> None:
     """max_new_tokens=0 with logprob_start_len: the input log-probs of a full forward."""
     tokens = prompt(8, 12)

@@ -88,6 +88,7 @@ class Scheduler:
         self.running: list[_Running] = []
         self.paused: PauseMode | None = None
         self._finished_early: list[GenerateOutput] = []  # aborted outside a sampling step
+        self._params_by_name: dict[str, torch.Tensor] | None = None
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -176,14 +177,18 @@ class Scheduler:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str
     ) -> None:
         """Copy weights in place and stamp `version`. Cached prefixes hold KV of the old
-        weights, so they are dropped; in-flight requests keep theirs (in_place semantics)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for name, tensor in named_tensors:
+        weights, so they are dropped; in-flight requests keep theirs (in_place semantics).
+        Every name and shape is checked before the first copy: a bad update changes nothing."""
+        if self._params_by_name is None:  # the module tree does not change; walk it once
+            self._params_by_name = dict(self.model.named_parameters(remove_duplicate=False))
+        params = self._params_by_name
+        named = list(named_tensors)
+        for name, tensor in named:
             if name not in params:
                 raise KeyError(f"unknown parameter name: {name!r}")
             if params[name].shape != tensor.shape:
                 raise ValueError(f"shape mismatch for {name!r}")
-            params[name].copy_(tensor)
+        torch._foreach_copy_([params[name] for name, _ in named], [t for _, t in named])
         self.set_weight_version(version)
         self.weights_changed()
 
