@@ -17,14 +17,14 @@ from verst.engine.scheduler import Scheduler
 pytestmark = pytest.mark.skipif(not packing_available(), reason="needs oneDNN (mkldnn)")
 
 
-def bf16_scheduler(model: torch.nn.Module) -> Scheduler:
+def cpu_scheduler(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> Scheduler:
     pool = KVPool(
         num_layers=2,
         num_kv_heads=2,
         head_dim=16,
         page_size=4,
         num_pages=64,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         device="cpu",
     )
     return Scheduler(model, pool, eos_token_ids=[63], pad_token_id=0)
@@ -59,24 +59,11 @@ def test_packed_linear_equals_f_linear() -> None:
 
 
 def test_the_bf16_cpu_engine_packs_its_linears() -> None:
-    scheduler = bf16_scheduler(tiny_qwen3().to(torch.bfloat16))
+    scheduler = cpu_scheduler(tiny_qwen3().to(torch.bfloat16))
     assert scheduler.runner.packed is not None
     # q, k, v, o, gate, up, down per layer, and the LM head
     assert len(scheduler.runner.packed.modules) == 7 * 2 + 1
-    fp32 = Scheduler(
-        tiny_qwen3(),
-        KVPool(
-            num_layers=2,
-            num_kv_heads=2,
-            head_dim=16,
-            page_size=4,
-            num_pages=64,
-            dtype=torch.float32,
-            device="cpu",
-        ),
-        eos_token_ids=[63],
-        pad_token_id=0,
-    )
+    fp32 = cpu_scheduler(tiny_qwen3(), torch.float32)
     assert fp32.runner.packed is None
 
 
@@ -91,11 +78,11 @@ def changed(model: torch.nn.Module) -> torch.nn.Module:
 def test_a_weight_update_reaches_the_packed_weights() -> None:
     model = tiny_qwen3().to(torch.bfloat16)
     target = changed(model)
-    scheduler = bf16_scheduler(model)
+    scheduler = cpu_scheduler(model)
     before = greedy_outputs(scheduler)
     scheduler.update_weights_from_tensors(list(target.named_parameters()), version=1)
     after = greedy_outputs(scheduler)
-    assert after == greedy_outputs(bf16_scheduler(target))
+    assert after == greedy_outputs(cpu_scheduler(target))
     assert after != before
 
 
@@ -106,7 +93,7 @@ def test_a_zero_copy_update_reaches_the_packed_weights_at_the_version_bump() -> 
     trainer_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     for name, param in model.named_parameters():
         param.data = trainer_weights[name]
-    scheduler = bf16_scheduler(model)
+    scheduler = cpu_scheduler(model)
     before = greedy_outputs(scheduler)
     target = changed(model)
     with torch.no_grad():
@@ -115,14 +102,14 @@ def test_a_zero_copy_update_reaches_the_packed_weights_at_the_version_bump() -> 
     scheduler.flush_cache()  # as the sync protocol does (its cached KV is of the old weights)
     scheduler.set_weight_version(1)
     after = greedy_outputs(scheduler)
-    assert after == greedy_outputs(bf16_scheduler(target))
+    assert after == greedy_outputs(cpu_scheduler(target))
     assert after != before
 
 
 def test_a_weight_written_in_place_is_packed_again_even_untold() -> None:
     model = tiny_qwen3().to(torch.bfloat16)
     target = changed(model)
-    scheduler = bf16_scheduler(model)
+    scheduler = cpu_scheduler(model)
     greedy_outputs(scheduler)
     with torch.no_grad():
         for (_, param), (_, new) in zip(
@@ -130,4 +117,4 @@ def test_a_weight_written_in_place_is_packed_again_even_untold() -> None:
         ):
             param.copy_(new)  # moves the parameter's version counter
     scheduler.flush_cache()
-    assert greedy_outputs(scheduler) == greedy_outputs(bf16_scheduler(target))
+    assert greedy_outputs(scheduler) == greedy_outputs(cpu_scheduler(target))
