@@ -230,7 +230,9 @@ class Scheduler:
             finished.append(self._finish(batch[i][0], FINISH_LENGTH))
         sampling = [i for i in ready if i not in scored]
         if sampling:
-            finished += self._sample([batch[i][0] for i in sampling], logits_B_V[sampling])
+            # every row samples in a decode step: no copy of the logits
+            logits = logits_B_V if len(sampling) == len(batch) else logits_B_V[sampling]
+            finished += self._sample([batch[i][0] for i in sampling], logits)
         return finished
 
     def _admit(self) -> list[GenerateOutput]:
