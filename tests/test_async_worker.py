@@ -13,6 +13,7 @@ from verst.rollout.async_worker import (
     AsyncConfig,
     RolloutWorker,
     RolloutWorkerError,
+    build_rollout_worker,
 )
 from verst.rollout.buffer import DataBuffer
 from verst.types import Group, Sample, Status
@@ -390,6 +391,47 @@ def test_stop_aborts_in_flight_groups_and_returns_prompts(retry) -> None:
         await worker.stop()  # idempotent
         with pytest.raises(RuntimeError, match="not running"):
             await worker.take(1, 0)
+
+    run(main())
+
+
+@pytest.mark.parametrize("unused", ["drop", "retry"])
+def test_unconsumed_prompts_are_the_ones_not_served_nor_dropped(unused) -> None:
+    """What a checkpoint saves for a resumed run to serve again: prompts generating or waiting
+    in the buffer, not those a take served, nor those the buffer dropped (aborted, filtered)."""
+
+    def prompts(groups: list[Group]) -> list[str]:
+        return sorted(g[0].prompt for g in groups)
+
+    async def main() -> None:
+        source, engine = FakeSource(2), FakeEngine()
+        cfg = AsyncConfig(max_inflight=6, buffer_factor=4.0, unused=unused)
+        # filter: a group whose first sample said "no" is rejected (all of them, here) unless
+        # its prompt is p0 or p3
+        worker = build_rollout_worker(
+            cfg,
+            source,
+            engine,
+            reward,
+            prompts_per_step=1,
+            n_samples_per_prompt=2,
+            group_filter=lambda g: g[0].prompt in ("p0", "p3"),
+        )
+        engine.fail.add((2, 1))  # p2's second sample aborts
+        await worker.start()
+        await settle()
+        assert prompts(worker.unconsumed_prompts()) == ["p0", "p1", "p2"]  # all generating
+        engine.release((0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1))
+        await settle()
+        # p0 waits in the buffer, p1 was filtered out, p2 aborted (and, with retry, given back
+        # to the source, which serves it again next); three more groups started
+        started = ["p2", "p3", "p4"] if unused == "retry" else ["p3", "p4", "p5"]
+        assert prompts(worker.unconsumed_prompts()) == ["p0", *started]
+        assert source.given_back == (["p2"] if unused == "retry" else [])
+        served = await worker.take(1, 0)
+        assert prompts(served) == ["p0"]
+        assert prompts(worker.unconsumed_prompts()) == started
+        await worker.stop()
 
     run(main())
 

@@ -165,3 +165,20 @@ def test_state_dict_resume_gives_identical_sequence(tokenizer):
     )
     with pytest.raises(ValueError, match="7 prompts"):
         smaller.load_state_dict(state)
+
+
+def test_a_saved_state_serves_pending_prompts_again_first(tokenizer):
+    """Prompts taken but not trained on (a fully async run's, in flight or buffered) go into
+    the saved state after the given-back ones, and the live source is left as it was."""
+    cfg = DataSourceConfig(task="addition", split="test", max_prompts=7)
+    live = DataSource(cfg, tokenizer, n_samples_per_prompt=2, seed=3)
+    taken = live.take(5)
+    live.give_back(taken[4:])
+    state = json.loads(json.dumps(live.state_dict(pending=taken[2:4])))
+    assert len(live.state_dict()["returned"]) == 1  # the live source is unchanged
+
+    resumed = DataSource(cfg, tokenizer, n_samples_per_prompt=2, seed=3)
+    resumed.load_state_dict(state)
+    again = resumed.take(3)
+    assert prompts(again) == [taken[4][0].prompt, taken[2][0].prompt, taken[3][0].prompt]
+    assert again[1][0].tokens == taken[2][0].prompt_tokens and again[1][0].response_length == 0

@@ -8,6 +8,7 @@ import pytest
 
 from tests.test_loop import SMALL, records
 from verst.cli import main
+from verst.train.checkpoint import list_checkpoints, load_checkpoint
 
 pytest.importorskip("aiohttp")
 
@@ -42,3 +43,8 @@ def test_fully_async_run_on_two_engine_processes(tmp_path: Path) -> None:
     # generation ran ahead of the trainer: some consumed groups came from older weights
     assert max(r["buffer/staleness_max"] for r in rows[1:]) >= 1
     assert "eval/accuracy" in rows[-1]
+    # the last checkpoint was saved while groups were generating or buffered: their prompts
+    # are in its data state, to be served first by a resumed run (one group each)
+    _, state = load_checkpoint(list_checkpoints(run_dir)[-1])
+    pending = state["data"]["returned"]
+    assert 1 <= len(pending) <= 16 // 4 + 8  # at most the in-flight groups and the buffer

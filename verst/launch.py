@@ -251,9 +251,13 @@ class Run:
         return self.fleet
 
     def _data_state(self) -> dict[str, Any]:
-        # While a rollout worker runs, the data source belongs to the fleet's loop thread.
-        if self.fleet is not None and self._worker is not None:
-            return self.fleet.loop.call(self.data.state_dict)
+        # While a rollout worker runs, the data source belongs to the fleet's loop thread, and
+        # the prompts the worker holds (generating, in the buffer) go into the saved state.
+        worker = self._worker
+        if self.fleet is not None and worker is not None:
+            return self.fleet.loop.call(
+                lambda: self.data.state_dict(pending=worker.unconsumed_prompts())
+            )
         return self.data.state_dict()
 
     def decode(self, ids: list[int]) -> str:

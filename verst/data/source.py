@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -219,27 +220,19 @@ class DataSource:
 
         Only the prompt side is kept: prompt, label, prompt tokens and metadata as they are now.
         """
-        for group in groups:
-            if not group:
-                continue
-            sample = group[0]
-            self._returned.append(
-                {
-                    "prompt": copy.deepcopy(sample.prompt),
-                    "label": copy.deepcopy(sample.label),
-                    "tokens": list(sample.prompt_tokens),
-                    "metadata": copy.deepcopy(sample.metadata),
-                }
-            )
+        self._returned.extend(_prompt_side(group) for group in groups if group)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, pending: Sequence[Group] = ()) -> dict[str, Any]:
         """Everything needed to continue the same order; plain Python data (JSON-serialisable
-        when the rows are)."""
+        when the rows are). `pending`: groups taken but not trained on yet (a fully async
+        run's prompts in flight or in its buffer); the saved state serves them again first,
+        after the given-back ones, while this source carries on unchanged."""
         return {
             "num_prompts": len(self.rows),
             "epoch": self._epoch,
             "offset": self._offset,
-            "returned": copy.deepcopy(self._returned),
+            "returned": copy.deepcopy(self._returned)
+            + [_prompt_side(group) for group in pending if group],
             "group_counter": self._group_counter,
         }
 
@@ -262,3 +255,14 @@ class DataSource:
         `group_index` is the prompt's position in the file.
         """
         return [self._prompt_sample(row, i) for i, row in enumerate(self.rows)]
+
+
+def _prompt_side(group: Group) -> dict[str, Any]:
+    """What `give_back` keeps of a group: its prompt, label, prompt tokens and metadata."""
+    sample = group[0]
+    return {
+        "prompt": copy.deepcopy(sample.prompt),
+        "label": copy.deepcopy(sample.label),
+        "tokens": list(sample.prompt_tokens),
+        "metadata": copy.deepcopy(sample.metadata),
+    }

@@ -29,6 +29,12 @@ spinning. An error in the worker itself (the data source, the buffer) stops it t
 `stop()` cancels everything in flight; groups not yet accepted by the buffer are aborted, and
 their prompts go to `give_back` (the DataSource's, with `unused: retry`) or are dropped.
 
+Checkpoints: `unconsumed_prompts()` lists the prompts the worker has drawn that no take has
+served yet (generating, or waiting in the buffer), so a checkpoint can hand them back to the
+DataSource in its saved state and a resumed run serves them again instead of losing them. The
+buffer reports the groups it drops through `forget` (`build_rollout_worker` wires its
+`give_back` and filter to it).
+
 `verst train` runs the worker on the fleet's event loop (`verst.engines.fleet.LoopThread`) and
 reaches it from the synchronous trainer through that loop.
 """
@@ -188,6 +194,9 @@ class RolloutWorker:
         self.aborted_on_stop = 0
         # state
         self._flights: dict[int, _Flight] = {}
+        # groups handed to the buffer, by id, with their prompts, until a take serves them or
+        # the buffer drops them (`forget`)
+        self._in_buffer: dict[int, Group] = {}
         self._next_id = 0
         self._generating = 0  # samples inside generate_sample now
         self._holding_groups = 0  # groups started and not yet handed to the buffer
@@ -264,8 +273,22 @@ class RolloutWorker:
             if not taking.done():
                 taking.cancel()
         if taking.done() and not taking.cancelled():
-            return taking.result()
+            served = taking.result()
+            self.forget(served)
+            return served
         self._raise_dead()
+
+    def forget(self, groups: list[Group]) -> None:
+        """These groups left the buffer (served, or dropped by its rules): not unconsumed."""
+        for group in groups:
+            self._in_buffer.pop(id(group), None)
+
+    def unconsumed_prompts(self) -> list[Group]:
+        """The prompt side of every group drawn from the source and not yet served by a take
+        nor dropped: generating, blocked at put, or waiting in the buffer."""
+        flights = self._flights.values()
+        generating = [f.prompts for f in flights if id(f.group) not in self._in_buffer]
+        return generating + list(self._in_buffer.values())
 
     def metrics(self) -> dict[str, Any]:
         """The buffer's metrics and `rollout/*`: `inflight` (trajectories generating now),
@@ -361,6 +384,7 @@ class RolloutWorker:
             self._holding_groups -= 1
             holding = False
             self._putting += 1
+            self._in_buffer[id(flight.group)] = flight.prompts  # a drop at put forgets it
             try:
                 await self.buffer.put(flight.group)
             finally:
@@ -456,14 +480,29 @@ def build_rollout_worker(
     `group_filter=verst.rollout.dynamic.has_reward_variance` for DAPO dynamic sampling.
     """
     give_back = source.give_back if cfg.unused == "retry" else None
+    worker: RolloutWorker | None = None  # made below; the buffer reports its drops to it
+
+    def dropped(groups: list[Group]) -> None:
+        assert worker is not None
+        worker.forget(groups)
+        if give_back is not None:
+            give_back(groups)
+
+    def accepted(group: Group) -> bool:
+        assert worker is not None and group_filter is not None
+        if group_filter(group):
+            return True
+        worker.forget([group])
+        return False
+
     buffer = make_buffer(
         cfg.buffer,
         capacity=cfg.buffer_capacity(prompts_per_step),
         max_staleness=cfg.max_staleness,
-        give_back=give_back,
-        group_filter=group_filter,
+        give_back=dropped,
+        group_filter=accepted if group_filter is not None else None,
     )
-    return RolloutWorker(
+    worker = RolloutWorker(
         source,
         buffer,
         generate_sample,
@@ -473,3 +512,4 @@ def build_rollout_worker(
         replacement=cfg.replacement,
         give_back=give_back,
     )
+    return worker
