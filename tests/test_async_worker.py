@@ -436,6 +436,30 @@ def test_unconsumed_prompts_are_the_ones_not_served_nor_dropped(unused) -> None:
     run(main())
 
 
+def test_no_group_starts_that_would_be_stale_before_a_take_reached_it() -> None:
+    async def main() -> None:
+        source, engine = FakeSource(1), FakeEngine()
+        buffer = DataBuffer(8)
+        worker = RolloutWorker(
+            source, buffer, engine, reward, n_samples_per_prompt=1, max_inflight=8, max_ahead=3
+        )
+        await worker.start()
+        await settle()
+        assert started_groups(engine) == {0, 1, 2}  # places for 8, but 3 groups ahead at most
+        engine.release((0, 0), (1, 0))
+        await settle()
+        assert started_groups(engine) == {0, 1, 2} and len(buffer) == 2  # buffered still count
+        assert len(await worker.take(1, 0)) == 1
+        await settle()
+        assert started_groups(engine) == {0, 1, 2, 3}
+        await worker.stop()
+
+    run(main())
+    assert AsyncConfig(max_staleness=2).ahead_limit(16) == 32
+    assert AsyncConfig(max_staleness=0).ahead_limit(16) == 16
+    assert AsyncConfig(max_staleness=None).ahead_limit(16) is None
+
+
 def test_stop_is_prompt_even_while_the_trainer_waits() -> None:
     async def main() -> None:
         source, engine = FakeSource(1), FakeEngine()
@@ -489,6 +513,16 @@ def test_constructor_checks() -> None:
             n_samples_per_prompt=1,
             max_inflight=3,
             replacement="trajectory",
+        )
+    with pytest.raises(ValueError, match="max_ahead must be >= 1"):
+        RolloutWorker(
+            FakeSource(1),
+            DataBuffer(2),
+            FakeEngine(),
+            None,
+            n_samples_per_prompt=1,
+            max_inflight=3,
+            max_ahead=0,
         )
 
 

@@ -29,6 +29,12 @@ spinning. An error in the worker itself (the data source, the buffer) stops it t
 `stop()` cancels everything in flight; groups not yet accepted by the buffer are aborted, and
 their prompts go to `give_back` (the DataSource's, with `unused: retry`) or are dropped.
 
+Staleness control: a group is not started while `max_ahead` groups are already drawn and not
+yet served (generating, at put, or in the buffer): with that many batches ahead of it, it could
+only be served stale and dropped. `build_rollout_worker` sets it to `max_staleness` batches
+(at least one), the rule AReaL uses to keep asynchronous generation from running ahead of the
+trainer.
+
 Checkpoints: `unconsumed_prompts()` lists the prompts the worker has drawn that no take has
 served yet (generating, or waiting in the buffer), so a checkpoint can hand them back to the
 DataSource in its saved state and a resumed run serves them again instead of losing them. The
@@ -93,7 +99,7 @@ class AsyncConfig(ConfigBase):
         4,
         ge=0,
         description="drop a group at take when current version − its oldest token's version "
-        "exceeds this; null = never",
+        "exceeds this, and start none while this many batches wait untrained; null = never",
     )
     unused: Literal["drop", "retry"] = Field(
         "retry",
@@ -113,6 +119,14 @@ class AsyncConfig(ConfigBase):
     def buffer_capacity(self, prompts_per_step: int) -> int:
         """The buffer's capacity in groups for a train batch of `prompts_per_step` groups."""
         return max(prompts_per_step, math.ceil(self.buffer_factor * prompts_per_step - 1e-9))
+
+    def ahead_limit(self, prompts_per_step: int) -> int | None:
+        """Most groups drawn and not yet served (generating or buffered): a group with
+        `max_staleness` batches ahead of it would be stale by the time a take reaches it, so
+        it is not started (its generation would be thrown away)."""
+        if self.max_staleness is None:
+            return None
+        return max(self.max_staleness, 1) * prompts_per_step
 
     def inflight_limit(self, prompts_per_step: int, n_samples_per_prompt: int) -> int:
         """`max_inflight`, or one step's worth of trajectories when it is unset."""
@@ -168,6 +182,7 @@ class RolloutWorker:
         replacement: Replacement = "sample",
         give_back: GiveBack | None = None,
         max_consecutive_errors: int | None = None,
+        max_ahead: int | None = None,
     ) -> None:
         if n_samples_per_prompt < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
@@ -187,6 +202,9 @@ class RolloutWorker:
         self.replacement = replacement
         self.give_back = give_back
         self.max_consecutive_errors = max_consecutive_errors or 2 * max_inflight
+        if max_ahead is not None and max_ahead < 1:
+            raise ValueError(f"max_ahead must be >= 1 group, got {max_ahead}")
+        self.max_ahead = max_ahead
         # counters (cumulative)
         self.groups_started = 0
         self.groups_put = 0
@@ -282,6 +300,7 @@ class RolloutWorker:
         """These groups left the buffer (served, or dropped by its rules): not unconsumed."""
         for group in groups:
             self._in_buffer.pop(id(group), None)
+        self._poke()  # fewer groups ahead: one may start
 
     def unconsumed_prompts(self) -> list[Group]:
         """The prompt side of every group drawn from the source and not yet served by a take
@@ -330,7 +349,16 @@ class RolloutWorker:
 
     def _can_start(self) -> bool:
         free = self.max_inflight - self.occupied
+        if self.max_ahead is not None and self._ahead() >= self.max_ahead:
+            return False  # a group started now would be stale before a take could serve it
         return free >= self.n_samples_per_prompt and self._putting == 0
+
+    def _ahead(self) -> int:
+        """Groups drawn and not yet served nor dropped (generating, at put, in the buffer)."""
+        in_buffer = self._in_buffer
+        return len(in_buffer) + sum(
+            1 for f in self._flights.values() if id(f.group) not in in_buffer
+        )
 
     async def _run(self) -> None:
         assert self._wake is not None
@@ -511,5 +539,6 @@ def build_rollout_worker(
         max_inflight=cfg.inflight_limit(prompts_per_step, n_samples_per_prompt),
         replacement=cfg.replacement,
         give_back=give_back,
+        max_ahead=cfg.ahead_limit(prompts_per_step),
     )
     return worker
