@@ -39,7 +39,8 @@ from verst.rollout.agent import (  # noqa: E402
 from verst.router import Router  # noqa: E402
 from verst.router.server import make_router_app  # noqa: E402
 from verst.sessions import CHATML_TOOL_TEMPLATE, ChatTokenizer  # noqa: E402
-from verst.sessions.server import SessionStore, make_session_app  # noqa: E402
+from verst.sessions.server import make_session_app  # noqa: E402
+from verst.sessions.store import SessionStore  # noqa: E402
 from verst.types import Sample, Status  # noqa: E402
 
 TOOLS = [

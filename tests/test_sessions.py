@@ -107,7 +107,8 @@ from verst.engine.serving import ServingEngine  # noqa: E402
 from verst.router import Router  # noqa: E402
 from verst.router.server import make_router_app  # noqa: E402
 from verst.sessions import ChatTokenizer  # noqa: E402
-from verst.sessions.server import SessionStore, make_session_app  # noqa: E402
+from verst.sessions.server import make_session_app  # noqa: E402
+from verst.sessions.store import SessionStore  # noqa: E402
 
 TINY = tiny_config(max_position_embeddings=512)
 
@@ -406,7 +407,7 @@ def test_official_openai_client(stack: Stack) -> None:
 
 
 def test_tool_calls_parsed_and_compared_by_name_and_arguments() -> None:
-    from verst.sessions.server import parse_tool_calls, same_message
+    from verst.sessions.store import parse_tool_calls, same_message
 
     text = 'Let me compute.\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
     content, calls = parse_tool_calls(text)

@@ -10,8 +10,9 @@ upstream always extend the ids of the turn before. Requests go to an engine or r
 `/generate` with the session id as routing key (`X-SMG-Routing-Key`), and each answer is kept
 as a `TurnRecord`: output ids, log-probs, weight version, finish reason.
 
-`SessionStore` holds the state and the history rules and can be used in-process;
-`make_session_app` puts HTTP in front of it and `run_session_server` is `verst sessions`.
+`SessionStore` (`verst.sessions.store`) holds the state and the history rules and can be used
+in-process; `make_session_app` puts HTTP in front of it and `run_session_server` is
+`verst sessions`.
 Errors: 404 unknown session, 400 bad request or history, 422 nothing to assemble, 502 upstream
 failure (with the upstream's message).
 """
@@ -21,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from verst.router.policy import ROUTING_KEY_HEADER
-from verst.sessions.assembly import AssemblyError, TurnRecord, assemble
+from verst.sessions.assembly import AssemblyError, TurnRecord
+from verst.sessions.store import SessionError, SessionStore, normalize_message, parse_tool_calls
 from verst.sessions.templates import ChatTokenizer, Message
 from verst.types import Sample
 
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 # OpenAI request keys mapped onto SGLang's sampling_params; everything else OpenAI defines
 # that changes sampling is refused rather than silently ignored.
 _SAMPLING_KEYS = {
@@ -50,241 +49,6 @@ _SAMPLING_KEYS = {
     "seed": "sampling_seed",
 }
 _UNSUPPORTED_KEYS = ("logit_bias", "response_format", "presence_penalty", "frequency_penalty")
-
-
-class SessionError(Exception):
-    """A request the session server refuses: HTTP status, OpenAI-style error code, message."""
-
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        kind = {404: "not_found", 502: "bad_gateway"}.get(self.status, "invalid_request_error")
-        return {"error": {"message": str(self), "type": kind, "code": self.code, "param": None}}
-
-
-@dataclass
-class Session:
-    """One episode's history: messages up to the last answer, and one record per answer."""
-
-    session_id: str
-    messages: list[Message] = field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
-    records: list[TurnRecord] = field(default_factory=list)
-    message_ends: list[int] = field(default_factory=list)  # len(messages) after each answer
-    cached_tokens: list[int] = field(default_factory=list)
-    created_s: float = field(default_factory=time.time)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
-    deleted: bool = False
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "messages": self.messages,
-            "tools": self.tools,
-            "num_turns": len(self.records),
-            "records": [
-                {
-                    "input_length": len(r.input_ids),
-                    "output_length": len(r.output_ids),
-                    "weight_version": r.weight_version,
-                    "finish_reason": r.finish_reason,
-                    "cached_tokens": cached,
-                }
-                for r, cached in zip(self.records, self.cached_tokens, strict=True)
-            ],
-        }
-
-
-@dataclass(frozen=True)
-class TurnPlan:
-    """What a chat request turns into: the ids to send and which earlier turns it keeps."""
-
-    input_ids: list[int]
-    messages: list[Message]  # the request's messages, normalised
-    tools: list[dict[str, Any]] | None
-    kept_turns: int  # len(records) without a rollback, one less with one
-
-
-def normalize_message(message: Any) -> Message:
-    """A request message as stored and rendered: text content parts joined into one string."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise SessionError(400, "each message must be an object with a role", "bad_message")
-    content = message.get("content")
-    if isinstance(content, list):  # OpenAI content parts: only text can be tokenised here
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    if content is None and message["role"] != "assistant":
-        content = ""
-    if content is not None and not isinstance(content, str):
-        raise SessionError(400, "message content must be a string or text parts", "bad_message")
-    return {**{k: v for k, v in message.items() if v is not None}, "content": content}
-
-
-def _tool_call_key(call: Any) -> tuple[str, Any]:
-    fn = call.get("function", call) if isinstance(call, dict) else {}
-    arguments = fn.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass
-    return str(fn.get("name")), arguments
-
-
-def same_message(stored: Message, sent: Message) -> bool:
-    """Role, content and tool calls agree (ids and extra keys a client adds do not matter)."""
-    return (
-        stored.get("role") == sent.get("role")
-        and (stored.get("content") or "") == (sent.get("content") or "")
-        and [_tool_call_key(c) for c in stored.get("tool_calls") or []]
-        == [_tool_call_key(c) for c in sent.get("tool_calls") or []]
-    )
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks → OpenAI tool calls
-    and the remaining content; blocks that are not valid JSON stay in the content."""
-    calls: list[dict[str, Any]] = []
-
-    def take(match: re.Match[str]) -> str:
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
-            return match.group(0)
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return match.group(0)
-        arguments = call.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": arguments
-                    if isinstance(arguments, str)
-                    else json.dumps(arguments, ensure_ascii=False),
-                },
-            }
-        )
-        return ""
-
-    rest = _TOOL_CALL.sub(take, text)
-    if not calls:
-        return text, []
-    return (rest.strip() or None), calls
-
-
-def _same_tools(a: list[dict[str, Any]] | None, b: list[dict[str, Any]] | None) -> bool:
-    return json.dumps(a or None, sort_keys=True) == json.dumps(b or None, sort_keys=True)
-
-
-class SessionStore:
-    """Sessions in memory, the append-only history rule, and assembly into Samples."""
-
-    def __init__(self, chat_tokenizer: ChatTokenizer) -> None:
-        self.chat_tokenizer = chat_tokenizer
-        self.sessions: dict[str, Session] = {}
-
-    def create(self) -> Session:
-        session = Session(session_id=uuid.uuid4().hex)
-        self.sessions[session.session_id] = session
-        return session
-
-    def get(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None or session.deleted:
-            raise SessionError(404, f"no session {session_id!r}", "session_not_found")
-        return session
-
-    def delete(self, session_id: str) -> Session:
-        session = self.get(session_id)
-        session.deleted = True
-        del self.sessions[session_id]
-        return session
-
-    def plan_turn(
-        self, session: Session, messages: list[Message], tools: list[dict[str, Any]] | None
-    ) -> TurnPlan:
-        """The ids for a request's messages, or a 400 when they do not extend the history."""
-        if not messages:
-            raise SessionError(400, "messages must be a non-empty list", "bad_messages")
-        if messages[-1]["role"] == "assistant":
-            raise SessionError(
-                400, "the last message is the assistant's: there is nothing to answer", "bad_turn"
-            )
-        ends = session.message_ends
-        kept = next(
-            (
-                keep
-                for keep in (len(ends), len(ends) - 1)
-                if keep >= 0 and self._extends(session, messages, ends[keep - 1] if keep else 0)
-            ),
-            None,
-        )
-        if kept is None:
-            at = next(
-                (
-                    i
-                    for i, (a, b) in enumerate(zip(session.messages, messages, strict=False))
-                    if not same_message(a, b)
-                ),
-                min(len(session.messages), len(messages)),
-            )
-            raise SessionError(
-                400,
-                f"message {at} does not match the session's history "
-                f"({len(session.messages)} stored messages, {len(ends)} assistant turns): the "
-                "history is append-only, the assistant's messages must be what it generated, and "
-                "at most the last assistant turn may be rolled back",
-                "history_changed",
-            )
-        if kept and not _same_tools(session.tools, tools):
-            raise SessionError(
-                400, "tools changed mid-session: they are part of the prompt", "tools_changed"
-            )
-        ct = self.chat_tokenizer
-        try:
-            if kept == 0:
-                input_ids = ct.render_prompt(messages, tools)
-            else:
-                prev = session.records[kept - 1].total_ids
-                input_ids = prev + ct.extend(prev, messages[ends[kept - 1] :], tools)
-        except ValueError as error:
-            raise SessionError(400, str(error), "bad_turn") from error
-        return TurnPlan(input_ids, messages, tools, kept)
-
-    @staticmethod
-    def _extends(session: Session, messages: list[Message], end: int) -> bool:
-        return len(messages) > end and all(
-            same_message(a, b) for a, b in zip(session.messages[:end], messages[:end], strict=True)
-        )
-
-    def commit(
-        self, session: Session, plan: TurnPlan, record: TurnRecord, answer: Message, cached: int
-    ) -> None:
-        kept = plan.kept_turns
-        session.records = session.records[:kept] + [record]
-        session.cached_tokens = session.cached_tokens[:kept] + [cached]
-        session.messages = plan.messages + [answer]
-        session.message_ends = session.message_ends[:kept] + [len(session.messages)]
-        session.tools = plan.tools
-
-    def assemble(self, session_id: str, max_seq_len: int | None = None) -> Sample:
-        """The session as one Sample (see `verst.sessions.assembly`), with `metadata` holding
-        the session id and the mismatch counts against a canonical re-render of the kept
-        messages (None when the first turn had to be cut inside)."""
-        session = self.get(session_id)
-        sample = assemble(session.records, max_seq_len=max_seq_len)
-        kept = sample.metadata["num_turns"]
-        mismatch = None
-        if sample.tokens == session.records[kept - 1].total_ids:
-            messages = session.messages[: session.message_ends[kept - 1]]
-            mismatch = self.chat_tokenizer.mismatch(sample.tokens, messages, session.tools)
-        sample.prompt = list(session.messages[: session.message_ends[kept - 1]])
-        sample.metadata.update(session_id=session_id, mismatch=mismatch)
-        return sample
 
 
 def sample_to_json(sample: Sample) -> dict[str, Any]:
