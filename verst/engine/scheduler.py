@@ -179,9 +179,7 @@ class Scheduler:
         """Copy weights in place and stamp `version`. Cached prefixes hold KV of the old
         weights, so they are dropped; in-flight requests keep theirs (in_place semantics).
         Every name and shape is checked before the first copy: a bad update changes nothing."""
-        if self._params_by_name is None:  # the module tree does not change; walk it once
-            self._params_by_name = dict(self.model.named_parameters(remove_duplicate=False))
-        params = self._params_by_name
+        params = self.parameters()
         named = list(named_tensors)
         for name, tensor in named:
             if name not in params:
@@ -191,6 +189,13 @@ class Scheduler:
         torch._foreach_copy_([params[name] for name, _ in named], [t for _, t in named])
         self.set_weight_version(version)
         self.weights_changed()
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter by name, tied ones under each name (walked once: the module tree
+        does not change, and weight updates write into these very tensors)."""
+        if self._params_by_name is None:
+            self._params_by_name = dict(self.model.named_parameters(remove_duplicate=False))
+        return self._params_by_name
 
     def weights_changed(self) -> None:
         """Cached prefixes hold KV of the old weights: drop every one no request is using."""

@@ -76,7 +76,6 @@ class ServingEngine:
         self._control: list[Callable[[], object]] = []  # run by the loop between two steps
         self._published_version: int | None = None  # the disk transport's base for deltas
         self._groups: dict[str, Any] = {}  # weight-update process groups, by name
-        self._params_by_name: dict[str, torch.Tensor] | None = None
         self._cond: asyncio.Condition | None = None
         self._engine_lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
@@ -428,7 +427,7 @@ class ServingEngine:
         (CUDA synchronised) when this returns, so the trainer may reuse its buffers."""
         from verst.sync import shared_tensors
 
-        params = self._parameters()
+        params = self.scheduler.parameters()
 
         def load() -> tuple[bool, str]:
             try:
@@ -444,18 +443,10 @@ class ServingEngine:
 
         return await self._update_weights(load, weight_version)
 
-    def _parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter by name, tied ones under each name (walked once: the module tree
-        does not change, and weight updates write into these very tensors)."""
-        if self._params_by_name is None:
-            model = self.scheduler.model
-            self._params_by_name = dict(model.named_parameters(remove_duplicate=False))
-        return self._params_by_name
-
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list | None:
         """SGLang's test helper: the parameter as float32 nested lists, its first
         `truncate_size` rows (None for an unknown name). Read between two steps."""
-        param = self._parameters().get(name)
+        param = self.scheduler.parameters().get(name)
         if param is None:
             return None
         lock = self._engine_lock
@@ -506,7 +497,7 @@ class ServingEngine:
         group = self._groups.get(group_name)
         if group is None:
             return False, f"no weights update group {group_name!r}: call init first"
-        params = self._parameters()
+        params = self.scheduler.parameters()
         unknown = [s.name for s in specs if s.name not in params]
         if unknown:
             return False, f"unknown parameter names {unknown}"
@@ -558,7 +549,7 @@ class ServingEngine:
                 self._published_version = version
                 self.scheduler.weights_changed()
             return ok, message
-        files, problem = checkpoint_files(path, self._parameters())
+        files, problem = checkpoint_files(path, self.scheduler.parameters())
         if problem:
             return False, problem
         self.scheduler.update_weights_from_tensors(

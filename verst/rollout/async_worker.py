@@ -349,16 +349,9 @@ class RolloutWorker:
 
     def _can_start(self) -> bool:
         free = self.max_inflight - self.occupied
-        if self.max_ahead is not None and self._ahead() >= self.max_ahead:
+        if self.max_ahead is not None and len(self.unconsumed_prompts()) >= self.max_ahead:
             return False  # a group started now would be stale before a take could serve it
         return free >= self.n_samples_per_prompt and self._putting == 0
-
-    def _ahead(self) -> int:
-        """Groups drawn and not yet served nor dropped (generating, at put, in the buffer)."""
-        in_buffer = self._in_buffer
-        return len(in_buffer) + sum(
-            1 for f in self._flights.values() if id(f.group) not in in_buffer
-        )
 
     async def _run(self) -> None:
         assert self._wake is not None
