@@ -17,7 +17,9 @@ from verst.engine.scheduler import Scheduler
 pytestmark = pytest.mark.skipif(not packing_available(), reason="needs oneDNN (mkldnn)")
 
 
-def cpu_scheduler(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> Scheduler:
+def cpu_scheduler(
+    model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, lean: bool = True
+) -> Scheduler:
     pool = KVPool(
         num_layers=2,
         num_kv_heads=2,
@@ -27,7 +29,7 @@ def cpu_scheduler(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -
         dtype=dtype,
         device="cpu",
     )
-    return Scheduler(model, pool, eos_token_ids=[63], pad_token_id=0)
+    return Scheduler(model, pool, eos_token_ids=[63], pad_token_id=0, lean_forward=lean)
 
 
 def greedy_outputs(scheduler: Scheduler) -> list[list[int]]:
@@ -59,12 +61,18 @@ def test_packed_linear_equals_f_linear() -> None:
 
 
 def test_the_bf16_cpu_engine_packs_its_linears() -> None:
-    scheduler = cpu_scheduler(tiny_qwen3().to(torch.bfloat16))
-    assert scheduler.runner.packed is not None
+    model = tiny_qwen3().to(torch.bfloat16)
+    hf = cpu_scheduler(model, lean=False)
+    assert hf.runner.packed is not None
     # q, k, v, o, gate, up, down per layer, and the LM head
-    assert len(scheduler.runner.packed.modules) == 7 * 2 + 1
+    assert len(hf.runner.packed.modules) == 7 * 2 + 1
+    lean = cpu_scheduler(model)
+    assert lean.runner.packed is None and lean.runner.lean is not None
+    greedy_outputs(lean)
+    # q/k/v fused, o, gate/up fused, down per layer, and the LM head: each packed once
+    assert len(lean.runner.lean.derived._entries) == 4 * 2 + 1
     fp32 = cpu_scheduler(tiny_qwen3(), torch.float32)
-    assert fp32.runner.packed is None
+    assert fp32.runner.packed is None and not fp32.runner.lean.derived._entries
 
 
 def changed(model: torch.nn.Module) -> torch.nn.Module:
@@ -75,10 +83,11 @@ def changed(model: torch.nn.Module) -> torch.nn.Module:
     return new
 
 
-def test_a_weight_update_reaches_the_packed_weights() -> None:
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_weight_update_reaches_the_packed_weights(lean: bool) -> None:
     model = tiny_qwen3().to(torch.bfloat16)
     target = changed(model)
-    scheduler = cpu_scheduler(model)
+    scheduler = cpu_scheduler(model, lean=lean)
     before = greedy_outputs(scheduler)
     scheduler.update_weights_from_tensors(list(target.named_parameters()), version=1)
     after = greedy_outputs(scheduler)
@@ -86,14 +95,15 @@ def test_a_weight_update_reaches_the_packed_weights() -> None:
     assert after != before
 
 
-def test_a_zero_copy_update_reaches_the_packed_weights_at_the_version_bump() -> None:
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_zero_copy_update_reaches_the_packed_weights_at_the_version_bump(lean: bool) -> None:
     # the colocated transport re-points the engine's parameters at the trainer's storage
     # (`.data = ...`); the optimiser then writes that storage and only the version is bumped
     model = tiny_qwen3().to(torch.bfloat16)
     trainer_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     for name, param in model.named_parameters():
         param.data = trainer_weights[name]
-    scheduler = cpu_scheduler(model)
+    scheduler = cpu_scheduler(model, lean=lean)
     before = greedy_outputs(scheduler)
     target = changed(model)
     with torch.no_grad():
@@ -106,10 +116,11 @@ def test_a_zero_copy_update_reaches_the_packed_weights_at_the_version_bump() -> 
     assert after != before
 
 
-def test_a_weight_written_in_place_is_packed_again_even_untold() -> None:
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_weight_written_in_place_is_packed_again_even_untold(lean: bool) -> None:
     model = tiny_qwen3().to(torch.bfloat16)
     target = changed(model)
-    scheduler = cpu_scheduler(model)
+    scheduler = cpu_scheduler(model, lean=lean)
     greedy_outputs(scheduler)
     with torch.no_grad():
         for (_, param), (_, new) in zip(

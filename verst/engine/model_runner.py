@@ -26,6 +26,7 @@ import torch
 
 from verst.engine.fused_norm import fusable_norms, fused_norms
 from verst.engine.kv_pool import KVPool
+from verst.engine.lean_decoder import LeanDecoder
 from verst.engine.packed_linear import PackedLinears
 from verst.engine.paged_attention import (
     PagedStep,
@@ -64,6 +65,7 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES,
         graph_max_len: int | None = None,
+        lean: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -86,10 +88,13 @@ class ModelRunner:
         self._graphs: dict[int, _Graph] = {}
         self._graph_pool = None
         self._meta: torch.Tensor | None = None  # static inputs of the graphs
-        # on CUDA the model's RMSNorms run as one Triton kernel each (`fused_norm`)
-        self.fused = fusable_norms(model) if self.use_triton else []
-        # on the CPU, bf16 linear layers run on weights packed once for oneDNN
-        self.packed = None if on_cuda else PackedLinears.of(model)
+        # Llama-family models run the engine's own forward (`lean_decoder`); others run HF's,
+        # with the RMSNorms as one Triton kernel each on CUDA (`fused_norm`) and the bf16
+        # linear layers on weights packed once for oneDNN on the CPU
+        self.lean = LeanDecoder.of(model) if lean else None
+        hf = self.lean is None
+        self.fused = fusable_norms(model) if hf and self.use_triton else []
+        self.packed = PackedLinears.of(model) if hf and not on_cuda else None
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -104,6 +109,8 @@ class ModelRunner:
         weights (the CPU's packed linears) are made again before the next forward."""
         if self.packed is not None:
             self.packed.stale()
+        if self.lean is not None:
+            self.lean.stale()
 
     def _forward_rows(self, rows: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         decoding = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
@@ -271,6 +278,8 @@ class ModelRunner:
     def _run_decoder(
         self, ids_B_T: torch.Tensor, positions_B_T: torch.Tensor, step: PagedStep
     ) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean.hidden(ids_B_T, positions_B_T, step)
         with paged_attention_mode(self.model), fused_norms(self.fused):
             out = self.decoder(
                 input_ids=ids_B_T, position_ids=positions_B_T, use_cache=False, verst_paged=step
@@ -278,7 +287,10 @@ class ModelRunner:
         return out.last_hidden_state
 
     def _logits(self, hidden_N_H: torch.Tensor) -> torch.Tensor:
-        logits_N_V = self.lm_head(hidden_N_H).float()
+        if self.lean is not None:
+            logits_N_V = self.lean.logits(hidden_N_H).float()
+        else:
+            logits_N_V = self.lm_head(hidden_N_H).float()
         if self.softcap:
             logits_N_V = torch.tanh(logits_N_V / self.softcap) * self.softcap
         return logits_N_V

@@ -16,7 +16,7 @@ since it was packed (its version counter moved) is packed again before use. Floa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +26,43 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] bf16 weight laid out once for oneDNN's linear kernel."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` with a weight from `pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+class DerivedWeights:
+    """Copies made from model weights (packed, concatenated), each kept until one of its source
+    tensors changes: replaced (identity or storage) or written in place (version counter)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[tuple, torch.Tensor]] = {}
+
+    def stale(self) -> None:
+        """The weights changed: make every copy again before its next use."""
+        self._entries.clear()
+
+    def get(
+        self, name: str, sources: list[torch.Tensor], make: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        key = tuple((id(t), t.data_ptr(), t._version) for t in sources)
+        entry = self._entries.get(name)
+        if entry is None or entry[0] != key:
+            entry = (key, make())
+            self._entries[name] = entry
+        return entry[1]
+
+
 class PackedLinears:
     def __init__(self, modules: list[torch.nn.Linear]) -> None:
         self.modules = modules
-        self._packed: dict[int, tuple[tuple[int, int, int], torch.Tensor]] = {}
+        self.derived = DerivedWeights()
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> PackedLinears | None:
@@ -45,7 +78,7 @@ class PackedLinears:
 
     def stale(self) -> None:
         """The weights changed: pack again before the next use."""
-        self._packed.clear()
+        self.derived.stale()
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
@@ -59,13 +92,7 @@ class PackedLinears:
 
     def packed_weight(self, module: torch.nn.Linear) -> torch.Tensor:
         weight = module.weight
-        key = (id(weight), weight.data_ptr(), weight._version)
-        entry = self._packed.get(id(module))
-        if entry is None or entry[0] != key:
-            with torch.no_grad():
-                entry = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
-            self._packed[id(module)] = entry
-        return entry[1]
+        return self.derived.get(str(id(module)), [weight], lambda: pack_weight(weight))
 
 
 class _PackedForward:
@@ -76,7 +103,4 @@ class _PackedForward:
         module = self.module
         if x.dtype != module.weight.dtype:  # not the engine's own call: HF's semantics
             return F.linear(x, module.weight, module.bias)
-        packed = self.packs.packed_weight(module)
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), packed, module.bias, "none", [], ""
-        )
+        return packed_linear(x, self.packs.packed_weight(module), module.bias)

@@ -75,45 +75,63 @@ def paged_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [B, Hq, T, D], key / value [B, Hkv, T, D] -> ([B, T, Hq, D], None)."""
+    """HF's attention interface: query [B, Hq, T, D], key / value [B, Hkv, T, D] ->
+    ([B, T, Hq, D], None)."""
     step: PagedStep | None = kwargs.get("verst_paged")
     if step is None:
         raise RuntimeError(
             f"attention implementation {ATTENTION_NAME!r} runs only inside the engine's forward "
             "(it needs the step's page tables)"
         )
-    layer = module.layer_idx
-    B, Hq, T, D = query.shape
-    Hkv = key.shape[1]
+    out_B_T_H_D = attend(
+        step,
+        module.layer_idx,
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        query.shape[-1] ** -0.5 if scaling is None else scaling,
+    )
+    return out_B_T_H_D, None
+
+
+def attend(
+    step: PagedStep,
+    layer: int,
+    q_B_T_H_D: torch.Tensor,
+    k_B_T_H_D: torch.Tensor,
+    v_B_T_H_D: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Write one layer's new K/V into the pool and attend over each row's pages: [B, T, Hq, D]."""
+    B, T, Hq, D = q_B_T_H_D.shape
+    Hkv = k_B_T_H_D.shape[2]
     pool = step.pool
-    if scaling is None:
-        scaling = D**-0.5
     k_flat, v_flat = pool.flat(layer)
-    k_flat.index_copy_(0, step.slots_N, key.transpose(1, 2).reshape(B * T, Hkv, D).to(pool.dtype))
-    v_flat.index_copy_(0, step.slots_N, value.transpose(1, 2).reshape(B * T, Hkv, D).to(pool.dtype))
+    k_flat.index_copy_(0, step.slots_N, k_B_T_H_D.reshape(B * T, Hkv, D).to(pool.dtype))
+    v_flat.index_copy_(0, step.slots_N, v_B_T_H_D.reshape(B * T, Hkv, D).to(pool.dtype))
     if step.decode and step.use_triton:
         out_B_H_D = paged_decode_triton(
-            query.reshape(B, Hq, D),
+            q_B_T_H_D.reshape(B, Hq, D),
             pool.k[layer],
             pool.v[layer],
             step.table_B_P,
             step.seq_lens_B,
             scaling,
         )
-        return out_B_H_D.view(B, 1, Hq, D), None
+        return out_B_H_D.view(B, 1, Hq, D)
     if step.fresh:
         # no row has KV in the pool before this step: causal attention over the new tokens
         # alone (flash / memory-efficient kernels, no gather, no mask); rows are right-padded,
         # so a real query never sees a padding key
         out_B_H_T_D = F.scaled_dot_product_attention(
-            query.to(pool.dtype),
-            key.to(pool.dtype),
-            value.to(pool.dtype),
+            q_B_T_H_D.transpose(1, 2).to(pool.dtype),
+            k_B_T_H_D.transpose(1, 2).to(pool.dtype),
+            v_B_T_H_D.transpose(1, 2).to(pool.dtype),
             is_causal=True,
             scale=scaling,
             enable_gqa=Hq != Hkv,
         )
-        return out_B_H_T_D.transpose(1, 2).to(query.dtype), None
+        return out_B_H_T_D.transpose(1, 2).to(q_B_T_H_D.dtype)
     group = Hq // Hkv
     P = step.table_B_P.shape[1]
     S = P * pool.page_size
@@ -125,12 +143,12 @@ def paged_attention(
     v_B_H_S_D = v_B_H_S_D.view(B, S, Hkv, D).transpose(1, 2)
     # grouped-query attention without repeating K/V: the query heads that share a KV head
     # become extra query rows of it
-    q_B_H_Q_D = query.reshape(B, Hkv, group * T, D).to(pool.dtype)
+    q_B_H_Q_D = q_B_T_H_D.transpose(1, 2).reshape(B, Hkv, group * T, D).to(pool.dtype)
     out = F.scaled_dot_product_attention(
         q_B_H_Q_D, k_B_H_S_D, v_B_H_S_D, attn_mask=step.mask_B_1_Q_S, scale=scaling
     )
     out_B_T_H_D = out.view(B, Hkv, group, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
-    return out_B_T_H_D.to(query.dtype), None
+    return out_B_T_H_D.to(q_B_T_H_D.dtype)
 
 
 transformers.AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -71,10 +71,13 @@ class Scheduler:
         enable_prefix_cache: bool = True,
         seed: int = 0,
         cuda_graphs: bool | None = None,
+        lean_forward: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
-        self.runner = ModelRunner(model, pool, pad_token_id=pad_token_id, cuda_graphs=cuda_graphs)
+        self.runner = ModelRunner(
+            model, pool, pad_token_id=pad_token_id, cuda_graphs=cuda_graphs, lean=lean_forward
+        )
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
