@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from verst.engine.cpu_kernels import CpuKernels
 from verst.engine.fused_norm import FUSABLE, rms_norm_triton
 from verst.engine.packed_linear import DerivedWeights, pack_weight, packed_linear, packing_available
 from verst.engine.paged_attention import PagedStep, attend, triton
@@ -66,9 +67,12 @@ class _Linears:
 @dataclass
 class _Norm:
     module: torch.nn.Module
+    kernels: CpuKernels | None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, eps = self.module.weight, self.module.variance_epsilon
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, weight, eps)
         if x.is_cuda and triton is not None:
             return rms_norm_triton(x, weight, eps)
         return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
@@ -89,8 +93,9 @@ class _Layer:
 
 
 class LeanDecoder:
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, kernels: CpuKernels | None = None) -> None:
         self.model = model
+        self.kernels = kernels
         self.decoder = model.get_decoder()
         config = model.config
         self.heads = config.num_attention_heads
@@ -98,13 +103,14 @@ class LeanDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.derived = DerivedWeights()
         self.layers = [self._layer(i, layer) for i, layer in enumerate(self.decoder.layers)]
-        self.final_norm = _Norm(self.decoder.norm)
+        self.final_norm = self._norm(self.decoder.norm)
         self.head = _Linears("lm_head", [model.get_output_embeddings()], self.derived)
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> LeanDecoder | None:
-        """The lean forward of `model`, or None when its architecture is not one it reads."""
-        return cls(model) if readable(model) else None
+    def of(cls, model: torch.nn.Module, kernels: CpuKernels | None = None) -> LeanDecoder | None:
+        """The lean forward of `model` (norms and rotary by `kernels` where given), or None when
+        its architecture is not one it reads."""
+        return cls(model, kernels) if readable(model) else None
 
     def stale(self) -> None:
         """The weights changed: derived copies are made again before the next use."""
@@ -116,10 +122,13 @@ class LeanDecoder:
         """The final-norm hidden states [B, T, H] of the fed tokens (K/V written to the pool)."""
         x_B_T_H = self.decoder.embed_tokens(ids_B_T)
         cos_B_T_D, sin_B_T_D = self.decoder.rotary_emb(x_B_T_H, positions_B_T)
-        # rotate_half(x) * sin == flip_halves(x) * signed_sin, with the first half's sign moved
-        half = self.head_dim // 2
-        signed_sin_B_T_D = torch.cat([-sin_B_T_D[..., :half], sin_B_T_D[..., half:]], dim=-1)
-        rotary = (cos_B_T_D.unsqueeze(2), signed_sin_B_T_D.unsqueeze(2))
+        if self.kernels is not None:
+            rotary = (cos_B_T_D.reshape(-1, self.head_dim), sin_B_T_D.reshape(-1, self.head_dim))
+        else:
+            # rotate_half(x) * sin == flip_halves(x) * signed_sin, the first half's sign moved
+            half = self.head_dim // 2
+            signed_sin_B_T_D = torch.cat([-sin_B_T_D[..., :half], sin_B_T_D[..., half:]], dim=-1)
+            rotary = (cos_B_T_D.unsqueeze(2), signed_sin_B_T_D.unsqueeze(2))
         for layer in self.layers:
             x_B_T_H = self._layer_forward(layer, x_B_T_H, rotary, step)
         return self.final_norm(x_B_T_H)
@@ -135,16 +144,19 @@ class LeanDecoder:
         k_norm = getattr(attn, "k_norm", None)
         return _Layer(
             index=index,
-            input_norm=_Norm(layer.input_layernorm),
+            input_norm=self._norm(layer.input_layernorm),
             qkv=_Linears(f"{index}.qkv", [attn.q_proj, attn.k_proj, attn.v_proj], self.derived),
-            q_norm=_Norm(q_norm) if q_norm is not None else None,
-            k_norm=_Norm(k_norm) if k_norm is not None else None,
+            q_norm=self._norm(q_norm) if q_norm is not None else None,
+            k_norm=self._norm(k_norm) if k_norm is not None else None,
             o=_Linears(f"{index}.o", [attn.o_proj], self.derived),
-            post_norm=_Norm(layer.post_attention_layernorm),
+            post_norm=self._norm(layer.post_attention_layernorm),
             gate_up=_Linears(f"{index}.gate_up", [mlp.gate_proj, mlp.up_proj], self.derived),
             down=_Linears(f"{index}.down", [mlp.down_proj], self.derived),
             scaling=attn.scaling,
         )
+
+    def _norm(self, module: torch.nn.Module) -> _Norm:
+        return _Norm(module, self.kernels)
 
     def _layer_forward(
         self,
@@ -156,15 +168,11 @@ class LeanDecoder:
         B, T, _ = x_B_T_H.shape
         D = self.head_dim
         q, k, v = layer.qkv(layer.input_norm(x_B_T_H))
-        q_B_T_H_D = q.view(B, T, self.heads, D)
-        k_B_T_H_D = k.view(B, T, self.kv_heads, D)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            q_B_T_H_D, k_B_T_H_D = layer.q_norm(q_B_T_H_D), layer.k_norm(k_B_T_H_D)
         out_B_T_H_D = attend(
             step,
             layer.index,
-            _rotate(q_B_T_H_D, rotary),
-            _rotate(k_B_T_H_D, rotary),
+            self._position(q, layer.q_norm, rotary).view(B, T, self.heads, D),
+            self._position(k, layer.k_norm, rotary).view(B, T, self.kv_heads, D),
             v.view(B, T, self.kv_heads, D),
             layer.scaling,
         )
@@ -174,12 +182,23 @@ class LeanDecoder:
         (mlp_B_T_H,) = layer.down(F.silu(gate) * up)
         return x_B_T_H + mlp_B_T_H
 
-
-def _rotate(x_B_T_H_D: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """HF's `x * cos + rotate_half(x) * sin`, with `rotate_half`'s sign folded into `sin`."""
-    cos, signed_sin = rotary
-    flipped = x_B_T_H_D.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return x_B_T_H_D * cos + flipped * signed_sin
+    def _position(
+        self, x_B_T_X: torch.Tensor, norm: _Norm | None, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """Queries or keys [B, T, heads * D] -> the per-head norm (Qwen3) and rotary applied."""
+        B, T, _ = x_B_T_X.shape
+        x_N_H_D = x_B_T_X.reshape(B * T, -1, self.head_dim)
+        if self.kernels is not None:
+            weight = norm.module.weight if norm is not None else None
+            eps = norm.module.variance_epsilon if norm is not None else 0.0
+            return self.kernels.norm_rope(x_N_H_D, weight, eps, *rotary)
+        if norm is not None:
+            x_N_H_D = norm(x_N_H_D)
+        cos_B_T_1_D, signed_sin_B_T_1_D = rotary
+        x_B_T_H_D = x_N_H_D.view(B, T, -1, self.head_dim)
+        # HF's x * cos + rotate_half(x) * sin, with rotate_half's sign folded into sin
+        flipped = x_B_T_H_D.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return x_B_T_H_D * cos_B_T_1_D + flipped * signed_sin_B_T_1_D
 
 
 def readable(model: torch.nn.Module) -> bool:

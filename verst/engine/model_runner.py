@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verst.engine.cpu_kernels import CpuKernels
+from verst.engine.cpu_kernels import load as load_cpu_kernels
 from verst.engine.fused_norm import fusable_norms, fused_norms
 from verst.engine.kv_pool import KVPool
 from verst.engine.lean_decoder import LeanDecoder
@@ -66,6 +68,7 @@ class ModelRunner:
         graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES,
         graph_max_len: int | None = None,
         lean: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -91,7 +94,13 @@ class ModelRunner:
         # Llama-family models run the engine's own forward (`lean_decoder`); others run HF's,
         # with the RMSNorms as one Triton kernel each on CUDA (`fused_norm`) and the bf16
         # linear layers on weights packed once for oneDNN on the CPU
-        self.lean = LeanDecoder.of(model) if lean else None
+        # on the CPU, fused C kernels for norms, rotary and decode attention (`cpu_kernels`)
+        self.kernels = (
+            load_cpu_kernels()
+            if cpu_kernels and not on_cuda and CpuKernels.fits(config, pool.dtype)
+            else None
+        )
+        self.lean = LeanDecoder.of(model, self.kernels) if lean else None
         hf = self.lean is None
         self.fused = fusable_norms(model) if hf and self.use_triton else []
         self.packed = PackedLinears.of(model) if hf and not on_cuda else None
@@ -183,8 +192,9 @@ class ModelRunner:
             decode=True,
             seq_lens_B=seq_lens_B,
             use_triton=self.use_triton,
+            cpu_kernels=self.kernels,
         )
-        if not self.use_triton:
+        if not self.use_triton and self.kernels is None:
             step.mask_B_1_Q_S = decode_mask(
                 seq_lens_B, table_B_P.shape[1], self.group, self.pool.page_size
             )

@@ -11,6 +11,7 @@ tokens' queries, keys and values after RoPE; it
 2. attends over the row's pages:
    - decode steps on CUDA (one token a row): a Triton kernel that walks each row's page table
      (no copy of the cache, any length, a fixed launch shape, so CUDA graphs can capture it);
+   - decode steps on the CPU: a C kernel that does the same (`cpu_kernels`), where it builds;
    - a step whose rows all start at position 0 (fresh prompts): causal SDPA over the new
      tokens alone;
    - otherwise (later prefill chunks, mixed steps, the CPU): a gather of the rows' pages and
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from verst.engine.cpu_kernels import CpuKernels
 from verst.engine.kv_pool import KVPool
 
 ATTENTION_NAME = "verst_paged"
@@ -63,6 +65,7 @@ class PagedStep:
     mask_B_1_Q_S: torch.Tensor | None = None
     use_triton: bool = False
     fresh: bool = False  # no row has KV in the pool yet: attend over the new tokens alone
+    cpu_kernels: CpuKernels | None = None  # decode steps on the CPU read the pages in C
 
 
 def paged_attention(
@@ -119,6 +122,16 @@ def attend(
             scaling,
         )
         return out_B_H_D.view(B, 1, Hq, D)
+    if step.decode and step.cpu_kernels is not None:
+        out_B_H_D = step.cpu_kernels.paged_decode(
+            q_B_T_H_D.reshape(B, Hq, D),
+            pool.k[layer],
+            pool.v[layer],
+            step.table_B_P,
+            step.seq_lens_B,
+            scaling,
+        )
+        return out_B_H_D.view(B, 1, Hq, D).to(q_B_T_H_D.dtype)
     if step.fresh:
         # no row has KV in the pool before this step: causal attention over the new tokens
         # alone (flash / memory-efficient kernels, no gather, no mask); rows are right-padded,

@@ -72,11 +72,17 @@ class Scheduler:
         seed: int = 0,
         cuda_graphs: bool | None = None,
         lean_forward: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
         self.runner = ModelRunner(
-            model, pool, pad_token_id=pad_token_id, cuda_graphs=cuda_graphs, lean=lean_forward
+            model,
+            pool,
+            pad_token_id=pad_token_id,
+            cuda_graphs=cuda_graphs,
+            lean=lean_forward,
+            cpu_kernels=cpu_kernels,
         )
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.eos_token_ids = list(eos_token_ids)

@@ -1,0 +1,214 @@
+"""The CPU engine's fused kernels (`csrc/cpu_kernels.c`), compiled at first use, called by ctypes.
+
+On a 2-core CPU a small model's decode step is dominated by per-op overhead and by the paged
+attention's gather: PyTorch runs RMSNorm as several ops, rotary as several more, and attention
+over the paged pool as a copy of every row's pages followed by SDPA over the copy. These
+kernels do each in one pass over the data: RMSNorm, per-head norm + rotary, and decode attention
+that reads K/V straight from the pages. They round to the tensor dtype
+wherever HF's code does (float32 and bfloat16 are supported).
+
+`load()` compiles the C source once per machine with the system C compiler (`cc`, or `$CC`)
+into `~/.cache/verst/kernels/` (`$VERST_KERNEL_CACHE` overrides) and returns None, with one
+logged warning saying why, when there is no compiler or the build fails: the engine then runs
+PyTorch's ops, which compute the same. `VERST_CPU_KERNELS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_ROW, MAX_HEAD = 16384, 1024  # the C source's stack buffers
+
+_p, _i64, _f, _int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+SIGNATURES = {
+    "rms_norm": [_p, _i64, _p, _p, _i64, _i64, _i64, _f, _int],
+    "norm_rope": [_p, _i64, _p, _f, _p, _p, _p, _i64, _i64, _i64, _int],
+    "paged_decode": [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _int],
+}
+
+
+class CpuKernels:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+
+    @staticmethod
+    def fits(config, dtype: torch.dtype) -> bool:
+        """Whether a model of this config and dtype is within the kernels' limits (one that is
+        not runs PyTorch's ops)."""
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return (
+            dtype in DTYPES
+            and config.hidden_size <= MAX_ROW
+            and head_dim <= MAX_HEAD
+            and heads // kv_heads * head_dim <= MAX_ROW
+        )
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """HF's RMSNorm over the last dim of x [..., n] (rows may be strided, each row dense)."""
+        n = x.shape[-1]
+        x_R_N = _rows(x, n)
+        _check(x, weight)
+        out_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype)
+        _limit(n, MAX_ROW)
+        self.lib.rms_norm(
+            x_R_N.data_ptr(), x_R_N.stride(0), weight.data_ptr(), out_R_N.data_ptr(), n,
+            x_R_N.shape[0], n, eps, _bf16(x),
+        )  # fmt: skip
+        return out_R_N.view(*x.shape[:-1], n)
+
+    def norm_rope(
+        self,
+        x_R_H_D: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+        cos_R_D: torch.Tensor,
+        sin_R_D: torch.Tensor,
+    ) -> torch.Tensor:
+        """Per-head RMSNorm (when `weight` is given), then HF's rotary: [R, H, D] contiguous.
+        x's heads must be dense within a row; rows may be strided."""
+        R, H, D = x_R_H_D.shape
+        if x_R_H_D.stride(2) != 1 or x_R_H_D.stride(1) != D:
+            raise ValueError("norm_rope needs each row's heads dense")
+        tensors = [x_R_H_D, cos_R_D, sin_R_D] + ([weight] if weight is not None else [])
+        _check(*tensors)
+        if not (cos_R_D.is_contiguous() and sin_R_D.is_contiguous()):
+            raise ValueError("norm_rope needs contiguous cos / sin")
+        _limit(D, MAX_HEAD)
+        out = torch.empty((R, H, D), dtype=x_R_H_D.dtype)
+        weight_ptr = weight.data_ptr() if weight is not None else None
+        self.lib.norm_rope(
+            x_R_H_D.data_ptr(), x_R_H_D.stride(0), weight_ptr, eps, cos_R_D.data_ptr(),
+            sin_R_D.data_ptr(), out.data_ptr(), R, H, D, _bf16(x_R_H_D),
+        )  # fmt: skip
+        return out
+
+    def paged_decode(
+        self,
+        q_B_H_D: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        table_B_P: torch.Tensor,
+        seq_lens_B: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query token a row over its pages: [B, Hq, D]. k/v_pages [pages, page, Hkv, D]."""
+        B, Hq, D = q_B_H_D.shape
+        _, page, Hkv, _ = k_pages.shape
+        q_B_H_D = q_B_H_D.to(k_pages.dtype).contiguous()
+        _check(q_B_H_D, k_pages, v_pages)
+        if table_B_P.dtype != torch.long or seq_lens_B.dtype != torch.long:
+            raise ValueError("page table and sequence lengths must be int64")
+        if table_B_P.stride(1) != 1 or not seq_lens_B.is_contiguous():
+            raise ValueError("page table rows and sequence lengths must be dense")
+        if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
+            raise ValueError("the KV pages must be contiguous")
+        _limit(D, MAX_HEAD)
+        _limit(Hq // Hkv * D, MAX_ROW)
+        out = torch.empty((B, Hq, D), dtype=k_pages.dtype)
+        self.lib.paged_decode(
+            q_B_H_D.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table_B_P.data_ptr(),
+            table_B_P.stride(0), seq_lens_B.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, page,
+            scale, _bf16(k_pages),
+        )  # fmt: skip
+        return out
+
+
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x as [R, n] with dense rows, a view where possible."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, n)
+    except RuntimeError:
+        return x.reshape(-1, n)
+
+
+def _bf16(x: torch.Tensor) -> int:
+    return int(x.dtype == torch.bfloat16)
+
+
+def _limit(n: int, most: int) -> None:
+    if n > most:
+        raise ValueError(f"the CPU kernels buffer rows of at most {most} values; got {n}")
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    dtype = tensors[0].dtype
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != dtype or dtype not in DTYPES:
+            raise ValueError(
+                f"CPU kernels take float32 or bfloat16 CPU tensors of one dtype; got "
+                f"{[(t.dtype, t.device.type) for t in tensors]}"
+            )
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The compiled kernels, or None (with one warning) when they cannot be built here."""
+    if os.environ.get("VERST_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: the CPU engine runs PyTorch ops instead of its kernels")
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, subprocess.SubprocessError) as error:
+        log.warning("the CPU engine's kernels did not build (%s); it runs PyTorch ops", error)
+        return None
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source)
+    for part in (compiler, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+        key.update(part.encode())
+    root = os.environ.get("VERST_KERNEL_CACHE") or Path.home() / ".cache" / "verst" / "kernels"
+    target = Path(root) / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            raise subprocess.SubprocessError(result.stderr.strip()[-2000:])
+        os.replace(built, target)  # atomic: concurrent builders leave one complete file
+    return target
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (`-march=native` builds for them), where the OS says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,187 @@
+/* The CPU engine's fused kernels: RMSNorm, per-head norm + rotary, and paged decode attention. Each is one call where PyTorch runs several ops (or a gather and an SDPA).
+ *
+ * Tensors are float32 or bfloat16 (`bf16` flag; bf16 is stored as uint16). Rows are loaded into
+ * float32 buffers, computed on, and stored back; every step that rounds to the tensor dtype in
+ * HF's code rounds here too (`round_row`), so norms and rotary equal PyTorch's bit for bit in
+ * bfloat16 (float32 sums may differ in order). The softmax's exp is a polynomial the compiler
+ * vectorises (`fast_exp`, about 2 ulp).
+ *
+ * Built at first use by verst/engine/cpu_kernels.py (cc -O3 -march=native -fopenmp, no FP
+ * contraction) and called through ctypes; parallel loops use the OpenMP runtime torch loaded.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_ROW 16384 /* the longest row a kernel buffers on the stack (hidden, MLP width) */
+#define MAX_HEAD 1024 /* the largest head dim (norm_rope buffers five rows of it) */
+
+typedef union {
+    uint32_t u;
+    float f;
+} bits;
+
+static inline float bf16_to_f32(uint16_t x) {
+    bits b;
+    b.u = (uint32_t)x << 16;
+    return b.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
+    bits b;
+    b.f = f;
+    uint32_t rounded = (b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16;
+    uint32_t nan = (b.u >> 16) | 0x40u;
+    return (uint16_t)((b.u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+static void load_row(const void *src, int bf16, float *restrict dst, long n) {
+    if (bf16) {
+        const uint16_t *restrict s = src;
+        for (long i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        const float *restrict s = src;
+        for (long i = 0; i < n; i++) dst[i] = s[i];
+    }
+}
+
+static void store_row(const float *restrict src, int bf16, void *dst, long n) {
+    if (bf16) {
+        uint16_t *restrict d = dst;
+        for (long i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        float *restrict d = dst;
+        for (long i = 0; i < n; i++) d[i] = src[i];
+    }
+}
+
+static void round_row(float *restrict x, int bf16, long n) { /* to the dtype and back */
+    if (bf16)
+        for (long i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+}
+
+static inline const void *at(const void *base, int bf16, long index) {
+    return (const char *)base + index * (bf16 ? 2 : 4);
+}
+
+/* exp(x) = 2^n * e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by a degree-6 polynomial. */
+static inline float fast_exp(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.7f ? 88.7f : x;
+    float n = (x * 1.44269504f + 12582912.f) - 12582912.f; /* round to nearest */
+    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    bits scale;
+    scale.u = (uint32_t)(((int32_t)n + 127) << 23);
+    return p * scale.f;
+}
+
+/* HF's RMSNorm in place on a float row: float32 statistics, normalise, round, times the weight,
+ * round (the caller's store rounds the last time). */
+static void rms_norm_row(float *restrict x, const float *restrict w, int bf16, long n, float eps) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (long i = 0; i < n; i++) sum += x[i] * x[i];
+    float inv = 1.f / sqrtf(sum / (float)n + eps);
+    for (long i = 0; i < n; i++) x[i] *= inv;
+    round_row(x, bf16, n);
+    for (long i = 0; i < n; i++) x[i] *= w[i];
+}
+
+/* RMSNorm of R rows of n (row strides in elements). */
+void rms_norm(const void *x, long x_stride, const void *w, void *out, long out_stride, long R,
+              long n, float eps, int bf16) {
+    float weight[MAX_ROW];
+    load_row(w, bf16, weight, n);
+#pragma omp parallel for if (R * n > 65536)
+    for (long r = 0; r < R; r++) {
+        float row[MAX_ROW];
+        load_row(at(x, bf16, r * x_stride), bf16, row, n);
+        rms_norm_row(row, weight, bf16, n, eps);
+        store_row(row, bf16, (char *)out + r * out_stride * (bf16 ? 2 : 4), n);
+    }
+}
+
+/* R rows of H heads of D (heads dense in a row, row stride in elements): a per-head RMSNorm
+ * when w is given, then HF's rotary x * cos + rotate_half(x) * sin, each product and the sum
+ * rounded. cos / sin [R, D]; out [R, H, D] contiguous. */
+void norm_rope(const void *x, long x_stride, const void *w, float eps, const void *cos,
+               const void *sin, void *out, long R, long H, long D, int bf16) {
+    float weight[MAX_HEAD];
+    if (w) load_row(w, bf16, weight, D);
+    long half = D / 2;
+#pragma omp parallel for if (R * H * D > 65536)
+    for (long r = 0; r < R; r++) {
+        float c[MAX_HEAD], s[MAX_HEAD], head[MAX_HEAD], a[MAX_HEAD], b[MAX_HEAD];
+        load_row(at(cos, bf16, r * D), bf16, c, D);
+        load_row(at(sin, bf16, r * D), bf16, s, D);
+        for (long h = 0; h < H; h++) {
+            load_row(at(x, bf16, r * x_stride + h * D), bf16, head, D);
+            if (w) {
+                rms_norm_row(head, weight, bf16, D, eps);
+                round_row(head, bf16, D);
+            }
+            for (long i = 0; i < D; i++) a[i] = head[i] * c[i];
+            for (long i = 0; i < half; i++) b[i] = -head[i + half] * s[i];
+            for (long i = half; i < D; i++) b[i] = head[i - half] * s[i];
+            round_row(a, bf16, D);
+            round_row(b, bf16, D);
+            for (long i = 0; i < D; i++) a[i] += b[i];
+            store_row(a, bf16, (char *)out + (r * H + h) * D * (bf16 ? 2 : 4), D);
+        }
+    }
+}
+
+/* One query token a row over its pages. q, out [B, Hq, D]; k, v pools [pages, page, Hkv, D];
+ * table [B, P] (row stride table_stride); seq_lens [B]. One task per (row, KV head): the
+ * query heads of the group score every key once, softmax, then sum the values. */
+void paged_decode(const void *q, const void *k, const void *v, const int64_t *table,
+                  long table_stride, const int64_t *seq_lens, void *out, long B, long Hq, long Hkv,
+                  long D, long page, float scale, int bf16) {
+    long G = Hq / Hkv;
+#pragma omp parallel for schedule(dynamic)
+    for (long task = 0; task < B * Hkv; task++) {
+        long b = task / Hkv, kv_head = task % Hkv, S = seq_lens[b];
+        const int64_t *pages = table + b * table_stride;
+        float *scores = malloc(sizeof(float) * (size_t)(G * S));
+        float *acc = calloc((size_t)(G * D), sizeof(float));
+        float query[MAX_ROW], row[MAX_HEAD];
+        load_row(at(q, bf16, (b * Hq + kv_head * G) * D), bf16, query, G * D);
+        for (long s = 0; s < S; s++) {
+            long slot = pages[s / page] * page + s % page;
+            load_row(at(k, bf16, (slot * Hkv + kv_head) * D), bf16, row, D);
+            for (long g = 0; g < G; g++) {
+                const float *qg = query + g * D;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (long d = 0; d < D; d++) dot += qg[d] * row[d];
+                scores[g * S + s] = dot * scale;
+            }
+        }
+        for (long g = 0; g < G; g++) {
+            float *sc = scores + g * S, top = -INFINITY, sum = 0.f;
+            for (long s = 0; s < S; s++) top = sc[s] > top ? sc[s] : top;
+            for (long s = 0; s < S; s++) sc[s] = fast_exp(sc[s] - top);
+#pragma omp simd reduction(+ : sum)
+            for (long s = 0; s < S; s++) sum += sc[s];
+            for (long s = 0; s < S; s++) sc[s] /= sum;
+        }
+        for (long s = 0; s < S; s++) {
+            long slot = pages[s / page] * page + s % page;
+            load_row(at(v, bf16, (slot * Hkv + kv_head) * D), bf16, row, D);
+            for (long g = 0; g < G; g++) {
+                float p = scores[g * S + s], *ag = acc + g * D;
+                for (long d = 0; d < D; d++) ag[d] += p * row[d];
+            }
+        }
+        store_row(acc, bf16, (char *)out + (b * Hq + kv_head * G) * D * (bf16 ? 2 : 4), G * D);
+        free(scores);
+        free(acc);
+    }
+}
