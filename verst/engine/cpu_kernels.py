@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_ROW, MAX_HEAD = 16384, 1024  # the C source's stack buffers
 
@@ -61,6 +61,7 @@ class CpuKernels:
             dtype in DTYPES
             and config.hidden_size <= MAX_ROW
             and head_dim <= MAX_HEAD
+            and head_dim % 8 == 0
             and heads // kv_heads * head_dim <= MAX_ROW
         )
 

@@ -6,12 +6,14 @@
  * bfloat16 (float32 sums may differ in order). The softmax's exp is a polynomial the compiler
  * vectorises (`fast_exp`, about 2 ulp).
  *
- * Built at first use by verst/engine/cpu_kernels.py (cc -O3 -march=native -fopenmp, no FP
- * contraction) and called through ctypes; parallel loops use the OpenMP runtime torch loaded.
+ * Built at first use by verst/engine/cpu_kernels.py (cc -O3 -march=native -fopenmp) and called
+ * through ctypes; parallel loops use the OpenMP runtime torch loaded. In bfloat16 every product
+ * of two stored values is exact in float32, so fused multiply-adds round as PyTorch does.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_ROW 16384 /* the longest row a kernel buffers on the stack (hidden, MLP width) */
 #define MAX_HEAD 1024 /* the largest head dim (norm_rope buffers five rows of it) */
@@ -138,34 +140,73 @@ void norm_rope(const void *x, long x_stride, const void *w, float eps, const voi
     }
 }
 
+/* Eight floats as one vector (GCC / Clang vector extensions: AVX on x86, NEON on Arm). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8f load8(const void *p, int bf16) {
+    v8f f;
+    if (bf16) {
+        v8h h;
+        memcpy(&h, p, sizeof h);
+        v8u u = __builtin_convertvector(h, v8u) << 16;
+        memcpy(&f, &u, sizeof f);
+    } else {
+        memcpy(&f, p, sizeof f);
+    }
+    return f;
+}
+
+static inline float sum8(v8f x) {
+    return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+#define KEYS 8 /* keys scored together: independent accumulators keep the FMA units busy */
+
 /* One query token a row over its pages. q, out [B, Hq, D]; k, v pools [pages, page, Hkv, D];
- * table [B, P] (row stride table_stride); seq_lens [B]. One task per (row, KV head): the
- * query heads of the group score every key once, softmax, then sum the values. */
+ * table [B, P] (row stride table_stride); seq_lens [B]; D a multiple of 8. A task is a row and
+ * a range of its KV heads (all of them once there are rows enough to share out, so each key's
+ * heads are read as one contiguous run): the query heads score the keys KEYS at a time,
+ * softmax, then sum the values. */
 void paged_decode(const void *q, const void *k, const void *v, const int64_t *table,
                   long table_stride, const int64_t *seq_lens, void *out, long B, long Hq, long Hkv,
                   long D, long page, float scale, int bf16) {
-    long G = Hq / Hkv;
+    long G = Hq / Hkv, chunks = D / 8, width = bf16 ? 2 : 4;
+    long splits = B >= 8 ? 1 : Hkv; /* few rows: one task per KV head instead */
+    long heads_per_task = Hkv / splits;
 #pragma omp parallel for schedule(dynamic)
-    for (long task = 0; task < B * Hkv; task++) {
-        long b = task / Hkv, kv_head = task % Hkv, S = seq_lens[b];
+    for (long task = 0; task < B * splits; task++) {
+        long b = task / splits, first = task % splits * heads_per_task, S = seq_lens[b];
+        long H = heads_per_task * G; /* query heads of this task */
         const int64_t *pages = table + b * table_stride;
-        float *scores = malloc(sizeof(float) * (size_t)(G * S));
-        float *acc = calloc((size_t)(G * D), sizeof(float));
-        float query[MAX_ROW], row[MAX_HEAD];
-        load_row(at(q, bf16, (b * Hq + kv_head * G) * D), bf16, query, G * D);
-        for (long s = 0; s < S; s++) {
-            long slot = pages[s / page] * page + s % page;
-            load_row(at(k, bf16, (slot * Hkv + kv_head) * D), bf16, row, D);
-            for (long g = 0; g < G; g++) {
-                const float *qg = query + g * D;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (long d = 0; d < D; d++) dot += qg[d] * row[d];
-                scores[g * S + s] = dot * scale;
+        float *scores = malloc(sizeof(float) * (size_t)(H * S));
+        v8f *query = aligned_alloc(sizeof(v8f), sizeof(v8f) * (size_t)(H * chunks));
+        v8f *acc = aligned_alloc(sizeof(v8f), sizeof(v8f) * (size_t)(H * chunks));
+        for (long c = 0; c < H * chunks; c++) {
+            query[c] = load8(at(q, bf16, (b * Hq + first * G) * D + c * 8), bf16);
+            acc[c] = (v8f){0};
+        }
+        for (long s0 = 0; s0 < S; s0 += KEYS) {
+            const char *keys[KEYS]; /* each key's first head of this task */
+            for (long j = 0; j < KEYS; j++) {
+                long s = s0 + j < S ? s0 + j : s0; /* past the end: score key s0 again, unused */
+                keys[j] = at(k, bf16, ((pages[s / page] * page + s % page) * Hkv + first) * D);
+            }
+            for (long h = 0; h < H; h++) {
+                long offset = h / G * D * width; /* this query head's KV head in the key */
+                v8f dots[KEYS] = {{0}};
+                for (long c = 0; c < chunks; c++) {
+                    v8f qc = query[h * chunks + c];
+                    for (long j = 0; j < KEYS; j++)
+                        dots[j] += qc * load8(keys[j] + offset + c * 8 * width, bf16);
+                }
+                for (long j = 0; j < KEYS && s0 + j < S; j++)
+                    scores[h * S + s0 + j] = sum8(dots[j]) * scale;
             }
         }
-        for (long g = 0; g < G; g++) {
-            float *sc = scores + g * S, top = -INFINITY, sum = 0.f;
+        for (long h = 0; h < H; h++) {
+            float *sc = scores + h * S, top = -INFINITY, sum = 0.f;
             for (long s = 0; s < S; s++) top = sc[s] > top ? sc[s] : top;
             for (long s = 0; s < S; s++) sc[s] = fast_exp(sc[s] - top);
 #pragma omp simd reduction(+ : sum)
@@ -173,15 +214,18 @@ void paged_decode(const void *q, const void *k, const void *v, const int64_t *ta
             for (long s = 0; s < S; s++) sc[s] /= sum;
         }
         for (long s = 0; s < S; s++) {
-            long slot = pages[s / page] * page + s % page;
-            load_row(at(v, bf16, (slot * Hkv + kv_head) * D), bf16, row, D);
-            for (long g = 0; g < G; g++) {
-                float p = scores[g * S + s], *ag = acc + g * D;
-                for (long d = 0; d < D; d++) ag[d] += p * row[d];
+            const char *row =
+                at(v, bf16, ((pages[s / page] * page + s % page) * Hkv + first) * D);
+            for (long h = 0; h < H; h++) {
+                float p = scores[h * S + s];
+                const char *head = row + h / G * D * width;
+                for (long c = 0; c < chunks; c++)
+                    acc[h * chunks + c] += p * load8(head + c * 8 * width, bf16);
             }
         }
-        store_row(acc, bf16, (char *)out + (b * Hq + kv_head * G) * D * (bf16 ? 2 : 4), G * D);
+        store_row((const float *)acc, bf16, (char *)out + (b * Hq + first * G) * D * width, H * D);
         free(scores);
+        free(query);
         free(acc);
     }
 }
