@@ -72,11 +72,12 @@ def test_the_engine_fuses_every_norm_of_qwen3() -> None:
     assert len(fusable_norms(model)) == 4 * layers + 1  # input, post, q, k; the final norm
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_greedy_equals_hf_generate_fp32_on_cuda(graphs) -> None:
+@pytest.mark.parametrize(("graphs", "lean"), [(True, True), (False, True), (True, False)])
+def test_greedy_equals_hf_generate_fp32_on_cuda(graphs, lean) -> None:
     model = tiny_model(torch.float32)
     prompts = [[(i * 7 + j * 3) % 60 + 1 for j in range(n)] for i, n in enumerate([5, 11, 2, 30])]
-    sched = scheduler(model, torch.float32, cuda_graphs=graphs)
+    sched = scheduler(model, torch.float32, cuda_graphs=graphs, lean_forward=lean)
+    assert (sched.runner.lean is not None) == lean
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     outs = sched.generate([GenerateRequest(input_ids=p, sampling_params=params) for p in prompts])
     assert (len(sched.runner._graphs) > 0) == graphs
@@ -131,3 +132,26 @@ def test_weight_update_reaches_the_captured_graphs() -> None:
     )[0, 3:].tolist()
     assert after.output_ids == expected and after.weight_version == 3
     assert after.output_ids != before.output_ids
+
+
+def test_lean_forward_is_close_to_hf_forward_in_bf16_on_cuda() -> None:
+    from verst.engine.model_runner import Row
+
+    model = tiny_model(torch.bfloat16)
+    prompts = [[5, 9, 14, 3, 7, 21, 8], [40, 2, 11]]
+    pages = [[1, 2], [7]]
+
+    def logits(lean: bool) -> list[torch.Tensor]:
+        runner = scheduler(model, torch.bfloat16, lean_forward=lean).runner
+        rows = [
+            Row(tokens=p, past=0, pages=pg, all_logits=True)
+            for p, pg in zip(prompts, pages, strict=True)
+        ]
+        _, full = runner.forward(rows)
+        last, _ = runner.forward(
+            [Row(tokens=[17], past=len(p), pages=pg) for p, pg in zip(prompts, pages, strict=True)]
+        )
+        return [full[0], full[1], last.clone()]
+
+    for got, want in zip(logits(True), logits(False), strict=True):
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
