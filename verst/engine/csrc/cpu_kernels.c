@@ -101,7 +101,7 @@ void rms_norm(const void *x, long x_stride, const void *w, void *out, long out_s
               long n, float eps, int bf16) {
     float weight[MAX_ROW];
     load_row(w, bf16, weight, n);
-#pragma omp parallel for if (R * n > 65536)
+#pragma omp parallel for if (R * n >= 8192)
     for (long r = 0; r < R; r++) {
         float row[MAX_ROW];
         load_row(at(x, bf16, r * x_stride), bf16, row, n);
@@ -118,7 +118,7 @@ void norm_rope(const void *x, long x_stride, const void *w, float eps, const voi
     float weight[MAX_HEAD];
     if (w) load_row(w, bf16, weight, D);
     long half = D / 2;
-#pragma omp parallel for if (R * H * D > 65536)
+#pragma omp parallel for if (R * H * D >= 8192)
     for (long r = 0; r < R; r++) {
         float c[MAX_HEAD], s[MAX_HEAD], head[MAX_HEAD], a[MAX_HEAD], b[MAX_HEAD];
         load_row(at(cos, bf16, r * D), bf16, c, D);
@@ -187,22 +187,32 @@ void paged_decode(const void *q, const void *k, const void *v, const int64_t *ta
             query[c] = load8(at(q, bf16, (b * Hq + first * G) * D + c * 8), bf16);
             acc[c] = (v8f){0};
         }
-        for (long s0 = 0; s0 < S; s0 += KEYS) {
-            const char *keys[KEYS]; /* each key's first head of this task */
-            for (long j = 0; j < KEYS; j++) {
-                long s = s0 + j < S ? s0 + j : s0; /* past the end: score key s0 again, unused */
-                keys[j] = at(k, bf16, ((pages[s / page] * page + s % page) * Hkv + first) * D);
-            }
-            for (long h = 0; h < H; h++) {
-                long offset = h / G * D * width; /* this query head's KV head in the key */
-                v8f dots[KEYS] = {{0}};
-                for (long c = 0; c < chunks; c++) {
-                    v8f qc = query[h * chunks + c];
-                    for (long j = 0; j < KEYS; j++)
-                        dots[j] += qc * load8(keys[j] + offset + c * 8 * width, bf16);
+        long key_stride = Hkv * D * width; /* bytes from one key of a page to the next */
+        for (long start = 0; start < S; start += page) {
+            long n = S - start < page ? S - start : page; /* keys on this page */
+            const char *base = at(k, bf16, (pages[start / page] * page * Hkv + first) * D);
+            for (long j0 = 0; j0 < n; j0 += KEYS) {
+                const char *keys[KEYS]; /* past the page's last key: score key j0 again, unused */
+                for (long j = 0; j < KEYS; j++) keys[j] = base + (j0 + j < n ? j0 + j : j0) * key_stride;
+                /* each key chunk is converted once and scored against a pair of the query
+                 * heads that share its KV head */
+                for (long h = 0; h < H; h += 2) {
+                    long offset = h / G * D * width, pair = G % 2 == 0; /* h, h+1: one KV head */
+                    v8f dots[2][KEYS] = {{{0}}};
+                    for (long c = 0; c < chunks; c++) {
+                        v8f q0 = query[h * chunks + c], q1 = pair ? query[(h + 1) * chunks + c] : q0;
+                        for (long j = 0; j < KEYS; j++) {
+                            v8f kc = load8(keys[j] + offset + c * 8 * width, bf16);
+                            dots[0][j] += q0 * kc;
+                            dots[1][j] += q1 * kc;
+                        }
+                    }
+                    for (long j = 0; j < KEYS && j0 + j < n; j++) {
+                        scores[h * S + start + j0 + j] = sum8(dots[0][j]) * scale;
+                        if (pair) scores[(h + 1) * S + start + j0 + j] = sum8(dots[1][j]) * scale;
+                    }
+                    if (!pair) h -= 1; /* odd group sizes: one head at a time */
                 }
-                for (long j = 0; j < KEYS && s0 + j < S; j++)
-                    scores[h * S + s0 + j] = sum8(dots[j]) * scale;
             }
         }
         for (long h = 0; h < H; h++) {
@@ -213,14 +223,20 @@ void paged_decode(const void *q, const void *k, const void *v, const int64_t *ta
             for (long s = 0; s < S; s++) sum += sc[s];
             for (long s = 0; s < S; s++) sc[s] /= sum;
         }
-        for (long s = 0; s < S; s++) {
-            const char *row =
-                at(v, bf16, ((pages[s / page] * page + s % page) * Hkv + first) * D);
-            for (long h = 0; h < H; h++) {
-                float p = scores[h * S + s];
-                const char *head = row + h / G * D * width;
-                for (long c = 0; c < chunks; c++)
-                    acc[h * chunks + c] += p * load8(head + c * 8 * width, bf16);
+        for (long start = 0; start < S; start += page) {
+            long n = S - start < page ? S - start : page;
+            const char *base = at(v, bf16, (pages[start / page] * page * Hkv + first) * D);
+            for (long j = 0; j < n; j++) {
+                const char *row = base + j * key_stride;
+                for (long kvh = 0; kvh < heads_per_task; kvh++) {
+                    const char *head = row + kvh * D * width;
+                    float *p = scores + kvh * G * S + start + j; /* p[g * S]: query head g */
+                    v8f *a = acc + kvh * G * chunks;
+                    for (long c = 0; c < chunks; c++) {
+                        v8f vc = load8(head + c * 8 * width, bf16); /* converted once per KV head */
+                        for (long g = 0; g < G; g++) a[g * chunks + c] += p[g * S] * vc;
+                    }
+                }
             }
         }
         store_row((const float *)acc, bf16, (char *)out + (b * Hq + first * G) * D * width, H * D);
