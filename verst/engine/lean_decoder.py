@@ -8,10 +8,12 @@ layers, reading the same parameters, with:
 - Q/K/V as one linear and gate/up as one linear where the weights are packed for oneDNN (the
   CPU's bf16 case; the packed copy is made from the concatenated weights, so fusing costs no
   memory beyond packing);
-- RMSNorm as `F.rms_norm` then the weight multiply (HF's rounding: float32 statistics,
-  normalise, cast, multiply); one fused Triton kernel on CUDA;
-- rotary as one `flip` and three elementwise ops per tensor (HF's `rotate_half` is a `cat` of a
-  negated half; the sign moves onto a per-step copy of `sin`, which is exact);
+- RMSNorm, the per-head norm with rotary, and (on CUDA) SiLU-and-multiply as one fused kernel
+  each, from the kernel set the runner passes: C on the CPU (`cpu_kernels`), Triton on CUDA
+  (`cuda_kernels`); all round where HF's code rounds;
+- without kernels, RMSNorm as `F.rms_norm` then the weight multiply, and rotary as one `flip`
+  and three elementwise ops per tensor (HF's `rotate_half` is a `cat` of a negated half; the
+  sign moves onto a per-step copy of `sin`, which is exact);
 - attention through `paged_attention.attend`, the kernel HF's attention hook calls.
 
 It serves the architectures whose layers it can read (`LeanDecoder.of` returns None for any
@@ -28,9 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from verst.engine.cpu_kernels import CpuKernels
-from verst.engine.fused_norm import FUSABLE, rms_norm_triton
+from verst.engine.cuda_kernels import CudaKernels
+from verst.engine.fused_norm import FUSABLE
 from verst.engine.packed_linear import DerivedWeights, pack_weight, packed_linear, packing_available
-from verst.engine.paged_attention import PagedStep, attend, triton
+from verst.engine.paged_attention import PagedStep, attend
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -67,14 +70,12 @@ class _Linears:
 @dataclass
 class _Norm:
     module: torch.nn.Module
-    kernels: CpuKernels | None
+    kernels: CpuKernels | CudaKernels | None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, eps = self.module.weight, self.module.variance_epsilon
         if self.kernels is not None:
             return self.kernels.rms_norm(x, weight, eps)
-        if x.is_cuda and triton is not None:
-            return rms_norm_triton(x, weight, eps)
         return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
@@ -93,7 +94,9 @@ class _Layer:
 
 
 class LeanDecoder:
-    def __init__(self, model: torch.nn.Module, kernels: CpuKernels | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kernels: CpuKernels | CudaKernels | None = None
+    ) -> None:
         self.model = model
         self.kernels = kernels
         self.decoder = model.get_decoder()
@@ -107,7 +110,9 @@ class LeanDecoder:
         self.head = _Linears("lm_head", [model.get_output_embeddings()], self.derived)
 
     @classmethod
-    def of(cls, model: torch.nn.Module, kernels: CpuKernels | None = None) -> LeanDecoder | None:
+    def of(
+        cls, model: torch.nn.Module, kernels: CpuKernels | CudaKernels | None = None
+    ) -> LeanDecoder | None:
         """The lean forward of `model` (norms and rotary by `kernels` where given), or None when
         its architecture is not one it reads."""
         return cls(model, kernels) if readable(model) else None
@@ -179,7 +184,11 @@ class LeanDecoder:
         (attn_B_T_H,) = layer.o(out_B_T_H_D.reshape(B, T, -1))
         x_B_T_H = x_B_T_H + attn_B_T_H
         gate, up = layer.gate_up(layer.post_norm(x_B_T_H))
-        (mlp_B_T_H,) = layer.down(F.silu(gate) * up)
+        if isinstance(self.kernels, CudaKernels):
+            act = self.kernels.silu_mul(gate, up)
+        else:  # PyTorch's two ops measured faster than a C loop on the CPU
+            act = F.silu(gate) * up
+        (mlp_B_T_H,) = layer.down(act)
         return x_B_T_H + mlp_B_T_H
 
     def _position(

@@ -26,6 +26,7 @@ import torch
 
 from verst.engine.cpu_kernels import CpuKernels
 from verst.engine.cpu_kernels import load as load_cpu_kernels
+from verst.engine.cuda_kernels import CudaKernels
 from verst.engine.fused_norm import fusable_norms, fused_norms
 from verst.engine.kv_pool import KVPool
 from verst.engine.lean_decoder import LeanDecoder
@@ -94,12 +95,13 @@ class ModelRunner:
         # Llama-family models run the engine's own forward (`lean_decoder`); others run HF's,
         # with the RMSNorms as one Triton kernel each on CUDA (`fused_norm`) and the bf16
         # linear layers on weights packed once for oneDNN on the CPU
-        # on the CPU, fused C kernels for norms, rotary and decode attention (`cpu_kernels`)
-        self.kernels = (
-            load_cpu_kernels()
-            if cpu_kernels and not on_cuda and CpuKernels.fits(config, pool.dtype)
-            else None
-        )
+        # fused kernels for the lean forward: C on the CPU (norms, rotary, decode attention;
+        # `cpu_kernels`), Triton on CUDA (norms, rotary, SiLU-and-multiply; `cuda_kernels`)
+        self.kernels: CpuKernels | CudaKernels | None = None
+        if on_cuda and self.use_triton and CudaKernels.fits(config, pool.dtype):
+            self.kernels = CudaKernels()
+        elif not on_cuda and cpu_kernels and CpuKernels.fits(config, pool.dtype):
+            self.kernels = load_cpu_kernels()
         self.lean = LeanDecoder.of(model, self.kernels) if lean else None
         hf = self.lean is None
         self.fused = fusable_norms(model) if hf and self.use_triton else []
@@ -192,9 +194,9 @@ class ModelRunner:
             decode=True,
             seq_lens_B=seq_lens_B,
             use_triton=self.use_triton,
-            cpu_kernels=self.kernels,
+            cpu_kernels=self.kernels if isinstance(self.kernels, CpuKernels) else None,
         )
-        if not self.use_triton and self.kernels is None:
+        if not self.use_triton and step.cpu_kernels is None:
             step.mask_B_1_Q_S = decode_mask(
                 seq_lens_B, table_B_P.shape[1], self.group, self.pool.page_size
             )
