@@ -106,7 +106,7 @@ def test_greedy_output_is_the_same_with_or_without_kernels() -> None:
 
     def outputs(kernels: bool) -> tuple[list[list[int]], Scheduler]:
         scheduler = Scheduler(
-            model, cpu_pool(torch.float32), eos_token_ids=[], pad_token_id=0, cpu_kernels=kernels
+            model, cpu_pool(torch.float32), eos_token_ids=[], pad_token_id=0, fused_kernels=kernels
         )
         requests = [GenerateRequest(input_ids=p, sampling_params=params) for p in prompts]
         return [d.output_ids for d in scheduler.generate(requests)], scheduler
@@ -126,7 +126,7 @@ def test_bf16_decode_logits_are_close_with_or_without_kernels(lean: bool) -> Non
     pages = [[1, 2], [7]]
 
     def decode_logits(kernels: bool) -> torch.Tensor:
-        runner = ModelRunner(model, cpu_pool(torch.bfloat16), lean=lean, cpu_kernels=kernels)
+        runner = ModelRunner(model, cpu_pool(torch.bfloat16), lean=lean, fused_kernels=kernels)
         assert (runner.kernels is not None) == kernels
         runner.forward(
             [Row(tokens=p, past=0, pages=pg) for p, pg in zip(prompts, pages, strict=True)]

@@ -69,7 +69,7 @@ class ModelRunner:
         graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES,
         graph_max_len: int | None = None,
         lean: bool = True,
-        cpu_kernels: bool = True,
+        fused_kernels: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -92,16 +92,16 @@ class ModelRunner:
         self._graphs: dict[int, _Graph] = {}
         self._graph_pool = None
         self._meta: torch.Tensor | None = None  # static inputs of the graphs
+        # fused kernels: C on the CPU (norms, rotary, decode attention; `cpu_kernels`), Triton
+        # on CUDA (norms, rotary, SiLU-and-multiply; `cuda_kernels`)
+        self.kernels: CpuKernels | CudaKernels | None = None
+        if fused_kernels and on_cuda and self.use_triton and CudaKernels.fits(config, pool.dtype):
+            self.kernels = CudaKernels()
+        elif fused_kernels and not on_cuda and CpuKernels.fits(config, pool.dtype):
+            self.kernels = load_cpu_kernels()
         # Llama-family models run the engine's own forward (`lean_decoder`); others run HF's,
         # with the RMSNorms as one Triton kernel each on CUDA (`fused_norm`) and the bf16
         # linear layers on weights packed once for oneDNN on the CPU
-        # fused kernels for the lean forward: C on the CPU (norms, rotary, decode attention;
-        # `cpu_kernels`), Triton on CUDA (norms, rotary, SiLU-and-multiply; `cuda_kernels`)
-        self.kernels: CpuKernels | CudaKernels | None = None
-        if on_cuda and self.use_triton and CudaKernels.fits(config, pool.dtype):
-            self.kernels = CudaKernels()
-        elif not on_cuda and cpu_kernels and CpuKernels.fits(config, pool.dtype):
-            self.kernels = load_cpu_kernels()
         self.lean = LeanDecoder.of(model, self.kernels) if lean else None
         hf = self.lean is None
         self.fused = fusable_norms(model) if hf and self.use_triton else []

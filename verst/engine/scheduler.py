@@ -72,7 +72,7 @@ class Scheduler:
         seed: int = 0,
         cuda_graphs: bool | None = None,
         lean_forward: bool = True,
-        cpu_kernels: bool = True,
+        fused_kernels: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -82,7 +82,7 @@ class Scheduler:
             pad_token_id=pad_token_id,
             cuda_graphs=cuda_graphs,
             lean=lean_forward,
-            cpu_kernels=cpu_kernels,
+            fused_kernels=fused_kernels,
         )
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.eos_token_ids = list(eos_token_ids)

@@ -1,0 +1,119 @@
+"""The scheduler's forward paths A/B, in one process: HF's layers, the lean forward without
+fused kernels, and the lean forward with them (C on the CPU, Triton on CUDA).
+
+The same model and prompts go through each variant, alternated `--rounds` times (the machine's
+speed drifts; alternating spreads the drift over all of them). Each variant is warmed at the
+workload's shapes first. It prints tokens/s per variant and batch, the best round's ratio to HF's
+layers, and saves JSON.
+
+    python bench/engine_forward_ab.py --preset cpu --dtype bfloat16
+    python bench/engine_forward_ab.py --preset h200          # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_throughput import PRESETS, build_model, requests, timed  # noqa: E402
+
+from verst.engine.kv_pool import KVPool  # noqa: E402
+from verst.engine.scheduler import Scheduler  # noqa: E402
+
+VARIANTS = {
+    "hf_layers": dict(lean_forward=False, fused_kernels=False),
+    "lean": dict(lean_forward=True, fused_kernels=False),
+    "lean_kernels": dict(lean_forward=True, fused_kernels=True),
+}
+
+
+def scheduler_for(model, variant: str, budget_mb: int) -> Scheduler:
+    param = next(model.parameters())
+    pool = KVPool.from_budget(
+        model.config,
+        budget_bytes=budget_mb << 20,
+        page_size=16,
+        dtype=param.dtype,
+        device=param.device,
+    )
+    scheduler = Scheduler(model, pool, eos_token_ids=[], pad_token_id=0, **VARIANTS[variant])
+    return scheduler
+
+
+def main() -> None:
+    args = parse_args()
+    preset = PRESETS[args.preset]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype or preset["dtype"])
+    model = build_model(preset["model"], dtype, device)
+    vocab, new = model.config.vocab_size, preset["new_tokens"]
+    results: dict[str, dict[int, list[float]]] = {v: {} for v in VARIANTS}
+    for _ in range(args.rounds):
+        for batch in args.batches or preset["batches"]:
+            gen = torch.Generator().manual_seed(batch)
+            prompts = [
+                torch.randint(10, vocab, (preset["prompt_tokens"],), generator=gen).tolist()
+                for _ in range(batch)
+            ]
+            for variant in VARIANTS:
+                scheduler = scheduler_for(model, variant, args.kv_budget_mb)
+                scheduler.runner.capture_graphs(batch)
+                scheduler.generate(requests(prompts, 4))  # warm-up at these shapes
+                scheduler.flush_cache()
+                timed_requests = requests(prompts, new)
+                seconds = timed(lambda s=scheduler, r=timed_requests: s.generate(r))
+                tok_s = batch * new / seconds
+                results[variant].setdefault(batch, []).append(tok_s)
+                print(f"batch {batch:4d} {variant:13s} {tok_s:10.1f} tok/s", flush=True)
+                del scheduler
+    summary = {
+        batch: {
+            **{f"{v}_tok_s": max(results[v][batch]) for v in VARIANTS},
+            **{
+                f"{v}_over_hf_layers": max(results[v][batch]) / max(results["hf_layers"][batch])
+                for v in ("lean", "lean_kernels")
+            },
+        }  # fmt: skip
+        for batch in results["hf_layers"]
+    }
+    for batch, row in summary.items():
+        print(
+            f"batch {batch:4d}: lean / HF layers {row['lean_over_hf_layers']:.2f}x, "
+            f"lean + kernels / HF layers {row['lean_kernels_over_hf_layers']:.2f}x"
+        )
+    out = {
+        "benchmark": "engine_forward_ab",
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "threads": torch.get_num_threads(),
+        "rounds": results,
+        "best": summary,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1))
+        print(f"saved {args.out}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    parser.add_argument("--batches", type=int, nargs="*", default=None)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-budget-mb", type=int, default=2048)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()
