@@ -46,6 +46,21 @@ def test_rms_norm_matches_hf(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_hf_residual_add_then_norm(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(4, 3, 200, dtype=dtype)[:, 1]  # strided rows
+    residual = torch.randn(4, 200, dtype=dtype) * 2
+    weight = torch.randn(200, dtype=dtype)
+    total, normed = KERNELS.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, residual + x)
+    want = hf_rms_norm(residual + x, weight, 1e-6)
+    if dtype == torch.bfloat16:
+        assert torch.equal(normed, want)
+    else:
+        torch.testing.assert_close(normed, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_norm", [True, False])
 def test_norm_rope_matches_hf(dtype: torch.dtype, with_norm: bool) -> None:
     torch.manual_seed(1)

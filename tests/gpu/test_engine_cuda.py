@@ -201,3 +201,20 @@ def test_the_lean_forward_uses_the_cuda_kernels() -> None:
     sched = scheduler(tiny_model(torch.bfloat16), torch.bfloat16)
     assert isinstance(sched.runner.kernels, CudaKernels)
     assert sched.runner.lean is not None and sched.runner.lean.kernels is sched.runner.kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_kernel_matches_hf(dtype) -> None:
+    from verst.engine.cuda_kernels import CudaKernels
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 896, device="cuda", dtype=dtype)[:, 1]
+    residual = torch.randn(6, 896, device="cuda", dtype=dtype) * 2
+    norm = transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm(896).to("cuda", dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+        total, normed = CudaKernels().add_rms_norm(x, residual, norm.weight, 1e-6)
+        want = norm(residual + x)
+    assert torch.equal(total, residual + x)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(normed, want, atol=tolerance, rtol=tolerance)

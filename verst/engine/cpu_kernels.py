@@ -38,6 +38,7 @@ MAX_ROW, MAX_HEAD = 16384, 1024  # the C source's stack buffers
 _p, _i64, _f, _int = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 SIGNATURES = {
     "rms_norm": [_p, _i64, _p, _p, _i64, _i64, _i64, _f, _int],
+    "add_rms_norm": [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _f, _int],
     "norm_rope": [_p, _i64, _p, _f, _p, _p, _p, _i64, _i64, _i64, _int],
     "paged_decode": [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _int],
 }
@@ -77,6 +78,23 @@ class CpuKernels:
             x_R_N.shape[0], n, eps, _bf16(x),
         )  # fmt: skip
         return out_R_N.view(*x.shape[:-1], n)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's residual add then RMSNorm over [..., n]: (x + residual, its norm), one pass."""
+        n = x.shape[-1]
+        x_R_N, residual_R_N = _rows(x, n), _rows(residual, n)
+        _check(x, residual, weight)
+        _limit(n, MAX_ROW)
+        sum_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype)
+        out_R_N = torch.empty_like(sum_R_N)
+        self.lib.add_rms_norm(
+            x_R_N.data_ptr(), x_R_N.stride(0), residual_R_N.data_ptr(), residual_R_N.stride(0),
+            weight.data_ptr(), sum_R_N.data_ptr(), out_R_N.data_ptr(), x_R_N.shape[0], n, eps,
+            _bf16(x),
+        )  # fmt: skip
+        return sum_R_N.view(x.shape), out_R_N.view(x.shape)
 
     def norm_rope(
         self,

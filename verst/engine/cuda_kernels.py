@@ -6,6 +6,7 @@ its minimum of a few microseconds however little it computes, so the count sets 
 `CudaKernels` offers what `lean_decoder` asks of a kernel set, on CUDA:
 
 - `rms_norm`: HF's RMSNorm, one kernel (`fused_norm.rms_norm_triton`);
+- `add_rms_norm`: the residual add and the next RMSNorm, one kernel instead of two;
 - `norm_rope`: the per-head norm (Qwen3) and rotary of queries or keys, one kernel instead of
   eight to ten;
 - `silu_mul`: the MLP's activation and product, one kernel instead of two.
@@ -37,6 +38,21 @@ class CudaKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_triton(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's residual add then RMSNorm over [..., n]: (x + residual, its norm), one kernel."""
+        n = x.shape[-1]
+        x_R_N, residual_R_N = _rows(x, n), _rows(residual, n)
+        sum_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype, device=x.device)
+        out_R_N = torch.empty_like(sum_R_N)
+        block = triton.next_power_of_2(n)
+        _add_rms_norm_kernel[(x_R_N.shape[0],)](
+            x_R_N, residual_R_N, weight, sum_R_N, out_R_N, x_R_N.stride(0),
+            residual_R_N.stride(0), n, eps, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+        )  # fmt: skip
+        return sum_R_N.view(x.shape), out_R_N.view(x.shape)
 
     def norm_rope(
         self,
@@ -127,6 +143,22 @@ if triton is not None:
         a = (x * cos).to(dtype).to(tl.float32)
         b = (rotated * sin).to(dtype).to(tl.float32)
         tl.store(Out + (row * heads + head) * D + offs, (a + b).to(dtype))
+
+    @triton.jit
+    def _add_rms_norm_kernel(X, R, W, Sum, Out, stride_x, stride_r, N, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        valid = offs < N
+        dtype = Sum.dtype.element_ty
+        x = tl.load(X + row * stride_x + offs, mask=valid, other=0.0).to(tl.float32)
+        r = tl.load(R + row * stride_r + offs, mask=valid, other=0.0).to(tl.float32)
+        total = (x + r).to(dtype)
+        tl.store(Sum + row * N + offs, total, mask=valid)
+        total = total.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(total * total, axis=0) / N + eps)
+        normed = (total * inv).to(dtype).to(tl.float32)
+        w = tl.load(W + offs, mask=valid, other=0.0).to(tl.float32)
+        tl.store(Out + row * N + offs, (w * normed).to(dtype), mask=valid)
 
     @triton.jit
     def _silu_mul_kernel(G, U, Out, stride_g, stride_u, N, BLOCK: tl.constexpr):

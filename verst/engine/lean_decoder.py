@@ -72,11 +72,22 @@ class _Norm:
     module: torch.nn.Module
     kernels: CpuKernels | CudaKernels | None
 
+    @property
+    def eps(self) -> float:
+        return self.module.variance_epsilon
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, eps = self.module.weight, self.module.variance_epsilon
+        weight, eps = self.module.weight, self.eps
         if self.kernels is not None:
             return self.kernels.rms_norm(x, weight, eps)
         return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's residual add, then this norm: (x + residual, its norm)."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(x, residual, self.module.weight, self.eps)
+        total = residual + x
+        return total, self(total)
 
 
 @dataclass
@@ -134,9 +145,16 @@ class LeanDecoder:
             half = self.head_dim // 2
             signed_sin_B_T_D = torch.cat([-sin_B_T_D[..., :half], sin_B_T_D[..., half:]], dim=-1)
             rotary = (cos_B_T_D.unsqueeze(2), signed_sin_B_T_D.unsqueeze(2))
-        for layer in self.layers:
-            x_B_T_H = self._layer_forward(layer, x_B_T_H, rotary, step)
-        return self.final_norm(x_B_T_H)
+        # each residual add runs with the norm after it: a layer's post-attention norm, then the
+        # next layer's input norm (the final norm after the last layer)
+        residual_B_T_H = x_B_T_H
+        h_B_T_H = self.layers[0].input_norm(residual_B_T_H)
+        after = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        for layer, next_norm in zip(self.layers, after, strict=True):
+            attn_B_T_H = self._attention(layer, h_B_T_H, rotary, step)
+            residual_B_T_H, h_B_T_H = layer.post_norm.add(attn_B_T_H, residual_B_T_H)
+            residual_B_T_H, h_B_T_H = next_norm.add(self._mlp(layer, h_B_T_H), residual_B_T_H)
+        return h_B_T_H
 
     def logits(self, hidden_N_H: torch.Tensor) -> torch.Tensor:
         return self.head(hidden_N_H)[0]
@@ -163,16 +181,17 @@ class LeanDecoder:
     def _norm(self, module: torch.nn.Module) -> _Norm:
         return _Norm(module, self.kernels)
 
-    def _layer_forward(
+    def _attention(
         self,
         layer: _Layer,
-        x_B_T_H: torch.Tensor,
+        h_B_T_H: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         step: PagedStep,
     ) -> torch.Tensor:
-        B, T, _ = x_B_T_H.shape
+        """The attention block's output [B, T, H] for normed input h (K/V written to the pool)."""
+        B, T, _ = h_B_T_H.shape
         D = self.head_dim
-        q, k, v = layer.qkv(layer.input_norm(x_B_T_H))
+        q, k, v = layer.qkv(h_B_T_H)
         out_B_T_H_D = attend(
             step,
             layer.index,
@@ -182,14 +201,16 @@ class LeanDecoder:
             layer.scaling,
         )
         (attn_B_T_H,) = layer.o(out_B_T_H_D.reshape(B, T, -1))
-        x_B_T_H = x_B_T_H + attn_B_T_H
-        gate, up = layer.gate_up(layer.post_norm(x_B_T_H))
+        return attn_B_T_H
+
+    def _mlp(self, layer: _Layer, h_B_T_H: torch.Tensor) -> torch.Tensor:
+        gate, up = layer.gate_up(h_B_T_H)
         if isinstance(self.kernels, CudaKernels):
             act = self.kernels.silu_mul(gate, up)
         else:  # PyTorch's two ops measured faster than a C loop on the CPU
             act = F.silu(gate) * up
         (mlp_B_T_H,) = layer.down(act)
-        return x_B_T_H + mlp_B_T_H
+        return mlp_B_T_H
 
     def _position(
         self, x_B_T_X: torch.Tensor, norm: _Norm | None, rotary: tuple[torch.Tensor, torch.Tensor]

@@ -110,6 +110,25 @@ void rms_norm(const void *x, long x_stride, const void *w, void *out, long out_s
     }
 }
 
+/* HF's residual add and the next RMSNorm in one pass: sum = x + residual (rounded), out =
+ * RMSNorm(sum); R rows of n, x and residual rows strided, sum and out contiguous. */
+void add_rms_norm(const void *x, long x_stride, const void *residual, long residual_stride,
+                  const void *w, void *sum, void *out, long R, long n, float eps, int bf16) {
+    float weight[MAX_ROW];
+    load_row(w, bf16, weight, n);
+#pragma omp parallel for if (R * n >= 8192)
+    for (long r = 0; r < R; r++) {
+        float row[MAX_ROW], other[MAX_ROW];
+        load_row(at(x, bf16, r * x_stride), bf16, row, n);
+        load_row(at(residual, bf16, r * residual_stride), bf16, other, n);
+        for (long i = 0; i < n; i++) row[i] += other[i];
+        store_row(row, bf16, (char *)sum + r * n * (bf16 ? 2 : 4), n);
+        round_row(row, bf16, n);
+        rms_norm_row(row, weight, bf16, n, eps);
+        store_row(row, bf16, (char *)out + r * n * (bf16 ? 2 : 4), n);
+    }
+}
+
 /* R rows of H heads of D (heads dense in a row, row stride in elements): a per-head RMSNorm
  * when w is given, then HF's rotary x * cos + rotate_half(x) * sin, each product and the sum
  * rounded. cos / sin [R, D]; out [R, H, D] contiguous. */
