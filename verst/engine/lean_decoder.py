@@ -8,9 +8,9 @@ layers, reading the same parameters, with:
 - Q/K/V as one linear and gate/up as one linear where the weights are packed for oneDNN (the
   CPU's bf16 case; the packed copy is made from the concatenated weights, so fusing costs no
   memory beyond packing);
-- RMSNorm, the per-head norm with rotary, and (on CUDA) SiLU-and-multiply as one fused kernel
-  each, from the kernel set the runner passes: C on the CPU (`cpu_kernels`), Triton on CUDA
-  (`cuda_kernels`); all round where HF's code rounds;
+- RMSNorm (fused with the residual add before it), the per-head norm with rotary, and (on
+  CUDA) SiLU-and-multiply as one kernel each, from the kernel set the runner passes: C on the
+  CPU (`cpu_kernels`), Triton on CUDA (`cuda_kernels`); all round where HF's code rounds;
 - without kernels, RMSNorm as `F.rms_norm` then the weight multiply, and rotary as one `flip`
   and three elementwise ops per tensor (HF's `rotate_half` is a `cat` of a negated half; the
   sign moves onto a per-step copy of `sin`, which is exact);
@@ -19,7 +19,8 @@ layers, reading the same parameters, with:
 It serves the architectures whose layers it can read (`LeanDecoder.of` returns None for any
 other model, which then runs HF's forward): Llama, Mistral, Qwen2 and Qwen3 with SiLU MLPs and
 plain `nn.Linear` projections. Derived weights (packed, concatenated) are cached in
-`DerivedWeights` and made again whenever a source weight changes.
+`DerivedWeights` and made again whenever a source weight changes. Like HF's layers under the
+engine's attention, it attends over the whole sequence: a model's sliding window is not applied.
 """
 
 from __future__ import annotations
