@@ -542,3 +542,22 @@ def test_version_spans() -> None:
         {"version": "3", "start": 0, "end": 2},
         {"version": "4", "start": 2, "end": 3},
     ]
+
+
+def test_context_length_stops_at_a_sliding_window() -> None:
+    # the engine attends over whole sequences, so it serves a windowed model only within its
+    # window (the protocol then rejects longer prompts and caps max_new_tokens)
+    import transformers
+
+    from verst.engine.serving import context_length
+
+    assert context_length(transformers.MistralConfig(sliding_window=4096)) == 4096
+    unwindowed = transformers.MistralConfig(sliding_window=None)
+    assert context_length(unwindowed) == unwindowed.max_position_embeddings
+    windowed = transformers.Qwen2Config(
+        use_sliding_window=True, sliding_window=1024, max_window_layers=0
+    )
+    assert context_length(windowed) == 1024
+    assert context_length(transformers.Qwen2Config()) == 32768  # window off
+    assert context_length(transformers.LlamaConfig(max_position_embeddings=2048)) == 2048
+    assert context_length(None) == 0

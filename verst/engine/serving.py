@@ -47,6 +47,19 @@ class _Pending:
     future: asyncio.Future[GenerateResult] = field(repr=False)
 
 
+def context_length(config: Any) -> int:
+    """The longest sequence the engine serves exactly: the model's positions, or its sliding
+    window where a layer has one (the engine attends over whole sequences, so past the window
+    it would not compute what the model does). 0 when the config says neither."""
+    length = int(getattr(config, "max_position_embeddings", 0) or 0)
+    layer_types = getattr(config, "layer_types", None) or []
+    windowed = "sliding_attention" in layer_types or (
+        getattr(config, "model_type", None) == "mistral" and not layer_types
+    )
+    window = int(getattr(config, "sliding_window", 0) or 0) if windowed else 0
+    return min(length, window) if length and window else length or window
+
+
 class ServingEngine:
     """A `Scheduler` behind an async queue; create and use it inside one event loop."""
 
@@ -65,9 +78,7 @@ class ServingEngine:
         self.batch_wait_s = batch_wait_s
         self.model_path = model_path
         self.weight_version = str(scheduler.weight_version)
-        self.context_len = int(
-            getattr(getattr(scheduler.model, "config", None), "max_position_embeddings", 0) or 0
-        )
+        self.context_len = context_length(getattr(scheduler.model, "config", None))
         self.num_batches = 0  # scheduler steps so far; batching is observable in tests/metrics
         self._queue: list[_Pending] = []
         self._running: dict[str, _Pending] = {}  # handed to the scheduler, by rid
