@@ -50,6 +50,15 @@ class CpuKernels:
         for name, argtypes in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        lib.set_threads.argtypes, lib.set_threads.restype = [_int], None
+        self._threads = 0
+
+    def _sync_threads(self) -> None:
+        """Run parallel loops on PyTorch's intra-op thread count (it may change at run time)."""
+        threads = torch.get_num_threads()
+        if threads != self._threads:
+            self.lib.set_threads(threads)
+            self._threads = threads
 
     @staticmethod
     def fits(config, dtype: torch.dtype) -> bool:
@@ -73,6 +82,7 @@ class CpuKernels:
         _check(x, weight)
         out_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype)
         _limit(n, MAX_ROW)
+        self._sync_threads()
         self.lib.rms_norm(
             x_R_N.data_ptr(), x_R_N.stride(0), weight.data_ptr(), out_R_N.data_ptr(), n,
             x_R_N.shape[0], n, eps, _bf16(x),
@@ -89,6 +99,7 @@ class CpuKernels:
         _limit(n, MAX_ROW)
         sum_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype)
         out_R_N = torch.empty_like(sum_R_N)
+        self._sync_threads()
         self.lib.add_rms_norm(
             x_R_N.data_ptr(), x_R_N.stride(0), residual_R_N.data_ptr(), residual_R_N.stride(0),
             weight.data_ptr(), sum_R_N.data_ptr(), out_R_N.data_ptr(), x_R_N.shape[0], n, eps,
@@ -116,6 +127,7 @@ class CpuKernels:
         _limit(D, MAX_HEAD)
         out = torch.empty((R, H, D), dtype=x_R_H_D.dtype)
         weight_ptr = weight.data_ptr() if weight is not None else None
+        self._sync_threads()
         self.lib.norm_rope(
             x_R_H_D.data_ptr(), x_R_H_D.stride(0), weight_ptr, eps, cos_R_D.data_ptr(),
             sin_R_D.data_ptr(), out.data_ptr(), R, H, D, _bf16(x_R_H_D),
@@ -145,6 +157,7 @@ class CpuKernels:
         _limit(D, MAX_HEAD)
         _limit(Hq // Hkv * D, MAX_ROW)
         out = torch.empty((B, Hq, D), dtype=k_pages.dtype)
+        self._sync_threads()
         self.lib.paged_decode(
             q_B_H_D.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table_B_P.data_ptr(),
             table_B_P.stride(0), seq_lens_B.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, page,

@@ -15,6 +15,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Parallel loops use this many threads: PyTorch's intra-op count, set from Python (OpenMP's own
+ * default is per calling thread and would be the machine's core count on the engine's thread). */
+static int threads = 1;
+
+void set_threads(int n) { threads = n > 0 ? n : 1; }
+
 #define MAX_ROW 16384 /* the longest row a kernel buffers on the stack (hidden, MLP width) */
 #define MAX_HEAD 1024 /* the largest head dim (norm_rope buffers five rows of it) */
 
@@ -101,7 +107,7 @@ void rms_norm(const void *x, long x_stride, const void *w, void *out, long out_s
               long n, float eps, int bf16) {
     float weight[MAX_ROW];
     load_row(w, bf16, weight, n);
-#pragma omp parallel for if (R * n >= 8192)
+#pragma omp parallel for num_threads(threads) if (R * n >= 8192)
     for (long r = 0; r < R; r++) {
         float row[MAX_ROW];
         load_row(at(x, bf16, r * x_stride), bf16, row, n);
@@ -116,7 +122,7 @@ void add_rms_norm(const void *x, long x_stride, const void *residual, long resid
                   const void *w, void *sum, void *out, long R, long n, float eps, int bf16) {
     float weight[MAX_ROW];
     load_row(w, bf16, weight, n);
-#pragma omp parallel for if (R * n >= 8192)
+#pragma omp parallel for num_threads(threads) if (R * n >= 8192)
     for (long r = 0; r < R; r++) {
         float row[MAX_ROW], other[MAX_ROW];
         load_row(at(x, bf16, r * x_stride), bf16, row, n);
@@ -137,7 +143,7 @@ void norm_rope(const void *x, long x_stride, const void *w, float eps, const voi
     float weight[MAX_HEAD];
     if (w) load_row(w, bf16, weight, D);
     long half = D / 2;
-#pragma omp parallel for if (R * H * D >= 8192)
+#pragma omp parallel for num_threads(threads) if (R * H * D >= 8192)
     for (long r = 0; r < R; r++) {
         float c[MAX_HEAD], s[MAX_HEAD], head[MAX_HEAD], a[MAX_HEAD], b[MAX_HEAD];
         load_row(at(cos, bf16, r * D), bf16, c, D);
@@ -194,7 +200,7 @@ void paged_decode(const void *q, const void *k, const void *v, const int64_t *ta
     long G = Hq / Hkv, chunks = D / 8, width = bf16 ? 2 : 4;
     long splits = B >= 8 ? 1 : Hkv; /* few rows: one task per KV head instead */
     long heads_per_task = Hkv / splits;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (long task = 0; task < B * splits; task++) {
         long b = task / splits, first = task % splits * heads_per_task, S = seq_lens[b];
         long H = heads_per_task * G; /* query heads of this task */
