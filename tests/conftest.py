@@ -6,6 +6,8 @@ import pytest
 import torch
 import transformers
 
+from verst.engine.kv_pool import KVPool
+
 
 def tiny_qwen3() -> transformers.Qwen3ForCausalLM:
     """A tiny random Qwen3 (vocab 64, 2 layers) on the CPU, in float32 and eval mode."""
@@ -25,6 +27,19 @@ def tiny_qwen3() -> transformers.Qwen3ForCausalLM:
         initializer_range=0.2,
     )
     return transformers.Qwen3ForCausalLM(config).float().eval()
+
+
+def tiny_qwen3_pool(dtype: torch.dtype, num_pages: int = 64) -> KVPool:
+    """A CPU KV pool shaped for `tiny_qwen3` (pages of 4 tokens)."""
+    return KVPool(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        num_pages=num_pages,
+        dtype=dtype,
+        device="cpu",
+    )
 
 
 # Module scope, not session: test_engine's weight-update test copies new weights into this model

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import tiny_qwen3
+from tests.conftest import tiny_qwen3, tiny_qwen3_pool
 from verst.engine import GenerateRequest, SamplingParams
 from verst.engine.cpu_kernels import load
-from verst.engine.kv_pool import KVPool
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.paged_attention import paged_decode_reference
 from verst.engine.scheduler import Scheduler
@@ -102,18 +101,6 @@ def test_bad_inputs_are_refused() -> None:
         KERNELS.norm_rope(q, None, 0.0, torch.randn(3, 8), torch.randn(3, 8))
 
 
-def cpu_pool(dtype: torch.dtype) -> KVPool:
-    return KVPool(
-        num_layers=2,
-        num_kv_heads=2,
-        head_dim=16,
-        page_size=4,
-        num_pages=64,
-        dtype=dtype,
-        device="cpu",
-    )
-
-
 def test_greedy_output_is_the_same_with_or_without_kernels() -> None:
     model = tiny_qwen3()
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -121,7 +108,11 @@ def test_greedy_output_is_the_same_with_or_without_kernels() -> None:
 
     def outputs(kernels: bool) -> tuple[list[list[int]], Scheduler]:
         scheduler = Scheduler(
-            model, cpu_pool(torch.float32), eos_token_ids=[], pad_token_id=0, fused_kernels=kernels
+            model,
+            tiny_qwen3_pool(torch.float32),
+            eos_token_ids=[],
+            pad_token_id=0,
+            fused_kernels=kernels,
         )
         requests = [GenerateRequest(input_ids=p, sampling_params=params) for p in prompts]
         return [d.output_ids for d in scheduler.generate(requests)], scheduler
@@ -141,7 +132,9 @@ def test_bf16_decode_logits_are_close_with_or_without_kernels(lean: bool) -> Non
     pages = [[1, 2], [7]]
 
     def decode_logits(kernels: bool) -> torch.Tensor:
-        runner = ModelRunner(model, cpu_pool(torch.bfloat16), lean=lean, fused_kernels=kernels)
+        runner = ModelRunner(
+            model, tiny_qwen3_pool(torch.bfloat16), lean=lean, fused_kernels=kernels
+        )
         assert (runner.kernels is not None) == kernels
         runner.forward(
             [Row(tokens=p, past=0, pages=pg) for p, pg in zip(prompts, pages, strict=True)]

@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import tiny_qwen3
+from tests.conftest import tiny_qwen3, tiny_qwen3_pool
 from verst.engine import GenerateRequest, SamplingParams
-from verst.engine.kv_pool import KVPool
 from verst.engine.packed_linear import PackedLinears, packing_available
 from verst.engine.scheduler import Scheduler
 
@@ -20,16 +19,9 @@ pytestmark = pytest.mark.skipif(not packing_available(), reason="needs oneDNN (m
 def cpu_scheduler(
     model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, lean: bool = True
 ) -> Scheduler:
-    pool = KVPool(
-        num_layers=2,
-        num_kv_heads=2,
-        head_dim=16,
-        page_size=4,
-        num_pages=64,
-        dtype=dtype,
-        device="cpu",
+    return Scheduler(
+        model, tiny_qwen3_pool(dtype), eos_token_ids=[63], pad_token_id=0, lean_forward=lean
     )
-    return Scheduler(model, pool, eos_token_ids=[63], pad_token_id=0, lean_forward=lean)
 
 
 def greedy_outputs(scheduler: Scheduler) -> list[list[int]]:

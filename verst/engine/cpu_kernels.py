@@ -78,7 +78,7 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """HF's RMSNorm over the last dim of x [..., n] (rows may be strided, each row dense)."""
         n = x.shape[-1]
-        x_R_N = _rows(x, n)
+        x_R_N = dense_rows(x, n)
         _check(x, weight)
         out_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype)
         _limit(n, MAX_ROW)
@@ -94,7 +94,7 @@ class CpuKernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """HF's residual add then RMSNorm over [..., n]: (x + residual, its norm), one pass."""
         n = x.shape[-1]
-        x_R_N, residual_R_N = _rows(x, n), _rows(residual, n)
+        x_R_N, residual_R_N = dense_rows(x, n), dense_rows(residual, n)
         _check(x, residual, weight)
         _limit(n, MAX_ROW)
         sum_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype)
@@ -166,7 +166,7 @@ class CpuKernels:
         return out
 
 
-def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+def dense_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """x as [R, n] with dense rows, a view where possible."""
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from verst.engine.cpu_kernels import dense_rows
 from verst.engine.fused_norm import rms_norm_triton
 from verst.engine.paged_attention import triton
 
@@ -44,7 +45,7 @@ class CudaKernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """HF's residual add then RMSNorm over [..., n]: (x + residual, its norm), one kernel."""
         n = x.shape[-1]
-        x_R_N, residual_R_N = _rows(x, n), _rows(residual, n)
+        x_R_N, residual_R_N = dense_rows(x, n), dense_rows(residual, n)
         sum_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype, device=x.device)
         out_R_N = torch.empty_like(sum_R_N)
         block = triton.next_power_of_2(n)
@@ -87,23 +88,13 @@ class CudaKernels:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up over [..., I], the activation cast before the product."""
         n = gate.shape[-1]
-        gate_R_I, up_R_I = _rows(gate, n), _rows(up, n)
+        gate_R_I, up_R_I = dense_rows(gate, n), dense_rows(up, n)
         out = torch.empty((gate_R_I.shape[0], n), dtype=gate.dtype, device=gate.device)
         block = min(triton.next_power_of_2(n), 1024)
         _silu_mul_kernel[(gate_R_I.shape[0], triton.cdiv(n, block))](
             gate_R_I, up_R_I, out, gate_R_I.stride(0), up_R_I.stride(0), n, BLOCK=block
         )
         return out.view(*gate.shape[:-1], n)
-
-
-def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x as [R, n] with dense rows, a view where possible."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    try:
-        return x.view(-1, n)
-    except RuntimeError:
-        return x.reshape(-1, n)
 
 
 if triton is not None:

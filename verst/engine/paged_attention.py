@@ -112,18 +112,10 @@ def attend(
     k_flat, v_flat = pool.flat(layer)
     k_flat.index_copy_(0, step.slots_N, k_B_T_H_D.reshape(B * T, Hkv, D).to(pool.dtype))
     v_flat.index_copy_(0, step.slots_N, v_B_T_H_D.reshape(B * T, Hkv, D).to(pool.dtype))
-    if step.decode and step.use_triton:
-        out_B_H_D = paged_decode_triton(
-            q_B_T_H_D.reshape(B, Hq, D),
-            pool.k[layer],
-            pool.v[layer],
-            step.table_B_P,
-            step.seq_lens_B,
-            scaling,
-        )
-        return out_B_H_D.view(B, 1, Hq, D)
-    if step.decode and step.cpu_kernels is not None:
-        out_B_H_D = step.cpu_kernels.paged_decode(
+    if step.decode and (step.use_triton or step.cpu_kernels is not None):
+        # one query token a row, read against its pages in place: Triton on CUDA, C on the CPU
+        decode = paged_decode_triton if step.use_triton else step.cpu_kernels.paged_decode
+        out_B_H_D = decode(
             q_B_T_H_D.reshape(B, Hq, D),
             pool.k[layer],
             pool.v[layer],
