@@ -3,11 +3,12 @@
 Owns `ModelRunner`. The scheduler hands it, per running request, the tokens to feed, how many
 tokens of the request are already in the pool, its page list, and whether it needs every
 position's logits (prompt scoring) or only the last one. The runner builds the step's index
-tensors (a handful of host-to-device copies, no per-token Python), runs the HF decoder with
-attention routed to `paged_attention` (new K/V are written into the pool in place; nothing is
-gathered into an HF cache), applies the LM head only where logits are wanted, and returns them.
-On CUDA the model's RMSNorms run as one fused kernel each; on the CPU its bf16 linear layers
-run on weights packed once for oneDNN (`packed_linear`).
+tensors (a handful of host-to-device copies, no per-token Python), runs the decoder, applies the
+LM head only where logits are wanted, and returns them. Llama-family models run the engine's
+own forward (`lean_decoder`) with fused kernels (C on the CPU, Triton on CUDA); others run HF's
+layers with attention routed to `paged_attention`, their RMSNorms fused on CUDA and their bf16
+linear layers packed for oneDNN on the CPU (`packed_linear`). Either way new K/V are written
+into the pool in place; nothing is gathered into an HF cache.
 
 Decode steps (one token a row) on CUDA replay a CUDA graph captured per batch-size bucket:
 inputs are copied into one static buffer, padding rows write the pool's scratch slot, and the
