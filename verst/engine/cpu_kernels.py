@@ -75,37 +75,39 @@ class CpuKernels:
             and heads // kv_heads * head_dim <= MAX_ROW
         )
 
+    # The wrappers run once per layer and op: on a 2-core CPU the Python around a call costs
+    # more than the call (2-3 µs), so they check cheaply and allocate outputs in their final shape.
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """HF's RMSNorm over the last dim of x [..., n] (rows may be strided, each row dense)."""
         n = x.shape[-1]
-        x_R_N = dense_rows(x, n)
-        _check(x, weight)
-        out_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype)
-        _limit(n, MAX_ROW)
+        _check_pair(x, weight, n)
+        x_R_N, stride = _rows_and_stride(x, n)
+        out = torch.empty(x.shape, dtype=x.dtype)
         self._sync_threads()
         self.lib.rms_norm(
-            x_R_N.data_ptr(), x_R_N.stride(0), weight.data_ptr(), out_R_N.data_ptr(), n,
-            x_R_N.shape[0], n, eps, _bf16(x),
+            x_R_N.data_ptr(), stride, weight.data_ptr(), out.data_ptr(), n, out.numel() // n, n,
+            eps, x.dtype is torch.bfloat16,
         )  # fmt: skip
-        return out_R_N.view(*x.shape[:-1], n)
+        return out
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """HF's residual add then RMSNorm over [..., n]: (x + residual, its norm), one pass."""
         n = x.shape[-1]
-        x_R_N, residual_R_N = dense_rows(x, n), dense_rows(residual, n)
-        _check(x, residual, weight)
-        _limit(n, MAX_ROW)
-        sum_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype)
-        out_R_N = torch.empty_like(sum_R_N)
+        _check_pair(x, weight, n)
+        _check_pair(residual, weight, n)
+        x_R_N, x_stride = _rows_and_stride(x, n)
+        residual_R_N, residual_stride = _rows_and_stride(residual, n)
+        total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
         self._sync_threads()
         self.lib.add_rms_norm(
-            x_R_N.data_ptr(), x_R_N.stride(0), residual_R_N.data_ptr(), residual_R_N.stride(0),
-            weight.data_ptr(), sum_R_N.data_ptr(), out_R_N.data_ptr(), x_R_N.shape[0], n, eps,
-            _bf16(x),
+            x_R_N.data_ptr(), x_stride, residual_R_N.data_ptr(), residual_stride,
+            weight.data_ptr(), total.data_ptr(), out.data_ptr(), out.numel() // n, n, eps,
+            x.dtype is torch.bfloat16,
         )  # fmt: skip
-        return sum_R_N.view(x.shape), out_R_N.view(x.shape)
+        return total, out
 
     def norm_rope(
         self,
@@ -120,17 +122,21 @@ class CpuKernels:
         R, H, D = x_R_H_D.shape
         if x_R_H_D.stride(2) != 1 or x_R_H_D.stride(1) != D:
             raise ValueError("norm_rope needs each row's heads dense")
-        tensors = [x_R_H_D, cos_R_D, sin_R_D] + ([weight] if weight is not None else [])
-        _check(*tensors)
-        if not (cos_R_D.is_contiguous() and sin_R_D.is_contiguous()):
-            raise ValueError("norm_rope needs contiguous cos / sin")
+        _check_pair(x_R_H_D, cos_R_D, D)
+        if weight is not None:
+            _check_pair(x_R_H_D, weight, D)
+        if (
+            not (cos_R_D.is_contiguous() and sin_R_D.is_contiguous())
+            or sin_R_D.dtype != cos_R_D.dtype
+        ):
+            raise ValueError("norm_rope needs contiguous cos / sin of the input's dtype")
         _limit(D, MAX_HEAD)
         out = torch.empty((R, H, D), dtype=x_R_H_D.dtype)
-        weight_ptr = weight.data_ptr() if weight is not None else None
         self._sync_threads()
         self.lib.norm_rope(
-            x_R_H_D.data_ptr(), x_R_H_D.stride(0), weight_ptr, eps, cos_R_D.data_ptr(),
-            sin_R_D.data_ptr(), out.data_ptr(), R, H, D, _bf16(x_R_H_D),
+            x_R_H_D.data_ptr(), x_R_H_D.stride(0), None if weight is None else weight.data_ptr(),
+            eps, cos_R_D.data_ptr(), sin_R_D.data_ptr(), out.data_ptr(), R, H, D,
+            x_R_H_D.dtype is torch.bfloat16,
         )  # fmt: skip
         return out
 
@@ -164,6 +170,24 @@ class CpuKernels:
             scale, _bf16(k_pages),
         )  # fmt: skip
         return out
+
+
+def _check_pair(x: torch.Tensor, weight: torch.Tensor, n: int) -> None:
+    """The cheap form of `_check` for a tensor and its weight, and the row limit."""
+    if not (x.is_cpu and x.dtype is weight.dtype and x.dtype in DTYPES and weight.is_cpu):
+        _check(x, weight)  # raises, naming what is wrong
+    if n > MAX_ROW or weight.shape[-1] != n:
+        raise ValueError(
+            f"rows of {n} values with a weight of {weight.shape[-1]} (at most {MAX_ROW})"
+        )
+
+
+def _rows_and_stride(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """x as rows of n dense values: (a tensor holding them, the row stride in elements)."""
+    if x.is_contiguous():
+        return x, n
+    rows = dense_rows(x, n)
+    return rows, rows.stride(0)
 
 
 def dense_rows(x: torch.Tensor, n: int) -> torch.Tensor:
