@@ -3,9 +3,9 @@
 On a 2-core CPU a small model's decode step is dominated by per-op overhead and by the paged
 attention's gather: PyTorch runs RMSNorm as several ops, rotary as several more, and attention
 over the paged pool as a copy of every row's pages followed by SDPA over the copy. These
-kernels do each in one pass over the data: RMSNorm, per-head norm + rotary, and decode attention
-that reads K/V straight from the pages. They round to the tensor dtype
-wherever HF's code does (float32 and bfloat16 are supported).
+kernels do each in one pass over the data: RMSNorm, the residual add with the norm after it,
+per-head norm + rotary, and decode attention that reads K/V straight from the pages. They round
+to the tensor dtype wherever HF's code does (float32 and bfloat16 are supported).
 
 `load()` compiles the C source once per machine with the system C compiler (`cc`, or `$CC`)
 into `~/.cache/verst/kernels/` (`$VERST_KERNEL_CACHE` overrides) and returns None, with one
@@ -167,7 +167,7 @@ class CpuKernels:
         self.lib.paged_decode(
             q_B_H_D.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table_B_P.data_ptr(),
             table_B_P.stride(0), seq_lens_B.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, page,
-            scale, _bf16(k_pages),
+            scale, k_pages.dtype is torch.bfloat16,
         )  # fmt: skip
         return out
 
@@ -198,10 +198,6 @@ def dense_rows(x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(-1, n)
     except RuntimeError:
         return x.reshape(-1, n)
-
-
-def _bf16(x: torch.Tensor) -> int:
-    return int(x.dtype == torch.bfloat16)
 
 
 def _limit(n: int, most: int) -> None:
