@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from verst.engine.kv_pool import attention_shape
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
@@ -64,9 +66,7 @@ class CpuKernels:
     def fits(config, dtype: torch.dtype) -> bool:
         """Whether a model of this config and dtype is within the kernels' limits (one that is
         not runs PyTorch's ops)."""
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv_heads, head_dim = attention_shape(config)
         return (
             dtype in DTYPES
             and config.hidden_size <= MAX_ROW

@@ -22,6 +22,7 @@ import torch
 
 from verst.engine.cpu_kernels import dense_rows
 from verst.engine.fused_norm import rms_norm_triton
+from verst.engine.kv_pool import attention_shape
 from verst.engine.paged_attention import triton
 
 if triton is not None:
@@ -33,8 +34,7 @@ class CudaKernels:
     def fits(config, dtype: torch.dtype) -> bool:
         """Whether a model of this config is within the kernels' reach (a power-of-two head
         dim; one that is not runs PyTorch's ops)."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        _, _, head_dim = attention_shape(config)
         return triton is not None and head_dim & (head_dim - 1) == 0 and dtype.is_floating_point
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

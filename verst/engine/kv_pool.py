@@ -19,6 +19,15 @@ class OutOfPages(RuntimeError):
     """Fewer free pages than requested; nothing was allocated."""
 
 
+def attention_shape(config: Any) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of the model an HF config describes."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    # Some configs carry head_dim = None rather than omitting it.
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
 class KVPool:
     """Per-layer K and V storage in fixed-size pages: k[layer] and v[layer] are tensors
     [num_pages, page_size, num_kv_heads, head_dim]."""
@@ -87,10 +96,7 @@ class KVPool:
     ) -> KVPool:
         """As many pages as fit in `budget_bytes` for the model an HF config describes."""
         num_layers = model_config.num_hidden_layers
-        num_heads = model_config.num_attention_heads
-        num_kv_heads = getattr(model_config, "num_key_value_heads", None) or num_heads
-        # Some configs carry head_dim = None rather than omitting it.
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // num_heads
+        _, num_kv_heads, head_dim = attention_shape(model_config)
         page_bytes = cls.page_bytes(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,

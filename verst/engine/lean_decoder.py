@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from verst.engine.cpu_kernels import CpuKernels
 from verst.engine.cuda_kernels import CudaKernels
 from verst.engine.fused_norm import FUSABLE
-from verst.engine.packed_linear import DerivedWeights, pack_weight, packed_linear, packing_available
+from verst.engine.kv_pool import attention_shape
+from verst.engine.packed_linear import DerivedWeights, pack_weight, packable, packed_linear
 from verst.engine.paged_attention import PagedStep, attend
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -46,10 +47,7 @@ class _Linears:
     def __init__(self, name: str, modules: list[torch.nn.Linear], derived: DerivedWeights):
         self.name, self.modules, self.derived = name, modules, derived
         self.sizes = [m.out_features for m in modules]
-        weight = modules[0].weight
-        self.packed = (
-            weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and packing_available()
-        )
+        self.packed = packable(modules[0].weight)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if not self.packed:
@@ -109,13 +107,9 @@ class LeanDecoder:
     def __init__(
         self, model: torch.nn.Module, kernels: CpuKernels | CudaKernels | None = None
     ) -> None:
-        self.model = model
         self.kernels = kernels
         self.decoder = model.get_decoder()
-        config = model.config
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.heads, self.kv_heads, self.head_dim = attention_shape(model.config)
         self.derived = DerivedWeights()
         self.layers = [self._layer(i, layer) for i, layer in enumerate(self.decoder.layers)]
         self.final_norm = self._norm(self.decoder.norm)

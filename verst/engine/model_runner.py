@@ -21,6 +21,7 @@ decode rows this way and the rest through the general path.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +30,14 @@ from verst.engine.cpu_kernels import CpuKernels
 from verst.engine.cpu_kernels import load as load_cpu_kernels
 from verst.engine.cuda_kernels import CudaKernels
 from verst.engine.fused_norm import fusable_norms, fused_norms
-from verst.engine.kv_pool import KVPool
+from verst.engine.kv_pool import KVPool, attention_shape
 from verst.engine.lean_decoder import LeanDecoder
 from verst.engine.packed_linear import PackedLinears
 from verst.engine.paged_attention import (
     PagedStep,
     decode_mask,
     paged_attention_mode,
+    paged_decode_triton,
     step_mask,
     triton,
 )
@@ -79,8 +81,8 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         config = model.config
-        heads = config.num_attention_heads
-        self.group = heads // (getattr(config, "num_key_value_heads", None) or heads)
+        heads, kv_heads, _ = attention_shape(config)
+        self.group = heads // kv_heads
         self.softcap = getattr(config, "final_logit_softcapping", None)
         on_cuda = self.device.type == "cuda"
         self.use_triton = on_cuda and triton is not None
@@ -100,6 +102,12 @@ class ModelRunner:
             self.kernels = CudaKernels()
         elif fused_kernels and not on_cuda and CpuKernels.fits(config, pool.dtype):
             self.kernels = load_cpu_kernels()
+        # decode attention reads each row's pages in place where a kernel does it
+        self.decode_kernel: Callable[..., torch.Tensor] | None = None
+        if self.use_triton:
+            self.decode_kernel = paged_decode_triton
+        elif isinstance(self.kernels, CpuKernels):
+            self.decode_kernel = self.kernels.paged_decode
         # Llama-family models run the engine's own forward (`lean_decoder`); others run HF's,
         # with the RMSNorms as one Triton kernel each on CUDA (`fused_norm`) and the bf16
         # linear layers on weights packed once for oneDNN on the CPU
@@ -194,10 +202,9 @@ class ModelRunner:
             table_B_P=table_B_P,
             decode=True,
             seq_lens_B=seq_lens_B,
-            use_triton=self.use_triton,
-            cpu_kernels=self.kernels if isinstance(self.kernels, CpuKernels) else None,
+            decode_kernel=self.decode_kernel,
         )
-        if not self.use_triton and step.cpu_kernels is None:
+        if self.decode_kernel is None:
             step.mask_B_1_Q_S = decode_mask(
                 seq_lens_B, table_B_P.shape[1], self.group, self.pool.page_size
             )

@@ -26,6 +26,11 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def packable(weight: torch.Tensor) -> bool:
+    """Whether a linear weight runs faster packed: bf16 on the CPU, with oneDNN."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and packing_available()
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A [out, in] bf16 weight laid out once for oneDNN's linear kernel."""
     with torch.no_grad():
@@ -68,13 +73,9 @@ class PackedLinears:
     def of(cls, model: torch.nn.Module) -> PackedLinears | None:
         """The model's bf16 CPU linear layers, or None when there are none or no oneDNN."""
         modules = [
-            m
-            for m in model.modules()
-            if isinstance(m, torch.nn.Linear)
-            and m.weight.dtype == torch.bfloat16
-            and m.weight.device.type == "cpu"
+            m for m in model.modules() if isinstance(m, torch.nn.Linear) and packable(m.weight)
         ]
-        return cls(modules) if modules and packing_available() else None
+        return cls(modules) if modules else None
 
     def stale(self) -> None:
         """The weights changed: pack again before the next use."""

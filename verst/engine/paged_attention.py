@@ -24,14 +24,13 @@ attention implementation makes HF skip it), so per-step work does not grow with 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import transformers
 
-from verst.engine.cpu_kernels import CpuKernels
 from verst.engine.kv_pool import KVPool
 
 ATTENTION_NAME = "verst_paged"
@@ -51,10 +50,12 @@ class PagedStep:
     Rows are padded to T tokens: `slots_N` (N = B*T) is each token's flat pool slot
     (page * page_size + offset; padding tokens write the pool's scratch slot).
     `decode`: every row feeds one token and attends over `seq_lens_B` tokens through
-    `table_B_P` (Triton on CUDA). Otherwise `table_B_P` lists the pages to gather (padded
-    with page 0) and `mask_B_1_Q_S` says which gathered positions each query sees, with the
-    query axis already laid out as (group of query heads per KV head) x T. A `fresh` step
-    (every row starts at position 0) needs neither: it attends over its new tokens alone.
+    `table_B_P`, read in place by `decode_kernel` when there is one (Triton on CUDA, C on the
+    CPU; without one, decode steps gather like any other). Otherwise `table_B_P` lists the
+    pages to gather (padded with page 0) and `mask_B_1_Q_S` says which gathered positions each
+    query sees, with the query axis already laid out as (group of query heads per KV head) x T.
+    A `fresh` step (every row starts at position 0) needs neither: it attends over its new
+    tokens alone.
     """
 
     pool: KVPool
@@ -63,9 +64,9 @@ class PagedStep:
     decode: bool = False
     seq_lens_B: torch.Tensor | None = None
     mask_B_1_Q_S: torch.Tensor | None = None
-    use_triton: bool = False
     fresh: bool = False  # no row has KV in the pool yet: attend over the new tokens alone
-    cpu_kernels: CpuKernels | None = None  # decode steps on the CPU read the pages in C
+    # (q [B, Hq, D], k pages, v pages, table, seq_lens, scale) -> [B, Hq, D]
+    decode_kernel: Callable[..., torch.Tensor] | None = None
 
 
 def paged_attention(
@@ -112,10 +113,9 @@ def attend(
     k_flat, v_flat = pool.flat(layer)
     k_flat.index_copy_(0, step.slots_N, k_B_T_H_D.reshape(B * T, Hkv, D).to(pool.dtype))
     v_flat.index_copy_(0, step.slots_N, v_B_T_H_D.reshape(B * T, Hkv, D).to(pool.dtype))
-    if step.decode and (step.use_triton or step.cpu_kernels is not None):
-        # one query token a row, read against its pages in place: Triton on CUDA, C on the CPU
-        decode = paged_decode_triton if step.use_triton else step.cpu_kernels.paged_decode
-        out_B_H_D = decode(
+    if step.decode and step.decode_kernel is not None:
+        # one query token a row, read against its pages in place
+        out_B_H_D = step.decode_kernel(
             q_B_T_H_D.reshape(B, Hq, D),
             pool.k[layer],
             pool.v[layer],
