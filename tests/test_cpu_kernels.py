@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import tiny_qwen3, tiny_qwen3_pool
 from verst.engine import GenerateRequest, SamplingParams
-from verst.engine.cpu_kernels import load
+from verst.engine.kernels.cpu import load
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.paged_attention import paged_decode_reference
 from verst.engine.scheduler import Scheduler

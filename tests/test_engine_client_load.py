@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("aiohttp")
 
 from tests.servers import start_engine, tiny_model  # noqa: E402
-from verst.engines.client import HttpEngineClient  # noqa: E402
+from verst.fleet.client import HttpEngineClient  # noqa: E402
 
 IN_FLIGHT = 120
 

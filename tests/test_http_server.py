@@ -28,7 +28,7 @@ from tests.servers import (  # noqa: E402
 )
 from verst.engine import GenerateRequest, SamplingParams  # noqa: E402
 from verst.engine.serving import ServingEngine  # noqa: E402
-from verst.engines import (  # noqa: E402
+from verst.fleet import (  # noqa: E402
     EngineClient,
     EngineError,
     HttpEngineClient,
@@ -472,7 +472,7 @@ def test_an_engine_process_stops_when_its_launcher_dies(server: Server) -> None:
 
     script = (
         "import sys\n"
-        "from verst.engines import launch_local_engines\n"
+        "from verst.fleet import launch_local_engines\n"
         f"(engine,) = launch_local_engines({str(server.model_a)!r}, 1, timeout_s=60)\n"
         "print(engine.process.pid, flush=True)\n"
         "sys.stdin.read()\n"

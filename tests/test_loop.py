@@ -133,7 +133,7 @@ def torchrun_train(args: list[str], run_dir: Path, nproc: int = 2) -> None:
     import subprocess
     import sys
 
-    from verst.engines.launcher import free_port
+    from verst.fleet.launcher import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tests.conftest import tiny_qwen3, tiny_qwen3_pool
 from verst.engine import GenerateRequest, SamplingParams
-from verst.engine.packed_linear import PackedLinears, packing_available
+from verst.engine.kernels.packed_linear import PackedLinears, packing_available
 from verst.engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="needs oneDNN (mkldnn)")

@@ -11,7 +11,7 @@ from tests.test_loop import SMALL, records, torchrun_train
 from verst import launch
 from verst.cli import main
 from verst.config import ConfigError, load_config
-from verst.engines.client import InProcessEngineClient
+from verst.fleet.client import InProcessEngineClient
 from verst.loop import train_items
 
 pytest.importorskip("aiohttp")

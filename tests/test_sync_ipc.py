@@ -25,7 +25,7 @@ aiohttp = pytest.importorskip("aiohttp")
 
 from tests.servers import TINY, LoopThread, call, tiny_model  # noqa: E402
 from verst.engine.serving import ServingEngine  # noqa: E402
-from verst.engines import HttpEngineClient, InProcessEngineClient, launch_local_engines  # noqa: E402
+from verst.fleet import HttpEngineClient, InProcessEngineClient, launch_local_engines  # noqa: E402
 from verst.sync.protocol import WeightSync  # noqa: E402
 
 BUCKET = 16 << 10  # the tiny model takes several buckets; its largest tensor fits one

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from verst.engine.serving import ServingEngine
-from verst.engines.client import InProcessEngineClient
+from verst.fleet.client import InProcessEngineClient
 from verst.models.tiny import TinyModelConfig, build_tiny_model, create_tiny
 from verst.sync.protocol import InProcessTensorTransport, WeightSync, WeightSyncError
 
@@ -226,8 +226,8 @@ def test_broadcast_transport_in_buckets_is_exact(model_dir: Path) -> None:
 def test_broadcast_over_http(model_dir: Path) -> None:
     from aiohttp import web
 
-    from verst.engine.http_server import make_app
-    from verst.engines.client import HttpEngineClient
+    from verst.engine.server.app import make_app
+    from verst.fleet.client import HttpEngineClient
     from verst.sync.broadcast import BroadcastTransport
 
     source = build_tiny_model(TINY, vocab_size=100, seed=13)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from verst.engines.client import EngineError
-from verst.engines.vllm import completion_body, generate_result, vllm_available
+from verst.fleet.client import EngineError
+from verst.fleet.vllm import completion_body, generate_result, vllm_available
 
 BODY = {
     "input_ids": [5, 6, 7],
@@ -70,8 +70,8 @@ VLLM_PYTHON = os.environ.get("VERST_VLLM_PYTHON")
 )
 def test_a_live_vllm_server_generates_through_the_client(tmp_path: Path) -> None:
     from tests.servers import tiny_model
-    from verst.engines.launcher import free_port
-    from verst.engines.vllm import VllmEngineClient, launch_vllm
+    from verst.fleet.launcher import free_port
+    from verst.fleet.vllm import VllmEngineClient, launch_vllm
     from verst.models.tiny import TinyModelConfig
 
     # head_dim 64: vLLM's CPU attention kernels take the usual head sizes only

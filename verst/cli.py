@@ -171,7 +171,7 @@ def _create_tiny(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
-    from verst.engine.http_server import run_server
+    from verst.engine.server.app import run_server
 
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)

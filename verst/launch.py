@@ -3,7 +3,7 @@
 Placement `embedded` (the default): one process (or one per rank under torchrun) holds a
 trainer and a batch engine on the same device; the engine's copy of the model shares the
 trainer's storage when it can. Placements `in_process` and `processes` put serving engines
-behind a router (`verst.engines.fleet.Fleet`), updated through `sync.transport`.
+behind a router (`verst.fleet.fleet.Fleet`), updated through `sync.transport`.
 The `Run` also owns checkpoint save and restore, since both touch every component.
 """
 
@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from verst import distributed
 from verst.config import RunConfig
 from verst.data.source import DataSource
 from verst.engine import Engine, GenerateRequest, SamplingParams
-from verst.engines.fleet import Fleet, LoopThread, prompt_key
-from verst.engines.ranked import RankedFleet, on_rank_zero, scatter_from_rank_zero
 from verst.eval.evaluate import Evaluator
+from verst.fleet.fleet import Fleet, LoopThread, prompt_key
+from verst.fleet.ranked import RankedFleet, on_rank_zero, scatter_from_rank_zero
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
 from verst.rollout.agent import (
     agent_metrics,
@@ -43,7 +44,6 @@ from verst.rollout.metrics import rollout_metrics
 from verst.rollout.rewards import load_reward_fn
 from verst.sync.colocated import ColocatedSync
 from verst.sync.fleet_sync import FleetSync
-from verst.train import distributed
 from verst.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,

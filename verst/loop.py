@@ -11,10 +11,9 @@ from pathlib import Path
 
 import torch
 
-from verst import launch
+from verst import distributed, launch
 from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
-from verst.train import distributed
 from verst.train.batching import TrainItem
 from verst.train.losses import LossConfig, group_advantages
 from verst.train.sft import warm_start

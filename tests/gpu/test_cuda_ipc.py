@@ -15,7 +15,7 @@ pytest.importorskip("aiohttp")
 
 from tests.servers import call, tiny_model  # noqa: E402
 from verst.engine.serving import ServingEngine  # noqa: E402
-from verst.engines import HttpEngineClient, InProcessEngineClient, launch_local_engines  # noqa: E402
+from verst.fleet import HttpEngineClient, InProcessEngineClient, launch_local_engines  # noqa: E402
 from verst.sync.ipc import SharedTensorError, SharedTensorTransport  # noqa: E402
 from verst.sync.protocol import WeightSync  # noqa: E402
 

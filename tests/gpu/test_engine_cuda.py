@@ -8,7 +8,7 @@ import transformers
 
 from tests.conftest import tiny_qwen3
 from verst.engine import GenerateRequest, SamplingParams
-from verst.engine.fused_norm import fusable_norms, rms_norm_triton
+from verst.engine.kernels.fused_norm import fusable_norms, rms_norm_triton
 from verst.engine.kv_pool import KVPool
 from verst.engine.paged_attention import paged_decode_reference, paged_decode_triton, triton
 from verst.engine.scheduler import Scheduler
@@ -163,7 +163,7 @@ def test_lean_forward_in_bf16_is_as_accurate_as_hf_forward_on_cuda() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_norm", [True, False])
 def test_norm_rope_kernel_matches_hf(dtype, with_norm) -> None:
-    from verst.engine.cuda_kernels import CudaKernels
+    from verst.engine.kernels.cuda import CudaKernels
 
     torch.manual_seed(0)
     fused = torch.randn(9, (4 + 2 + 2) * 64, device="cuda", dtype=dtype) * 2
@@ -184,7 +184,7 @@ def test_norm_rope_kernel_matches_hf(dtype, with_norm) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_kernel_matches_torch(dtype) -> None:
-    from verst.engine.cuda_kernels import CudaKernels
+    from verst.engine.kernels.cuda import CudaKernels
 
     torch.manual_seed(0)
     fused = torch.randn(5, 2 * 1500, device="cuda", dtype=dtype) * 3
@@ -196,7 +196,7 @@ def test_silu_mul_kernel_matches_torch(dtype) -> None:
 
 
 def test_the_lean_forward_uses_the_cuda_kernels() -> None:
-    from verst.engine.cuda_kernels import CudaKernels
+    from verst.engine.kernels.cuda import CudaKernels
 
     sched = scheduler(tiny_model(torch.bfloat16), torch.bfloat16)
     assert isinstance(sched.runner.kernels, CudaKernels)
@@ -205,7 +205,7 @@ def test_the_lean_forward_uses_the_cuda_kernels() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_kernel_matches_hf(dtype) -> None:
-    from verst.engine.cuda_kernels import CudaKernels
+    from verst.engine.kernels.cuda import CudaKernels
 
     torch.manual_seed(0)
     x = torch.randn(6, 3, 896, device="cuda", dtype=dtype)[:, 1]

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from verst.engine.cpu_kernels import CpuKernels
-from verst.engine.cuda_kernels import CudaKernels
-from verst.engine.fused_norm import FUSABLE
+from verst.engine.kernels.cpu import CpuKernels
+from verst.engine.kernels.cuda import CudaKernels
+from verst.engine.kernels.fused_norm import FUSABLE
+from verst.engine.kernels.packed_linear import DerivedWeights, pack_weight, packable, packed_linear
 from verst.engine.kv_pool import attention_shape
-from verst.engine.packed_linear import DerivedWeights, pack_weight, packable, packed_linear
 from verst.engine.paged_attention import PagedStep, attend
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from verst.engine.cpu_kernels import CpuKernels
-from verst.engine.cpu_kernels import load as load_cpu_kernels
-from verst.engine.cuda_kernels import CudaKernels
-from verst.engine.fused_norm import fusable_norms, fused_norms
+from verst.engine.kernels.cpu import CpuKernels
+from verst.engine.kernels.cpu import load as load_cpu_kernels
+from verst.engine.kernels.cuda import CudaKernels
+from verst.engine.kernels.fused_norm import fusable_norms, fused_norms
+from verst.engine.kernels.packed_linear import PackedLinears
 from verst.engine.kv_pool import KVPool, attention_shape
 from verst.engine.lean_decoder import LeanDecoder
-from verst.engine.packed_linear import PackedLinears
 from verst.engine.paged_attention import (
     PagedStep,
     decode_mask,

@@ -12,12 +12,12 @@ from collections.abc import Callable
 import torch
 from pydantic import Field, field_validator
 
+from verst import distributed
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
 from verst.engine import SamplingParams
 from verst.rollout.generate import Generator, generate_groups
 from verst.rollout.rewards import check_reward_fn
-from verst.train import distributed
 from verst.types import Sample
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from verst.train import distributed
+from verst import distributed
 
 CONSOLE_KEYS = (
     ("rollout/reward_mean", "reward"),

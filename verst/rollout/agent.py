@@ -352,7 +352,7 @@ def agent_metrics(groups: list[Group], device: Any = None) -> dict[str, float]:
         float(sum(s.metadata.get("agent_time_s", 0.0) for s in samples)),
     ]
     if device is not None:
-        from verst.train import distributed
+        from verst import distributed
 
         totals = distributed.all_reduce_sum(totals, device)
     n, aborted, finished, turns, seconds = totals

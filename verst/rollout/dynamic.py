@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from verst.train import distributed
+from verst import distributed
 from verst.types import Group
 
 

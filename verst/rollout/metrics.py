@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from verst.train import distributed
+from verst import distributed
 from verst.types import Group, Status
 
 

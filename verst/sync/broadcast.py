@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from verst.engines.client import EngineClient
+from verst.fleet.client import EngineClient
 from verst.sync.buckets import bucketed
 
 

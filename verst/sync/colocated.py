@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from verst import distributed
 from verst.engine import Engine
 from verst.sync.buckets import bucketed, full_parameters
-from verst.train import distributed
 from verst.train.trainer import Trainer
 
 

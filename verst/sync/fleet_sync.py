@@ -24,10 +24,11 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from verst import distributed
 from verst.configbase import ConfigBase
-from verst.engines.client import EngineClient, InProcessEngineClient
-from verst.engines.fleet import Fleet, PlacementConfig
-from verst.engines.launcher import free_port
+from verst.fleet.client import EngineClient, InProcessEngineClient
+from verst.fleet.fleet import Fleet, PlacementConfig
+from verst.fleet.launcher import free_port
 from verst.sync.broadcast import BroadcastTransport
 from verst.sync.buckets import full_parameters
 from verst.sync.colocated import share_storage
@@ -42,7 +43,6 @@ from verst.sync.protocol import (
     WeightSync,
     WeightSyncError,
 )
-from verst.train import distributed
 from verst.train.trainer import Trainer
 
 TransportName = Literal["auto", "colocated", "broadcast", "disk"]

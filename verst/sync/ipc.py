@@ -219,7 +219,7 @@ class SharedTensorTransport:
         }
 
     async def _post(self, engines: list[Any], bodies: list[dict[str, Any]]) -> None:
-        from verst.engines.client import EngineError
+        from verst.fleet.client import EngineError
 
         async def one(index: int, engine: Any, body: dict[str, Any]) -> None:
             try:

@@ -24,7 +24,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from verst.engines.client import EngineClient
+from verst.fleet.client import EngineClient
 from verst.sync.buckets import bucketed
 from verst.sync.disk import DiskPublisher
 

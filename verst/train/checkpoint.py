@@ -16,8 +16,8 @@ import torch
 from pydantic import Field
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from verst import distributed
 from verst.configbase import ConfigBase
-from verst.train import distributed
 
 STATE_FILE = "trainer_state.pt"
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verst.train import distributed
+from verst import distributed
 from verst.train.advantages import gae, reinforce_plus_plus_advantages, terminal_token_rewards
 from verst.train.batching import MicroBatch
 from verst.train.correction import ess_ratio, mis_weights, tis_weights, train_rollout_kl

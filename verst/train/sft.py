@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from pydantic import Field
 
+from verst import distributed
 from verst.configbase import ConfigBase
 from verst.data.source import DataSource, DataSourceConfig
-from verst.train import distributed
 from verst.train.batching import TrainItem
 from verst.train.trainer import Trainer
 from verst.types import Sample

@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from verst import distributed
 from verst.configbase import ConfigBase
-from verst.train import distributed
 from verst.train.batching import (
     MicroBatch,
     TrainItem,

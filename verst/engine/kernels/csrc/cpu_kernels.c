@@ -6,7 +6,7 @@
  * bfloat16 (float32 sums may differ in order). The softmax's exp is a polynomial the compiler
  * vectorises (`fast_exp`, about 2 ulp).
  *
- * Built at first use by verst/engine/cpu_kernels.py (cc -O3 -march=native -fopenmp) and called
+ * Built at first use by verst/engine/kernels/cpu.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes; parallel loops use the OpenMP runtime torch loaded. In bfloat16 every product
  * of two stored values is exact in float32, so fused multiply-adds round as PyTorch does.
  */

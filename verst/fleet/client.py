@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from verst.engine import protocol
+from verst.engine.server import sglang_api as protocol
 from verst.engine.serving import ServingEngine
 
 

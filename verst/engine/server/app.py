@@ -2,7 +2,7 @@
 (`run_server`).
 
 The app only moves JSON in and out: parsing, validation and the response bodies live in
-`verst.engine.protocol` (shared with the in-process client), and the app answers its
+`verst.engine.server.sglang_api` (shared with the in-process client), and the app answers its
 `ProtocolError` with the status and envelope it carries. aiohttp is imported only inside these
 functions, so importing this module does not need the `serve` extra.
 """
@@ -15,8 +15,9 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from verst.engine.openai_protocol import openai_stream_chunks, run_openai
-from verst.engine.protocol import (
+from verst.engine.sampling import SamplingParams
+from verst.engine.server.openai_api import openai_stream_chunks, run_openai
+from verst.engine.server.sglang_api import (
     CONTINUE_OK,
     FLUSH_CACHE_TEXT,
     ProtocolError,
@@ -36,7 +37,6 @@ from verst.engine.protocol import (
     server_info_body,
     validation_error,
 )
-from verst.engine.sampling import SamplingParams
 from verst.engine.serving import ServingEngine
 
 if TYPE_CHECKING:

@@ -31,8 +31,8 @@ from pydantic import Field
 from verst.configbase import ConfigBase
 from verst.engine import GenerateOutput, GenerateRequest
 from verst.engine.serving import ServingEngine
-from verst.engines.client import EngineClient, HttpEngineClient, InProcessEngineClient
-from verst.engines.launcher import LocalEngine, free_port, launch_local_engines
+from verst.fleet.client import EngineClient, HttpEngineClient, InProcessEngineClient
+from verst.fleet.launcher import LocalEngine, free_port, launch_local_engines
 from verst.router.policy import Router
 
 T = TypeVar("T")
@@ -376,7 +376,7 @@ async def _start_in_process(
     """Engines on the trainer's device; the first uses `model` itself, the others copies."""
     import copy
 
-    from verst.engine.http_server import make_app
+    from verst.engine.server.app import make_app
 
     clients: dict[str, EngineClient] = {}
     runners = []

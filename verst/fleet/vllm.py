@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from verst.engines.client import EngineError, HttpEngineClient
-from verst.engines.launcher import LocalEngine, _start, wait_healthy
+from verst.fleet.client import EngineError, HttpEngineClient
+from verst.fleet.launcher import LocalEngine, _start, wait_healthy
 
 TOKEN_PREFIX = "token_id:"
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop_token_ids")

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from verst.engine.cpu_kernels import dense_rows
-from verst.engine.fused_norm import rms_norm_triton
+from verst.engine.kernels.cpu import dense_rows
+from verst.engine.kernels.fused_norm import rms_norm_triton
 from verst.engine.kv_pool import attention_shape
 from verst.engine.paged_attention import triton
 

@@ -1,8 +1,8 @@
 """Clients and launchers for engine fleets: one `EngineClient` interface over the in-process
 engine, `verst serve` subprocesses and real SGLang servers."""
 
-from verst.engines.client import EngineClient, EngineError, HttpEngineClient, InProcessEngineClient
-from verst.engines.launcher import LocalEngine, launch_local_engines, launch_sglang
+from verst.fleet.client import EngineClient, EngineError, HttpEngineClient, InProcessEngineClient
+from verst.fleet.launcher import LocalEngine, launch_local_engines, launch_sglang
 
 __all__ = [
     "EngineClient",

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-from verst.engine.protocol import (
+from verst.engine.server.sglang_api import (
     GenerateItem,
     GenerateJob,
     ProtocolError,

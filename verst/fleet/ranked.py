@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from verst import distributed
 from verst.engine import GenerateOutput, GenerateRequest
-from verst.engines.fleet import Fleet
-from verst.train import distributed
+from verst.fleet.fleet import Fleet
 
 T = TypeVar("T")
 
