@@ -81,16 +81,65 @@ def test_prefix_cache_hit_returns_the_same_output_as_a_miss(model) -> None:
 
 
 def test_a_groups_samples_share_one_prefill_of_their_prompt(model) -> None:
-    """Requests with one prompt arriving together (a GRPO group): the first prefills it and
-    caches it as soon as its prefill ends; the rest wait one step and take it from the cache."""
+    """Requests with one prompt arriving together (a GRPO group): the first prefills it; the
+    rest start from a copy of its KV (whole pages shared through the cache) and its logits."""
     shared = prompt(2, 21)
     group = [GenerateRequest(input_ids=shared, sampling_params=greedy()) for _ in range(8)]
-    outs = scheduler(model).generate(group)
-    assert sorted(o.cached_tokens for o in outs) == [0] + [20] * 7  # whole pages of 20 tokens
+    sched = scheduler(model)
+    outs = sched.generate(group)
+    assert sorted(o.cached_tokens for o in outs) == [0] + [21] * 7  # nothing computed again
+    stats = sched.cache_stats()
+    assert sched.pool.num_free() + stats["cached_pages"] == sched.pool.num_pages
     cold = scheduler(model, enable_prefix_cache=False).generate(
         [GenerateRequest(input_ids=shared, sampling_params=greedy())]
     )[0]
     assert all(o.output_ids == cold.output_ids for o in outs)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+@pytest.mark.parametrize("chunk_tokens", [4096, 5])
+def test_followers_of_a_prefill_sample_what_a_full_forward_gives(
+    model, prefix_cache: bool, chunk_tokens: int
+) -> None:
+    """A group's samples start from their leader's KV and logits: each one's log-probs are
+    those of a full forward over its own tokens, and greedy ones all agree with a lone run."""
+    p = prompt(5, 10)
+    sampled = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    sched = scheduler(model, enable_prefix_cache=prefix_cache, chunk_tokens=chunk_tokens, seed=3)
+    outs = sched.generate([GenerateRequest(input_ids=p, sampling_params=sampled) for _ in range(6)])
+    assert sum(o.cached_tokens == len(p) for o in outs) == 5
+    for out in outs:
+        with torch.no_grad():
+            logits = model(torch.tensor([p + out.output_ids])).logits[0, len(p) - 1 : -1]
+        expected = torch.log_softmax(logits.float(), -1).gather(
+            -1, torch.tensor(out.output_ids)[:, None]
+        )[:, 0]
+        torch.testing.assert_close(
+            torch.tensor(out.output_token_logprobs), expected, atol=1e-5, rtol=0
+        )
+    alone = scheduler(model).generate([GenerateRequest(input_ids=p, sampling_params=greedy())])
+    group = sched.generate(
+        [GenerateRequest(input_ids=p, sampling_params=greedy()) for _ in range(4)]
+    )
+    assert all(o.output_ids == alone[0].output_ids for o in group)
+
+
+def test_followers_run_alone_when_their_leader_is_aborted(model) -> None:
+    sched = scheduler(model, chunk_tokens=3)  # the leader's prefill spans several steps
+    p = prompt(6, 9)
+    requests = [
+        GenerateRequest(input_ids=p, sampling_params=greedy(), rid=f"r{i}") for i in range(3)
+    ]
+    for request in requests:
+        sched.submit(request)
+    sched.step()  # r0 leads, r1 and r2 follow
+    assert [o.rid for o in sched.abort("r0")] == ["r0"]
+    done = []
+    while sched.has_work():
+        done += sched.step()
+    alone = scheduler(model).generate([GenerateRequest(input_ids=p, sampling_params=greedy())])
+    assert sorted(o.rid for o in done) == ["r1", "r2"]
+    assert all(o.output_ids == alone[0].output_ids for o in done)
 
 
 def test_200_concurrent_requests_complete_under_memory_pressure(model) -> None:

@@ -156,6 +156,17 @@ class KVPool:
             self._is_free[page] = True
         self._free_stack.extend(reversed(pages))
 
+    def copy_pages(self, source: list[int], target: list[int]) -> None:
+        """Copy the K and V of pages `source[i]` into pages `target[i]`, in every layer."""
+        if len(source) != len(target):
+            raise ValueError(f"copy_pages: {len(source)} source pages, {len(target)} targets")
+        if not source:
+            return
+        source_P = torch.tensor(source, dtype=torch.long, device=self.device)
+        target_P = torch.tensor(target, dtype=torch.long, device=self.device)
+        for store in (*self.k, *self.v):
+            store.index_copy_(0, target_P, store.index_select(0, source_P))
+
     def write(
         self,
         layer: int,

@@ -52,6 +52,7 @@ class _Running:
     generator: torch.Generator | None = None  # the request's own, when it has a seed
     input_logprobs: list[float | None] = field(default_factory=list)
     token_versions: list[int | str] = field(default_factory=list)
+    leader: _Running | None = None  # a running request prefilling this very prompt
 
     @property
     def output_ids(self) -> list[int]:
@@ -98,6 +99,7 @@ class Scheduler:
         self.paused: PauseMode | None = None
         self._finished_early: list[GenerateOutput] = []  # aborted outside a sampling step
         self._params_by_name: dict[str, torch.Tensor] | None = None
+        self._has_followers = False  # some waiting request follows a prefilling one
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -235,28 +237,45 @@ class Scheduler:
             # Triton kernels and CUDA graphs launch on the current device
             torch.cuda.set_device(self.pool.device)
         logits_B_V = self._forward(batch)
-        for r, n in batch:
-            if r.computed - n < r.prompt_length <= r.computed:  # its prefill ended this step
-                self._share_prompt(r)
+        prefilled = [r for r, n in batch if r.computed - n < r.prompt_length <= r.computed]
+        for r in prefilled:
+            self._share_prompt(r)
+        forks = self._fork_followers(prefilled) if self._has_followers else {}
         ready = [i for i, (r, _) in enumerate(batch) if r.computed == len(r.tokens)]
         scored = [i for i in ready if self._remaining(batch[i][0]) <= 0]  # max_new_tokens=0
         for i in scored:
             finished.append(self._finish(batch[i][0], FINISH_LENGTH))
-        sampling = [i for i in ready if i not in scored]
-        if sampling:
+        rows, logit_rows = [], []
+        for i in ready:
+            if i not in scored:
+                rows.append(batch[i][0])
+                logit_rows.append(i)
+            for follower in forks.get(id(batch[i][0]), []):  # they sample from their leader's
+                rows.append(follower)
+                logit_rows.append(i)
+        if rows:
             # every row samples in a decode step: no copy of the logits
-            logits = logits_B_V if len(sampling) == len(batch) else logits_B_V[sampling]
-            finished += self._sample([batch[i][0] for i in sampling], logits)
+            whole = logit_rows == list(range(len(batch)))
+            finished += self._sample(rows, logits_B_V if whole else logits_B_V[logit_rows])
         return finished
 
     def _admit(self) -> list[GenerateOutput]:
         finished = []
         prefilling = {self._prompt_key(r) for r in self.running if r.computed < r.prompt_length}
+        leaders = {tuple(r.tokens): r for r in self.running if self._may_lead(r)}
+        self._has_followers = False
         deferred = []
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting.popleft()
             if self._remaining(r) <= 0 and r.request.logprob_start_len < 0:
                 finished.append(self._output(r, FINISH_LENGTH))
+                continue
+            r.leader = leaders.get(tuple(r.tokens)) if self._may_follow(r) else None
+            if r.leader is not None:
+                # the same prompt is being prefilled: r copies its KV and its last logits when
+                # that prefill ends (the samples of a group), rather than compute it again
+                self._has_followers = True
+                deferred.append(r)
                 continue
             # scoring the prompt needs its logits, so it cannot skip cached positions
             if self.cache is not None and r.computed == 0 and r.request.logprob_start_len < 0:
@@ -274,8 +293,66 @@ class Scheduler:
                 r.cached_tokens = max(r.cached_tokens, match.length)
                 prefilling.add(key)
             self.running.append(r)
+            if self._may_lead(r):
+                leaders.setdefault(tuple(r.tokens), r)
         self.waiting.extendleft(reversed(deferred))
         return finished
+
+    @staticmethod
+    def _may_lead(r: _Running) -> bool:
+        fresh = len(r.tokens) == r.prompt_length  # a retracted request may carry its output
+        return fresh and r.computed < r.prompt_length and r.request.logprob_start_len < 0
+
+    @staticmethod
+    def _may_follow(r: _Running) -> bool:
+        return len(r.tokens) == r.prompt_length and r.request.logprob_start_len < 0
+
+    def _fork_followers(self, prefilled: list[_Running]) -> dict[int, list[_Running]]:
+        """Start every waiting follower of a request whose prefill just ended, on a copy of its
+        prompt's KV (whole pages shared through the prefix cache, the last partial page
+        copied). Returns the started followers by id(leader); a follower that finds no room
+        stays queued and computes its prompt as any request would."""
+        leaders = {id(r): r for r in prefilled if r in self.running}
+        forks: dict[int, list[_Running]] = {}
+        source: list[int] = []
+        target: list[int] = []
+        for f in self.waiting:
+            leader = f.leader
+            if leader is None or id(leader) not in leaders:
+                continue
+            if len(self.running) >= self.max_running or not self._share_kv(
+                f, leader, source, target
+            ):
+                f.leader = None
+                continue
+            self.running.append(f)
+            forks.setdefault(id(leader), []).append(f)
+        if forks:
+            started = {id(f) for fs in forks.values() for f in fs}
+            self.waiting = deque(f for f in self.waiting if id(f) not in started)
+            self.pool.copy_pages(source, target)
+        return forks
+
+    def _share_kv(
+        self, f: _Running, leader: _Running, source: list[int], target: list[int]
+    ) -> bool:
+        """Give f the leader's prompt KV: cached whole pages locked, the rest to copy."""
+        shared: list[int] = []
+        if self.cache is not None and leader.match is not None:
+            match = self.cache.match_prefix(list(self._prompt_key(leader)), record_stats=False)
+            shared = list(match.pages)
+        own = leader.pages[len(shared) : -(-leader.computed // self.pool.page_size)]
+        if len(own) > self.pool.num_free():
+            return False
+        if shared:
+            self.cache.lock(match)
+            f.match = match
+        f.pages = shared + self.pool.alloc(len(own))
+        source += own
+        target += f.pages[len(shared) :]
+        f.computed = f.cached_tokens = leader.computed
+        f.leader = None
+        return True
 
     def _prompt_key(self, r: _Running) -> tuple[int, ...]:
         """The whole pages of r's prompt that a cache hit can cover (all but its last token)."""
