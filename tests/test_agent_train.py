@@ -18,6 +18,8 @@ from verst import launch  # noqa: E402
 from verst.cli import main  # noqa: E402
 from verst.config import load_config  # noqa: E402
 from verst.loop import train_items, without_aborted  # noqa: E402
+from verst.rollout.rewards import score_groups  # noqa: E402
+from verst.rollout.source import AgentRollout  # noqa: E402
 from verst.types import Status  # noqa: E402
 
 EXAMPLE = "examples/calculator_agent.yaml"
@@ -81,12 +83,15 @@ def test_agent_rollout_feeds_the_trainer_exact_masked_samples(tmp_path: Path) ->
     )
     run = launch.build(cfg, tmp_path)
     try:
-        run.start_rl()
+        run.policy.start_rl()
         run.sync.push(run.engine.weight_version + 1)
-        groups = run.data.take(cfg.rollout.prompts_per_step)
+        rollout = run.rollout
+        assert isinstance(rollout, AgentRollout)
+        groups = rollout.prompts()
         for group in groups:
             group[0].metadata["fail"] = True
-        run.run_agents(groups)
+        rollout._play(groups)
+        score_groups(groups, run.reward_fn)
         for group in groups:
             failed, *played = group
             assert failed.status is Status.ABORTED and failed.reward == 0.0
@@ -99,12 +104,12 @@ def test_agent_rollout_feeds_the_trainer_exact_masked_samples(tmp_path: Path) ->
                 mask = sample.loss_mask
                 assert 0 in mask and mask[0] == 1 and mask[-1] == 1
                 written = [t for t, m in zip(sample.response_tokens, mask, strict=True) if not m]
-                assert TOOL_RESULT in run.tokenizer.decode(written)
+                assert TOOL_RESULT in run.fleet.tokenizer.decode(written)
                 assert sample.metadata["mismatch"] is not None
         trainable = without_aborted(groups)
         assert all(s.status is not Status.ABORTED for g in trainable for s in g)
         assert sum(map(len, trainable)) == sum(map(len, groups)) - len(groups)
-        metrics = run.trainer.step(train_items(trainable, cfg.loss), step=1)
+        metrics = run.policy.trainer.step(train_items(trainable, cfg.loss), step=1)
         assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4
     finally:
         run.close()

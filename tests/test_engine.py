@@ -1,20 +1,28 @@
-"""The embedded engine core: greedy parity with HF generate, exact log-probs, sampling params,
-stopping, reproducibility, weight updates."""
+"""The engine called in-process (`Scheduler.generate`, the embedded engine): greedy parity with
+HF generate, exact log-probs, sampling params, stopping, reproducibility, weight updates."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from verst.engine import Engine, GenerateRequest, SamplingParams, sample_next_tokens
+from verst.engine import GenerateRequest, SamplingParams, Scheduler, sample_next_tokens
 
 EOS = 63
 PAD = 0
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [12], [20, 21, 22, 23, 24]]
 
 
-def make_engine(model, seed: int = 0) -> Engine:
-    return Engine(model, eos_token_ids=[EOS], pad_token_id=PAD, seed=seed)
+def make_engine(model, seed: int = 0, max_running: int = 256) -> Scheduler:
+    return Scheduler.for_model(
+        model,
+        eos_token_ids=[EOS],
+        pad_token_id=PAD,
+        seed=seed,
+        max_running=max_running,
+        kv_cache_bytes=4 << 20,
+        page_size=4,
+    )
 
 
 def requests(**params) -> list[GenerateRequest]:
@@ -121,14 +129,12 @@ def test_per_row_params_in_one_batch(model):
 
 def test_same_seed_same_outputs_and_batches_chunk(model):
     def run(seed: int, max_batch_size: int = 256) -> list[list[int]]:
-        engine = Engine(
-            model, eos_token_ids=[EOS], pad_token_id=PAD, seed=seed, max_batch_size=max_batch_size
-        )
+        engine = make_engine(model, seed=seed, max_running=max_batch_size)
         return [o.output_ids for o in engine.generate(requests(max_new_tokens=12))]
 
     assert run(0) == run(0)
     assert run(0) != run(1)
-    chunked = Engine(model, eos_token_ids=[EOS], pad_token_id=PAD, max_batch_size=3)
+    chunked = make_engine(model, max_running=3)
     reqs = requests(max_new_tokens=5, temperature=0.0)
     assert [o.rid for o in chunked.generate(reqs)] == [r.rid for r in reqs]
 

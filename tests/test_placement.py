@@ -13,6 +13,7 @@ from verst.cli import main
 from verst.config import ConfigError, load_config
 from verst.fleet.client import InProcessEngineClient
 from verst.loop import train_items
+from verst.rollout.rewards import score_groups
 
 pytest.importorskip("aiohttp")
 
@@ -59,8 +60,9 @@ def test_auto_transport_follows_the_engines() -> None:
 
 
 def _one_step_then_push(run: launch.Run) -> None:
-    groups, _ = run.rollout()
-    run.trainer.step(train_items(groups, run.cfg.loss), step=1)
+    groups, _ = run.rollout.groups(run.engine.weight_version)
+    score_groups(groups, run.reward_fn)
+    run.policy.trainer.step(train_items(groups, run.cfg.loss), step=1)
     run.sync.push(run.engine.weight_version + 1)
 
 
@@ -81,7 +83,7 @@ def test_in_process_engines_hold_the_trainers_weights_bit_for_bit(
     run = launch.build(cfg, tmp_path)
     try:
         _one_step_then_push(run)
-        trainer = {n: p.detach() for n, p in run.trainer.named_local_parameters()}
+        trainer = {n: p.detach() for n, p in run.policy.trainer.named_local_parameters()}
         assert run.fleet is not None
         for client in run.fleet.clients:
             assert isinstance(client, InProcessEngineClient)
@@ -193,10 +195,11 @@ def test_a_dead_engine_process_is_routed_around(tmp_path: Path) -> None:
         assert run.fleet is not None
         _one_step_then_push(run)
         run.fleet.processes[1].stop()  # the engine dies between two steps
-        groups, _ = run.rollout()
+        groups, _ = run.rollout.groups(run.engine.weight_version)
+        score_groups(groups, run.reward_fn)
         assert all(s.response_length > 0 for g in groups for s in g)
         assert len(run.fleet.router.live_engines) == 1
-        run.trainer.step(train_items(groups, cfg.loss), step=2)
+        run.policy.trainer.step(train_items(groups, cfg.loss), step=2)
         metrics = run.sync.push(run.engine.weight_version + 1)
         assert metrics["sync/live_engines"] == 1 and metrics["sync/resent_engines"] == 0
     finally:

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from verst.engine import Engine, GenerateRequest, SamplingParams
+from verst.engine import GenerateRequest, SamplingParams, Scheduler
 from verst.models.tiny import TinyModelConfig, build_tiny_model
 from verst.sync.colocated import ColocatedSync
 from verst.train.batching import TrainItem, balance_micro_batches, pack_micro_batches
@@ -119,16 +119,23 @@ def test_non_finite_loss_raises_before_the_update() -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def _engine_matches_trainer(engine: Engine, trainer: Trainer) -> None:
+def embedded_engine(model: torch.nn.Module, seed: int = 0) -> Scheduler:
+    return Scheduler.for_model(
+        model, eos_token_ids=[0], pad_token_id=0, seed=seed, kv_cache_bytes=4 << 20, page_size=4
+    )
+
+
+def _engine_matches_trainer(engine: Scheduler, trainer: Trainer) -> None:
     engine_params = dict(engine.model.named_parameters())
     for name, tensor in weights(trainer).items():
         if name in engine_params:
-            assert torch.equal(engine_params[name].detach().to(tensor.dtype), tensor), name
+            target = engine_params[name].detach()
+            assert torch.equal(target, tensor.to(target.dtype)), name
 
 
 def test_colocated_sync_shares_storage_and_stays_exact() -> None:
     model = tiny_model()
-    engine = Engine(copy.deepcopy(model).eval(), eos_token_ids=[0], pad_token_id=0)
+    engine = embedded_engine(copy.deepcopy(model).eval())
     trainer = make_trainer(model)
     sync = ColocatedSync(trainer, engine)
     assert sync.zero_copy
@@ -138,9 +145,23 @@ def test_colocated_sync_shares_storage_and_stays_exact() -> None:
     _engine_matches_trainer(engine, trainer)
 
 
+def test_a_zero_copy_push_drops_the_prefix_cache() -> None:
+    """The optimiser changed the weights under the engine: KV cached before is stale."""
+    model = tiny_model()
+    engine = embedded_engine(copy.deepcopy(model).eval())
+    trainer = make_trainer(model)
+    sync = ColocatedSync(trainer, engine)
+    prompt = [GenerateRequest(input_ids=list(range(5, 19)), sampling_params=SamplingParams(4))]
+    engine.generate(prompt)
+    assert engine.generate(prompt)[0].cached_tokens > 0
+    trainer.step(items(), step=1)
+    sync.push(2)
+    assert engine.generate(prompt)[0].cached_tokens == 0
+
+
 def test_colocated_sync_copies_when_dtypes_differ() -> None:
     model = tiny_model()
-    engine = Engine(copy.deepcopy(model).double().eval(), eos_token_ids=[0], pad_token_id=0)
+    engine = embedded_engine(copy.deepcopy(model).to(torch.bfloat16).eval())
     trainer = make_trainer(model)
     sync = ColocatedSync(trainer, engine)
     assert not sync.zero_copy
@@ -153,7 +174,7 @@ def test_colocated_sync_copies_when_dtypes_differ() -> None:
 def test_trainer_logprobs_match_the_engine() -> None:
     """On-policy data: the trainer's recomputed log-probs equal the engine's (fp32)."""
     model = tiny_model(seed=3)
-    engine = Engine(copy.deepcopy(model).eval(), eos_token_ids=[0], pad_token_id=0, seed=1)
+    engine = embedded_engine(copy.deepcopy(model).eval(), seed=1)
     trainer = make_trainer(model)
     ColocatedSync(trainer, engine)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]

@@ -1,12 +1,16 @@
-"""The synchronous RL loop: rollout → reward → train → sync, one step at a time.
+"""The RL loop: rollout → reward → advantages → train → sync → eval → checkpoint, a step at a time.
 
 `train(cfg, run_dir, resume=...)` is what `verst train` runs. The components are built in
 `verst/launch.py`; this file holds only the order of events, so it reads like the algorithm.
+Each phase is one line under the step's `PhaseTimer`, which logs `perf/<phase>_time_s`.
+
+The synchronous loop draws each step's groups after the previous update; the fully
+asynchronous one (`mode: fully_async`) takes finished groups from engines that never stop
+generating, so its rollout phase is a wait (`perf/wait_time_s`).
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -14,6 +18,8 @@ import torch
 from verst import distributed, launch
 from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
+from verst.monitor.timer import PhaseTimer
+from verst.rollout.rewards import score_groups
 from verst.train.batching import TrainItem
 from verst.train.losses import LossConfig, group_advantages
 from verst.train.sft import warm_start
@@ -52,13 +58,13 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     run = launch.build(cfg, run_dir)
     try:
-        step, version = run.restore_latest() if resume else (0, 0)
+        step, version = run.checkpointer.restore_latest() if resume else (0, 0)
         with MetricsLogger(run_dir, cfg.num_steps, start_step=step) as log:
             version = begin(cfg, run, log, step, version)
-            if cfg.mode == "fully_async":
-                fully_async_steps(cfg, run, log, step, version)
-            else:
-                sync_steps(cfg, run, log, step, version)
+            run.rollout.start()
+            while step < cfg.num_steps:
+                step += 1
+                version = rl_step(cfg, run, log, step, version)
         log.info(f"done: {cfg.num_steps} steps; checkpoints in {run_dir / 'checkpoints'}")
     finally:
         run.close()
@@ -74,17 +80,17 @@ def begin(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, versio
         return version
     dump_config(cfg, run.run_dir / "config.yaml")
     first = {"step": 0}
-    if cfg.warm_start.enabled:
+    if run.warm_start_data is not None:
         first |= warm_start(
             cfg.warm_start,
-            run.trainer,
+            run.policy.trainer,
             run.warm_start_data,
             run.encode_answer,
             run.dev_accuracy,
             log.info,
         )
-    run.start_rl()
-    version = run.engine.weight_version + 1  # after the warm start's versions, if any
+    run.policy.start_rl()
+    version = int(run.engine.weight_version) + 1  # after the warm start's versions, if any
     run.sync.push(version)
     first["weight_version"] = version
     if run.evaluator is not None:
@@ -93,87 +99,44 @@ def begin(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, versio
     return version
 
 
-def train_step(run: launch.Run, groups: list[Group], step: int, version: int) -> dict[str, float]:
-    """One optimiser step on `groups`; a non-finite loss stops the run at a good checkpoint."""
-    try:
-        return run.trainer.step(train_items(groups, run.cfg.loss), step=step)
-    except NonFiniteLossError as error:
-        saved = run.save(step - 1, version, keep_existing=True)
-        raise NonFiniteLossError(f"{error}; last good checkpoint: {saved}") from None
-
-
-def finish_step(
-    cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, version: int, metrics: dict
-) -> None:
-    """Evaluate and checkpoint when due, then log the step."""
+def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, version: int) -> int:
+    """One step; returns the weight version the engines hold after it."""
+    timer = PhaseTimer()
+    rollout_phase = "wait" if cfg.mode == "fully_async" else "rollout"
+    with timer(rollout_phase):
+        groups, metrics = run.rollout.groups(version)
+    with timer("reward"):
+        score_groups(groups, run.reward_fn)
+    trainable = without_aborted(groups)
+    if distributed.all_reduce_sum([float(len(trainable))], run.device)[0] > 0:
+        with timer("advantages"):
+            items = train_items(trainable, cfg.loss)
+        with timer("train"):
+            metrics |= train_step(run, items, step, version)
+        version += 1
+        with timer("sync"):
+            metrics |= run.sync.push(version)
+    else:
+        log.info(f"step {step}: every trajectory was aborted; no update this step")
+    metrics |= run.rollout.metrics(groups)
     last = step == cfg.num_steps
     if run.evaluator is not None and (last or step % cfg.eval.interval_steps == 0):
-        metrics |= run.evaluator.run(run.engine)
-    if last or (cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0):
-        run.save(step, version)
-    log.log(metrics)
+        with timer("eval"):
+            metrics |= run.evaluator.run(run.engine)
+    if run.checkpointer.due(step, last=last):
+        with timer("checkpoint"):
+            run.checkpointer.save(step, version)
+    step_phases = (rollout_phase, "reward", "advantages", "train", "sync")
+    log.log(
+        {"step": step, "weight_version": version} | metrics | timer.metrics(step_phases=step_phases)
+    )
+    return version
 
 
-def sync_steps(
-    cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, version: int
-) -> None:
-    """Rollout, train, sync, in turn."""
-    while step < cfg.num_steps:
-        step += 1
-        started = time.perf_counter()
-        groups, sampling_metrics = run.rollout()
-        rolled = time.perf_counter()
-        trainable = without_aborted(groups)
-        metrics: dict[str, float] = {}
-        sync_metrics: dict[str, float] = {}
-        if distributed.all_reduce_sum([float(len(trainable))], run.device)[0] > 0:
-            metrics = train_step(run, trainable, step, version)
-            trained = time.perf_counter()
-            version += 1
-            sync_metrics = run.sync.push(version)
-        else:
-            log.info(f"step {step}: every trajectory was aborted; no update this step")
-            trained = time.perf_counter()
-        synced = time.perf_counter()
-
-        metrics = {"step": step, "weight_version": version} | metrics
-        metrics |= run.group_metrics(groups) | sampling_metrics | sync_metrics
-        metrics |= {
-            "perf/rollout_time_s": rolled - started,
-            "perf/train_time_s": trained - rolled,
-            "perf/sync_time_s": synced - trained,
-            "perf/step_time_s": synced - started,
-        }
-        finish_step(cfg, run, log, step, version, metrics)
-
-
-def fully_async_steps(
-    cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, version: int
-) -> None:
-    """The engines generate without pause (except to install weights) while the trainer takes
-    finished groups from the data buffer, trains on them and pushes new weights."""
-    worker = run.start_rollout_worker()
+def train_step(run: launch.Run, items: list[TrainItem], step: int, version: int) -> dict:
+    """One optimiser step; a non-finite loss stops the run at a good checkpoint."""
     try:
-        while step < cfg.num_steps:
-            step += 1
-            started = time.perf_counter()
-            groups = run.take_groups(worker, version)
-            waited = time.perf_counter()
-            metrics = train_step(run, groups, step, version)
-            trained = time.perf_counter()
-            version += 1
-            sync_metrics = run.sync.push(version)
-            synced = time.perf_counter()
-
-            metrics = {"step": step, "weight_version": version} | metrics
-            metrics |= run.group_metrics(groups) | sync_metrics
-            metrics |= run.worker_metrics(worker)
-            metrics |= {
-                "perf/wait_time_s": waited - started,
-                "perf/train_time_s": trained - waited,
-                "perf/sync_time_s": synced - trained,
-                "perf/step_time_s": synced - started,
-            }
-            finish_step(cfg, run, log, step, version, metrics)
-    finally:
-        run.stop_rollout_worker(worker)
+        return run.policy.trainer.step(items, step=step)
+    except NonFiniteLossError as error:
+        saved = run.checkpointer.save(step - 1, version, keep_existing=True)
+        raise NonFiniteLossError(f"{error}; last good checkpoint: {saved}") from None

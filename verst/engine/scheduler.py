@@ -22,14 +22,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from verst.engine.core import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
 from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.radix_cache import PrefixMatch, RadixCache
+from verst.engine.requests import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
 from verst.engine.sampling import sample_next_tokens
 
 FINISH_ABORT = "abort"
@@ -100,6 +100,32 @@ class Scheduler:
         self._finished_early: list[GenerateOutput] = []  # aborted outside a sampling step
         self._params_by_name: dict[str, torch.Tensor] | None = None
         self._has_followers = False  # some waiting request follows a prefilling one
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        *,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        kv_cache_bytes: int | None = None,
+        page_size: int = 16,
+        **options: Any,
+    ) -> Scheduler:
+        """A scheduler over a loaded model (its device and dtype) with a KV pool of
+        `kv_cache_bytes`: by default 256 MiB on the CPU, half the free GPU memory on CUDA."""
+        param = next(model.parameters())
+        if kv_cache_bytes is None:
+            on_cuda = param.device.type == "cuda"
+            kv_cache_bytes = torch.cuda.mem_get_info()[0] // 2 if on_cuda else 256 << 20
+        pool = KVPool.from_budget(
+            model.config,
+            budget_bytes=kv_cache_bytes,
+            page_size=page_size,
+            dtype=param.dtype,
+            device=param.device,
+        )
+        return cls(model, pool, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, **options)
 
     # --- requests -----------------------------------------------------------------------------
 

@@ -28,8 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from verst.engine.core import GenerateOutput, GenerateRequest
-from verst.engine.kv_pool import KVPool
+from verst.engine.requests import GenerateOutput, GenerateRequest
 from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
 from verst.engine.sampling import SamplingParams
 from verst.engine.scheduler import Scheduler
@@ -141,24 +140,14 @@ class ServingEngine:
         """Serve a loaded model (its device and dtype); the scheduler stops on its EOS ids."""
         from verst.models.loading import eos_token_ids
 
-        param = next(model.parameters())
         eos = eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-        if kv_cache_bytes is None:
-            on_cuda = param.device.type == "cuda"
-            kv_cache_bytes = torch.cuda.mem_get_info()[0] // 2 if on_cuda else 256 << 20
-        pool = KVPool.from_budget(
-            model.config,
-            budget_bytes=kv_cache_bytes,
-            page_size=page_size,
-            dtype=param.dtype,
-            device=param.device,
-        )
-        scheduler = Scheduler(
+        scheduler = Scheduler.for_model(
             model,
-            pool,
             eos_token_ids=eos,
             pad_token_id=pad,
+            kv_cache_bytes=kv_cache_bytes,
+            page_size=page_size,
             max_running=max_batch_size,
             seed=seed,
         )

@@ -17,7 +17,7 @@ from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
 from verst.engine import SamplingParams
 from verst.rollout.generate import Generator, generate_groups
-from verst.rollout.rewards import check_reward_fn
+from verst.rollout.rewards import check_reward_fn, score_groups
 from verst.types import Sample
 
 
@@ -62,7 +62,8 @@ class Evaluator:
 
     def run(self, engine: Generator) -> dict[str, float]:
         groups = [[prompt.clone_prompt(0)] for prompt in self.prompts]
-        generate_groups(engine, self.decode, groups, self.params, self.reward_fn)
+        generate_groups(engine, self.decode, groups, self.params)
+        score_groups(groups, self.reward_fn)
         rewards = [group[0].reward or 0.0 for group in groups]
         lengths = [group[0].response_length for group in groups]
         total, count, length_sum = distributed.all_reduce_sum(

@@ -50,7 +50,6 @@ from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
 from verst.imports import load_object
-from verst.rollout.rewards import RewardFn, compute_rewards
 from verst.types import Group, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -235,42 +234,10 @@ async def run_agent_sample(
                 sid = (await _json(r, "POST /sessions"))["session_id"]
         except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError) as error:
             raise AgentError(f"could not open a session at {base}: {error!r}") from error
-        metadata = copy.deepcopy(sample.metadata)
-        metadata.setdefault("label", copy.deepcopy(sample.label))
-        try:
-            result = await asyncio.wait_for(
-                agent_fn(
-                    f"{base}/sessions/{sid}/v1",
-                    copy.deepcopy(sample.prompt),
-                    copy.deepcopy(request_kwargs),
-                    metadata,
-                ),
-                timeout_s,
-            )
-        except asyncio.TimeoutError:
-            raise AgentError(f"the agent ran past its {timeout_s:g} s timeout") from None
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # anything the agent raises aborts only this sample
-            raise AgentError(f"the agent raised {type(error).__name__}: {error}") from error
-        if result is not None and not isinstance(result, dict):
-            raise AgentError(f"the agent returned a {type(result).__name__}, not a dict or None")
-        try:
-            async with client.post(
-                f"{base}/sessions/{sid}/samples", json={"max_seq_len": max_seq_len}
-            ) as r:
-                if r.status == 422:
-                    detail = (await r.json(content_type=None))["error"]["message"]
-                    raise AgentError(f"the session cannot be assembled: {detail}")
-                assembled = await _json(r, "POST /sessions/{id}/samples")
-            async with client.get(f"{base}/sessions/{sid}") as r:
-                summary = await _json(r, "GET /sessions/{id}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError) as error:
-            raise AgentError(f"could not assemble session {sid}: {error!r}") from error
-        try:
-            _fill(sample, assembled, summary)
-        except (KeyError, TypeError, ValueError) as error:
-            raise AgentError(f"session {sid} assembled into a bad sample: {error}") from error
+        result = await _call_agent(
+            agent_fn, f"{base}/sessions/{sid}/v1", sample, request_kwargs, timeout_s
+        )
+        await _assemble(client, f"{base}/sessions/{sid}", sample, max_seq_len)
         if result:
             sample.metadata.update(result)
     except AgentError as error:
@@ -281,6 +248,57 @@ async def run_agent_sample(
         if sid is not None:
             await _delete(client, base, sid)
     return sample
+
+
+async def _call_agent(
+    agent_fn: AgentFn,
+    url: str,
+    sample: Sample,
+    request_kwargs: dict[str, Any],
+    timeout_s: float,
+) -> dict[str, Any] | None:
+    """The agent's play on its session (`url`), with copies of what it may mutate."""
+    metadata = copy.deepcopy(sample.metadata)
+    metadata.setdefault("label", copy.deepcopy(sample.label))
+    try:
+        result = await asyncio.wait_for(
+            agent_fn(
+                url,
+                copy.deepcopy(sample.prompt),
+                copy.deepcopy(request_kwargs),
+                metadata,
+            ),
+            timeout_s,
+        )
+    except asyncio.TimeoutError:
+        raise AgentError(f"the agent ran past its {timeout_s:g} s timeout") from None
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # anything the agent raises aborts only this sample
+        raise AgentError(f"the agent raised {type(error).__name__}: {error}") from error
+    if result is not None and not isinstance(result, dict):
+        raise AgentError(f"the agent returned a {type(result).__name__}, not a dict or None")
+    return result
+
+
+async def _assemble(client: Any, url: str, sample: Sample, max_seq_len: int | None) -> None:
+    """The finished session assembled into `sample` (tokens, loss mask, log-probs, versions)."""
+    import aiohttp
+
+    try:
+        async with client.post(f"{url}/samples", json={"max_seq_len": max_seq_len}) as r:
+            if r.status == 422:
+                detail = (await r.json(content_type=None))["error"]["message"]
+                raise AgentError(f"the session cannot be assembled: {detail}")
+            assembled = await _json(r, "POST /sessions/{id}/samples")
+        async with client.get(url) as r:
+            summary = await _json(r, "GET /sessions/{id}")
+    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, TypeError) as error:
+        raise AgentError(f"could not assemble session {url}: {error!r}") from error
+    try:
+        _fill(sample, assembled, summary)
+    except (KeyError, TypeError, ValueError) as error:
+        raise AgentError(f"session {url} assembled into a bad sample: {error}") from error
 
 
 async def _delete(client: Any, base: str, sid: str) -> None:
@@ -327,16 +345,6 @@ async def run_agent_groups(
 
         await asyncio.gather(*(one(s) for group in groups for s in group))
     return groups
-
-
-async def score_agent_groups(groups: list[Group], reward_fn: RewardFn) -> None:
-    """Rewards for every sample that is not ABORTED (the reward function may read what the agent
-    returned in `metadata`); aborted samples get 0.0."""
-    samples = [s for group in groups for s in group]
-    for sample in samples:
-        if sample.status == Status.ABORTED:
-            sample.reward = 0.0
-    await compute_rewards([s for s in samples if s.status != Status.ABORTED], reward_fn)
 
 
 def agent_metrics(groups: list[Group], device: Any = None) -> dict[str, float]:

@@ -1,12 +1,12 @@
-"""The default rollout: every sample of every group goes to the engine, then gets its reward.
+"""The default generation: every sample of every group goes to the engine in one call.
 
 A group comes back with each Sample's response ids, log-probs, loss mask, status (COMPLETED when
-the model stopped, TRUNCATED at the token limit), weight version and reward.
+the model stopped, TRUNCATED at the token limit, ABORTED when the engine ended it) and weight
+versions; its reward is the next phase's (`verst.rollout.rewards.score_groups`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Literal, Protocol
 
@@ -15,12 +15,15 @@ from pydantic import Field, field_validator
 from verst.engine import GenerateOutput, GenerateRequest, SamplingParams
 from verst.rollout.agent import AgentConfig
 from verst.rollout.async_worker import AsyncConfig
-from verst.rollout.rewards import check_reward_fn, compute_rewards
+from verst.rollout.rewards import check_reward_fn
 from verst.types import Group, Sample, Status
 
 
 class Generator(Protocol):
-    """What a rollout generates with: the batch `Engine` or a `Fleet` of serving engines."""
+    """What a rollout generates with: the embedded `Scheduler`, a `Fleet` of serving engines,
+    or a `RankedFleet` (every rank through rank 0's fleet)."""
+
+    weight_version: int | str
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]: ...
 
@@ -103,12 +106,10 @@ def generate_groups(
     decode: Callable[[list[int]], str],
     groups: list[Group],
     params: SamplingParams,
-    reward_fn: Callable,
 ) -> list[Group]:
-    """Generate every sample in one engine call, fill it in place, and score it."""
+    """Generate every sample in one engine call and fill it in place."""
     samples = [sample for group in groups for sample in group]
     requests = [GenerateRequest(input_ids=s.prompt_tokens, sampling_params=params) for s in samples]
     for sample, out in zip(samples, engine.generate(requests), strict=True):
         fill_sample(sample, out, decode(out.output_ids))
-    asyncio.run(compute_rewards(samples, reward_fn))
     return groups

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from verst.imports import load_object
-from verst.types import Sample, Status
+from verst.types import Group, Sample, Status
 
 RewardFn = Callable[[Sample], float | Awaitable[float]]
 
@@ -125,3 +125,16 @@ async def _score(sample: Sample, fn: RewardFn) -> None:
 async def compute_rewards(samples: list[Sample], fn: RewardFn) -> None:
     """Set `sample.reward` on every sample; async reward functions run concurrently."""
     await asyncio.gather(*(_score(sample, fn) for sample in samples))
+
+
+def score_groups(groups: list[Group], fn: RewardFn) -> None:
+    """The reward phase of a step: every sample not scored yet gets its reward (the reward
+    function may read what an agent returned in `metadata`); ABORTED samples get 0.0."""
+    unscored = []
+    for sample in (s for group in groups for s in group):
+        if sample.status == Status.ABORTED:
+            sample.reward = 0.0
+        elif sample.reward is None:
+            unscored.append(sample)
+    if unscored:
+        asyncio.run(compute_rewards(unscored, fn))

@@ -8,7 +8,10 @@ checkpoint that `--resume` would pick up.
 
 from __future__ import annotations
 
+import json
+import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +80,86 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The full fp32 weights and the resume state."""
     return load_weights(path), torch.load(path / STATE_FILE, weights_only=False)
+
+
+class Checkpointer:
+    """Saves the run's whole state as one checkpoint and restores the newest one: the policy's
+    weights and optimizer (through `policy`), the data order (`data_state`, from the rollout
+    source, which knows which prompts it holds), and every RNG, the embedded engine's included.
+    """
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: Path,
+        *,
+        policy: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        data_state: Callable[[], dict[str, Any]],
+        load_data_state: Callable[[dict[str, Any]], None],
+        engine_generator: torch.Generator | None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.policy = policy  # a verst.train.policy.PolicyModels
+        self.tokenizer = tokenizer
+        self.data_state = data_state
+        self.load_data_state = load_data_state
+        self.engine_generator = engine_generator  # serving engines keep their own RNG
+
+    def due(self, step: int, *, last: bool) -> bool:
+        return last or bool(self.cfg.interval_steps and step % self.cfg.interval_steps == 0)
+
+    def save(self, step: int, version: int, *, keep_existing: bool = False) -> Path:
+        """Save the current state as checkpoint `step` (collective: every rank calls it)."""
+        existing = checkpoint_dir(self.run_dir, step)
+        if keep_existing and existing in list_checkpoints(self.run_dir):
+            return existing
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if self.engine_generator is not None:
+            rng["engine"] = self.engine_generator.get_state()
+        state = {
+            "step": step,
+            "weight_version": version,
+            "trainer": self.policy.trainer.optimizer_state(),
+            "data": self.data_state(),
+            "rng": rng,
+        }
+        return save_checkpoint(
+            self.run_dir,
+            step,
+            weights=self.policy.trainer.full_state_dict(),
+            shell=self.policy.shell,
+            tokenizer=self.tokenizer,
+            state=state,
+            keep_last=self.cfg.keep_last,
+        )
+
+    def restore_latest(self) -> tuple[int, int]:
+        """Load the newest complete checkpoint; returns (step, weight version)."""
+        checkpoints = list_checkpoints(self.run_dir)
+        if not checkpoints:
+            raise FileNotFoundError(
+                f"--resume: no checkpoint under {self.run_dir / 'checkpoints'} to resume from"
+            )
+        weights, state = load_checkpoint(checkpoints[-1])
+        self.policy.restore(weights, state["trainer"])
+        self.load_data_state(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if self.engine_generator is not None:
+            self.engine_generator.set_state(state["rng"]["engine"])
+        truncate_metrics(self.run_dir / "metrics.jsonl", state["step"])
+        return state["step"], state["weight_version"]
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop records logged after the checkpoint we resume from, so each step appears once."""
+    if distributed.rank() != 0 or not path.is_file():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= step
+    ]
+    path.write_text("".join(line + "\n" for line in kept))

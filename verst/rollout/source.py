@@ -1,0 +1,295 @@
+"""Where a step's groups come from: one interface over the three rollouts.
+
+- `EngineRollout`: each step draws prompts and generates every sample in one engine call (the
+  embedded scheduler, a fleet, or rank 0's fleet under torchrun).
+- `AgentRollout`: each step draws prompts and an agent function plays every sample on a session
+  of its own (`rollout.agent_function`), through the fleet's session server.
+- `AsyncRollout` (`mode: fully_async`): a `RolloutWorker` on the fleet's loop generates without
+  pause into the data buffer; each step takes one batch of finished groups from it.
+
+Every source returns this rank's share of the step's groups. The loop scores them next (the
+reward phase); a source scores groups itself only where it must filter on rewards first
+(DAPO dynamic sampling, and the worker's filter before groups enter the buffer).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from verst import distributed
+from verst.data.source import DataSource
+from verst.engine import GenerateRequest
+from verst.fleet.fleet import Fleet, LoopThread, prompt_key
+from verst.fleet.ranked import on_rank_zero, scatter_from_rank_zero
+from verst.rollout.agent import (
+    agent_metrics,
+    agent_request_kwargs,
+    load_agent_fn,
+    run_agent_groups,
+    run_agent_sample,
+)
+from verst.rollout.async_worker import RolloutWorker, build_rollout_worker
+from verst.rollout.dynamic import fill_batch, has_reward_variance
+from verst.rollout.generate import Generator, RolloutConfig, fill_sample, generate_groups
+from verst.rollout.metrics import rollout_metrics
+from verst.rollout.rewards import RewardFn, score_groups
+from verst.types import Group, Sample
+
+
+class RolloutSource(Protocol):
+    def start(self) -> None:
+        """Begin generating ahead of the steps, where the source does (after any warm start and
+        the first weight push)."""
+        ...
+
+    def groups(self, version: int) -> tuple[list[Group], dict[str, float]]:
+        """This rank's groups for one step (a collective under torchrun), and metrics of how
+        they were drawn; `version` is the weight version the engines hold."""
+        ...
+
+    def metrics(self, groups: list[Group]) -> dict[str, Any]:
+        """Rollout metrics of the groups a step trained on, and of the source itself."""
+        ...
+
+    def data_state(self) -> dict[str, Any]:
+        """The data source's state for a checkpoint, with every prompt the source holds."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _StepRollout:
+    """The synchronous rollouts: draw this rank's prompts, generate, and with dynamic sampling
+    score and redraw until enough groups have reward variance."""
+
+    def __init__(
+        self, cfg: RolloutConfig, data: DataSource, reward_fn: RewardFn, device: torch.device
+    ) -> None:
+        self.cfg = cfg
+        self.data = data
+        self.reward_fn = reward_fn
+        self.device = device
+
+    def start(self) -> None:
+        pass
+
+    def draw(self) -> list[Group]:
+        raise NotImplementedError
+
+    def prompts(self) -> list[Group]:
+        """This rank's share of one step's prompts."""
+        rank_slice = slice(distributed.rank(), None, distributed.world_size())
+        return self.data.take(self.cfg.prompts_per_step)[rank_slice]
+
+    def groups(self, version: int) -> tuple[list[Group], dict[str, float]]:
+        if not self.cfg.dynamic_sampling:
+            return self.draw(), {}
+
+        def scored() -> list[Group]:
+            groups = self.draw()
+            score_groups(groups, self.reward_fn)
+            return groups
+
+        return fill_batch(
+            scored,
+            self.cfg.prompts_per_step,
+            max_rounds=self.cfg.max_sampling_rounds,
+            device=self.device,
+        )
+
+    def metrics(self, groups: list[Group]) -> dict[str, Any]:
+        return rollout_metrics(groups, self.device)
+
+    def data_state(self) -> dict[str, Any]:
+        return self.data.state_dict()
+
+    def close(self) -> None:
+        pass
+
+
+class EngineRollout(_StepRollout):
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        data: DataSource,
+        reward_fn: RewardFn,
+        device: torch.device,
+        *,
+        engine: Generator,
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        super().__init__(cfg, data, reward_fn, device)
+        self.engine = engine
+        self.decode = decode
+        self.sampling_params = cfg.sampling_params()
+
+    def draw(self) -> list[Group]:
+        return generate_groups(self.engine, self.decode, self.prompts(), self.sampling_params)
+
+
+def agent_kwargs(cfg: RolloutConfig) -> dict[str, Any]:
+    """The OpenAI request options every agent call starts from."""
+    return agent_request_kwargs(
+        model="policy",
+        max_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        stop_token_ids=cfg.stop_token_ids,
+    )
+
+
+class AgentRollout(_StepRollout):
+    """Every sample played by the agent function on a session of its own. The agents run on
+    an event loop of their own (kept for the run, so agents may keep connection pools on it),
+    apart from the fleet's loop that serves the sessions, so an agent that blocks cannot stall
+    the server. Under torchrun rank 0 plays every rank's samples."""
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        data: DataSource,
+        reward_fn: RewardFn,
+        device: torch.device,
+        *,
+        fleet: Fleet | None,
+    ) -> None:
+        super().__init__(cfg, data, reward_fn, device)
+        self.fleet = fleet
+        self._loop: LoopThread | None = None
+
+    def draw(self) -> list[Group]:
+        groups = self.prompts()
+        if distributed.world_size() > 1:
+            return on_rank_zero(groups, self._play if self.fleet is not None else None)
+        return self._play(groups)
+
+    def _play(self, groups: list[Group]) -> list[Group]:
+        assert self.fleet is not None and self.cfg.agent_function is not None
+        sessions_url = self.fleet.sessions_url()
+        play = run_agent_groups(
+            sessions_url,
+            groups,
+            load_agent_fn(self.cfg.agent_function),
+            agent_kwargs(self.cfg),
+            timeout_s=self.cfg.agent_timeout_s,
+            max_concurrency=self.cfg.agent_max_concurrency,
+            max_seq_len=self.cfg.agent_max_seq_len,
+        )
+        if self._loop is None:
+            self._loop = LoopThread("verst-agents")
+        return self._loop.run(play)
+
+    def metrics(self, groups: list[Group]) -> dict[str, Any]:
+        return super().metrics(groups) | agent_metrics(groups, self.device)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+
+
+class AsyncRollout:
+    """The fully asynchronous rollout: rank 0's fleet runs the worker, which generates (plain
+    or with the agent function), scores and buffers groups without pause; each step takes one
+    batch from the buffer and deals every rank its share."""
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        data: DataSource,
+        reward_fn: RewardFn,
+        device: torch.device,
+        *,
+        fleet: Fleet | None,
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.cfg = cfg
+        self.data = data
+        self.device = device
+        self.fleet = fleet
+        self.decode = decode
+        self.sampling_params = cfg.sampling_params()
+        self._sessions_url: str | None = None
+        self.reward_fn = reward_fn
+        self.worker: RolloutWorker | None = None
+
+    def start(self) -> None:
+        if self.fleet is None:  # a rank other than 0: it is dealt its groups
+            return
+        cfg = self.cfg
+        if cfg.agent_function:  # started here: the worker's loop cannot wait on itself
+            self._sessions_url = self.fleet.sessions_url()
+        worker = build_rollout_worker(
+            cfg,
+            self.data,
+            self.generate_sample,
+            self.reward_fn,
+            prompts_per_step=cfg.prompts_per_step,
+            n_samples_per_prompt=cfg.n_samples_per_prompt,
+            group_filter=has_reward_variance if cfg.dynamic_sampling else None,
+        )
+        self.fleet.loop.run(worker.start())
+        self.worker = worker
+
+    async def generate_sample(self, sample: Sample) -> Sample:
+        """One trajectory on the fleet; samples of one prompt share a routing key. With an
+        agent function, the agent plays it on a session of its own (on the fleet's loop)."""
+        assert self.fleet is not None
+        if self.cfg.agent_function:
+            assert self._sessions_url is not None
+            return await run_agent_sample(
+                None,
+                self._sessions_url,
+                sample,
+                load_agent_fn(self.cfg.agent_function),
+                agent_kwargs(self.cfg),
+                timeout_s=self.cfg.agent_timeout_s,
+                max_seq_len=self.cfg.agent_max_seq_len,
+            )
+        request = GenerateRequest(
+            input_ids=sample.prompt_tokens, sampling_params=copy.copy(self.sampling_params)
+        )
+        out = await self.fleet.agenerate(request, key=prompt_key(sample.prompt_tokens))
+        fill_sample(sample, out, self.decode(out.output_ids))
+        return sample
+
+    def groups(self, version: int) -> tuple[list[Group], dict[str, float]]:
+        groups = None
+        if self.worker is not None:
+            assert self.fleet is not None
+            take = self.worker.take(self.cfg.prompts_per_step, version)
+            groups = self.fleet.loop.run(take)
+        world = distributed.world_size()
+        if world == 1:
+            assert groups is not None
+            return groups, {}
+        per_rank = None if groups is None else [groups[r::world] for r in range(world)]
+        return scatter_from_rank_zero(per_rank), {}
+
+    def metrics(self, groups: list[Group]) -> dict[str, Any]:
+        metrics = rollout_metrics(groups, self.device)
+        if self.cfg.agent_function:
+            metrics |= agent_metrics(groups, self.device)
+        if self.worker is not None:
+            assert self.fleet is not None
+            metrics |= self.fleet.loop.call(self.worker.metrics)
+        return metrics
+
+    def data_state(self) -> dict[str, Any]:
+        """While the worker runs, the data source belongs to the fleet's loop thread, and the
+        prompts the worker holds (generating, in the buffer) go into the saved state."""
+        worker = self.worker
+        if worker is None or self.fleet is None:
+            return self.data.state_dict()
+        return self.fleet.loop.call(
+            lambda: self.data.state_dict(pending=worker.unconsumed_prompts())
+        )
+
+    def close(self) -> None:
+        worker, self.worker = self.worker, None
+        if worker is not None and self.fleet is not None:
+            self.fleet.loop.run(worker.stop())

@@ -1,0 +1,54 @@
+"""The models a run trains with: the policy (inside its `Trainer`), an unsharded shell of it
+(its config and tied-weight layout, for saving), and, when the loss needs them, the frozen KL
+reference and the PPO critic.
+
+The reference is the policy as RL starts (after any warm start); it is also written to
+`run_dir/reference` so that `--resume` restores the very same reference.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from verst import distributed
+from verst.train.checkpoint import load_weights
+from verst.train.critic import ValueModel
+from verst.train.losses import LossConfig
+from verst.train.trainer import Trainer
+
+REFERENCE_DIR = "reference"
+
+
+@dataclass
+class PolicyModels:
+    trainer: Trainer
+    shell: PreTrainedModel
+    loss: LossConfig
+    run_dir: Path
+
+    def start_rl(self) -> None:
+        """After any warm start: snapshot the policy as the KL reference (also on disk, for
+        resume) and start the PPO critic from the policy's body."""
+        if self.loss.needs_reference_model:
+            weights = self.trainer.full_state_dict()
+            if distributed.rank() == 0:
+                self.shell.save_pretrained(self.run_dir / REFERENCE_DIR, state_dict=weights)
+            distributed.barrier()
+            self.trainer.set_reference(copy.deepcopy(self.shell))
+        if self.loss.needs_critic:
+            self.trainer.attach_critic(ValueModel(self.shell))
+
+    def restore(self, weights: dict[str, torch.Tensor], trainer_state: dict) -> None:
+        """Policy, optimizer (and critic) from a checkpoint, the reference from its snapshot."""
+        if self.loss.needs_critic:
+            self.trainer.attach_critic(ValueModel(self.shell))  # weights come from the state
+        self.trainer.load_state(weights, trainer_state)
+        if self.loss.needs_reference_model:
+            reference = copy.deepcopy(self.shell)
+            reference.load_state_dict(load_weights(self.run_dir / REFERENCE_DIR))
+            self.trainer.reference = reference.to(self.trainer.device, self.trainer.dtype).eval()
