@@ -1,0 +1,241 @@
+"""The engine server's HTTP handlers: `EngineHandlers`, one method per SGLang / OpenAI route over
+a `ServingEngine`, and the `protocol_errors` middleware that answers a `ProtocolError` with the
+status and envelope it carries.
+
+`verst.engine.server.app.make_app` builds one `EngineHandlers` per app and registers its
+methods. This module imports aiohttp at the top: only the app factory imports it, so
+`verst.engine.server.app` itself stays importable without the `serve` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from verst.engine.sampling import SamplingParams
+from verst.engine.server.openai_api import openai_stream_chunks, run_openai
+from verst.engine.server.sglang_api import (
+    CONTINUE_OK,
+    FLUSH_CACHE_TEXT,
+    ProtocolError,
+    loads_body,
+    model_info_body,
+    parse_generate,
+    run_abort,
+    run_destroy_weights_update_group,
+    run_get_weights_by_name,
+    run_init_weights_update_group,
+    run_job,
+    run_pause,
+    run_update_weight_version,
+    run_update_weights_from_disk,
+    run_update_weights_from_distributed,
+    run_update_weights_from_tensor,
+    server_info_body,
+    validation_error,
+)
+from verst.engine.serving import ServingEngine
+
+# A weights route's protocol call: (serving, JSON body) → (status, response body).
+WeightsCall = Callable[[ServingEngine, Any], Awaitable[tuple[int, Any]]]
+
+
+def sse(event: Any) -> bytes:
+    return f"data: {json.dumps(event) if not isinstance(event, str) else event}\n\n".encode()
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status)
+
+
+async def read_json(request: web.Request, *, optional: bool = False) -> Any:
+    """The request's JSON body; an empty body is None when `optional`, else a 400."""
+    raw = await request.read()
+    if not raw.strip():
+        if optional:
+            return None
+        raise validation_error("the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except ValueError as error:
+        raise validation_error(f"JSON decode error: {error}") from error
+
+
+async def stream(request: web.Request, events: list[Any]) -> web.StreamResponse:
+    """`events` as server-sent events, closed by `[DONE]`."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    for event in events:
+        await response.write(sse(event))
+    await response.write(sse("[DONE]"))
+    await response.write_eof()
+    return response
+
+
+@web.middleware
+async def protocol_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProtocolError as error:
+        return json_response(error.body, error.status)
+    except web.HTTPException:
+        raise
+    except Exception as error:  # an engine failure: SGLang's native error envelope
+        return json_response({"error": {"message": f"{type(error).__name__}: {error}"}}, 500)
+
+
+class EngineHandlers:
+    """The routes of the engine app over one `ServingEngine`; `lifecycle` starts and stops it."""
+
+    def __init__(
+        self,
+        serving: ServingEngine,
+        tokenizer: Any,
+        *,
+        served_model_name: str,
+        host: str,
+        port: int,
+        health_timeout_s: float,
+    ) -> None:
+        self.serving = serving
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.host = host
+        self.port = port
+        self.health_timeout_s = health_timeout_s
+
+    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        await self.serving.start()
+        yield
+        await self.serving.stop()
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        payload = await read_json(request)
+        job = parse_generate(payload, self.tokenizer, self.serving.context_len)
+        results = await run_job(self.serving, job)
+        if isinstance(payload, dict) and payload.get("stream"):
+            # Cumulative chunks (S14+ default); the engine finishes a batch at once, so each
+            # item has one chunk, tagged with its index when the request is a list.
+            if job.is_list:
+                results = [{**r, "index": i} for i, r in enumerate(results)]
+            return await stream(request, results)
+        return json_response(results if job.is_list else results[0])
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=True)
+
+    async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        payload = await read_json(request)
+        body = await run_openai(
+            self.serving, self.tokenizer, payload, self.served_model_name, chat=chat
+        )
+        if payload.get("stream"):
+            include_usage = bool((payload.get("stream_options") or {}).get("include_usage"))
+            return await stream(request, openai_stream_chunks(body, chat=chat, usage=include_usage))
+        return json_response(body)
+
+    # ---- health and info -------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.serving.is_alive else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        probe = self.serving.generate(
+            [0],
+            SamplingParams(max_new_tokens=1, temperature=0.0),
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            return_logprob=False,
+        )
+        try:
+            await asyncio.wait_for(probe, timeout=self.health_timeout_s)
+        except (asyncio.TimeoutError, RuntimeError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        serving = self.serving
+        return web.Response(status=503 if serving.is_paused or not serving.is_alive else 200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return json_response(model_info_body(self.serving, self.served_model_name))
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        body = server_info_body(self.serving, self.served_model_name, self.host, self.port)
+        return json_response(body)
+
+    async def loads(self, request: web.Request) -> web.Response:
+        return json_response(loads_body(self.serving))
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {
+            "id": self.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "verst",
+            "root": self.serving.model_path,
+            "max_model_len": self.serving.context_len,
+        }
+        return json_response({"object": "list", "data": [model]})
+
+    # ---- control ---------------------------------------------------------------------------
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = await self.serving.flush_cache()
+        return web.Response(text=FLUSH_CACHE_TEXT, status=200 if ok else 400)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        await run_abort(self.serving, await read_json(request, optional=True))
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await run_pause(self.serving, await read_json(request, optional=True))
+        return json_response(body)
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await read_json(request, optional=True)
+        await self.serving.resume()
+        return json_response(CONTINUE_OK)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    async def _weights(self, run: WeightsCall, request: web.Request) -> web.Response:
+        status, body = await run(self.serving, await read_json(request))
+        return json_response(body, status)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        return await self._weights(run_update_weights_from_disk, request)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        return await self._weights(run_init_weights_update_group, request)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        return await self._weights(run_destroy_weights_update_group, request)
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        return await self._weights(run_update_weights_from_distributed, request)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        return await self._weights(run_update_weights_from_tensor, request)
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        return await self._weights(run_get_weights_by_name, request)
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return json_response({"weight_version": self.serving.weight_version})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await run_update_weight_version(self.serving, await read_json(request))
+        return json_response(body)
