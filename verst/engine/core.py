@@ -17,41 +17,12 @@ The request / output shapes are those a future scheduler (continuous batching, p
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from uuid import uuid4
 
 import torch
 
-from verst.engine.sampling import SamplingParams, sample_next_tokens
+from verst.engine.requests import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
+from verst.engine.sampling import sample_next_tokens
 from verst.models.forward import cached_forward, new_cache
-
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-
-
-@dataclass
-class GenerateRequest:
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    rid: str = field(default_factory=lambda: uuid4().hex)
-    return_logprob: bool = True
-    logprob_start_len: int = -1  # >= 0: also score the prompt from this position (no prefix cache)
-
-
-@dataclass
-class GenerateOutput:
-    rid: str
-    output_ids: list[int]
-    output_token_logprobs: list[float]  # one per output id; empty if return_logprob is False
-    finish_reason: str  # "stop" (EOS / stop token, included in output_ids) or "length"
-    prompt_tokens: int
-    completion_tokens: int
-    weight_version: int
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    # SGLang's shape: one entry per prompt position from logprob_start_len, the first None
-    input_token_logprobs: list[float | None] = field(default_factory=list)
-    # the weight version that produced each output token (a request can span an update)
-    token_weight_versions: list[int | str] = field(default_factory=list)
 
 
 class Engine:

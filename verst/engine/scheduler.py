@@ -26,10 +26,10 @@ from typing import Literal
 
 import torch
 
-from verst.engine.core import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
 from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.radix_cache import PrefixMatch, RadixCache
+from verst.engine.requests import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
 from verst.engine.sampling import sample_next_tokens
 
 FINISH_ABORT = "abort"

@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 import torch
 
-from verst.engine.core import GenerateOutput, GenerateRequest
 from verst.engine.kv_pool import KVPool
+from verst.engine.requests import GenerateOutput, GenerateRequest
 from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
 from verst.engine.sampling import SamplingParams
 from verst.engine.scheduler import Scheduler
