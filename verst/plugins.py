@@ -12,8 +12,8 @@ Wired to config today: `RewardFunction` (`rollout.reward`, `eval.reward`), `Agen
 config field loads yet.
 
 Callable contracts take their arguments positionally (`/`): a plug-in may name them as it
-likes. This module imports only leaf modules (`verst.types` and the engine's request records),
-so any module may import it without making an import cycle.
+likes. This module imports only leaf modules (`verst.types`, the engine's request records and
+sampling parameters), so any module may import it without making an import cycle.
 """
 
 from __future__ import annotations
