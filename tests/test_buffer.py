@@ -8,11 +8,12 @@ import pytest
 
 from verst.data import DataSource, DataSourceConfig
 from verst.models import build_char_tokenizer
+from verst.plugins import PluginError
 from verst.rollout.buffer import (
     DEFAULT_BUFFER,
     Buffer,
     DataBuffer,
-    check_buffer_path,
+    load_buffer_class,
     make_buffer,
 )
 from verst.rollout.dynamic import has_reward_variance
@@ -303,11 +304,11 @@ def test_custom_buffer_by_import_path() -> None:
         DEFAULT_BUFFER, capacity=2, max_staleness=None, give_back=None, group_filter=None
     )
     assert type(default) is DataBuffer
-    check_buffer_path("examples.custom_buffer:FreshestFirstBuffer")
+    load_buffer_class("examples.custom_buffer:FreshestFirstBuffer")
     with pytest.raises(ValueError, match="module 'no_such_mod' not found"):
-        check_buffer_path("no_such_mod:Buffer")
+        load_buffer_class("no_such_mod:Buffer")
     with pytest.raises(ValueError, match="lacks put, take, metrics"):
-        check_buffer_path("verst.types:Sample")
+        load_buffer_class("verst.types:Sample")
 
 
 class NotABuffer:
@@ -325,7 +326,7 @@ class NotABuffer:
 
 
 def test_make_buffer_checks_the_interface() -> None:
-    with pytest.raises(TypeError, match="put must be an async method"):
+    with pytest.raises(PluginError, match="put must be an async method"):
         make_buffer(
             f"{__name__}:NotABuffer",
             capacity=2,

@@ -7,7 +7,6 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from verst.imports import load_object
 from verst.models import (
     ModelConfig,
     TinyModelConfig,
@@ -145,21 +144,6 @@ def test_every_config_field_is_described():
     for cls in (TinyModelConfig, ModelConfig):
         for name, field in cls.model_fields.items():
             assert field.description, f"{cls.__name__}.{name} has no description"
-
-
-def test_load_object():
-    import os.path
-
-    assert load_object("os.path:join") is os.path.join
-    assert load_object("os.path.join") is os.path.join
-    assert load_object("verst.models:TinyModelConfig") is TinyModelConfig
-    not_found = r"'no_such_pkg\.mod:f'.*module 'no_such_pkg\.mod' not found"
-    with pytest.raises(ImportError, match=not_found):
-        load_object("no_such_pkg.mod:f")
-    with pytest.raises(ImportError, match=r"'os\.path:nope'.*no attribute 'nope'"):
-        load_object("os.path:nope")
-    with pytest.raises(ValueError, match="'justaname'"):
-        load_object("justaname")
 
 
 def test_cli_create_tiny_writes_a_model_verst_train_can_load(tmp_path) -> None:

@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from verst.plugins import PluginError
 from verst.rollout.rewards import (
     compute_rewards,
     exact_match,
@@ -63,9 +64,9 @@ def test_load_reward_fn():
     assert load_reward_fn("verst.rollout.rewards:numeric_match") is numeric_match
     with pytest.raises(ValueError, match="'nope'.*exact_match"):
         load_reward_fn("nope")
-    with pytest.raises(ImportError, match="'no_such_mod:fn'"):
+    with pytest.raises(PluginError, match="'no_such_mod:fn'"):
         load_reward_fn("no_such_mod:fn")
-    with pytest.raises(ImportError, match="'verst.rollout.rewards:missing'"):
+    with pytest.raises(PluginError, match="'verst.rollout.rewards:missing'"):
         load_reward_fn("verst.rollout.rewards:missing")
 
 

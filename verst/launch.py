@@ -32,7 +32,7 @@ from verst.eval.evaluate import Evaluator
 from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
-from verst.rollout.generate import Generator
+from verst.plugins import Generator
 from verst.rollout.rewards import RewardFn, load_reward_fn
 from verst.rollout.source import AgentRollout, AsyncRollout, EngineRollout, RolloutSource
 from verst.sync.colocated import ColocatedSync
@@ -112,7 +112,9 @@ def wire(
 ) -> Run:
     """The rollout source, rewards, evaluators and checkpointer around a built engine."""
     reward_fn = load_reward_fn(cfg.rollout.reward)
-    eval_reward_fn = load_reward_fn(cfg.eval.reward) if cfg.eval.reward else reward_fn
+    eval_reward_fn = (
+        load_reward_fn(cfg.eval.reward, field="eval.reward") if cfg.eval.reward else reward_fn
+    )
     eos_ids = eos_token_ids(policy.shell, tokenizer)
 
     def decode(ids: list[int]) -> str:

@@ -1,5 +1,10 @@
-"""What one generation asks for and what it returns, in SGLang's field names: the engine's
-request and output records, shared by the scheduler, the serving layer and every client."""
+"""The engine's request and output records, with SGLang's field names.
+
+Owns `GenerateRequest` (one prompt and its sampling settings), `GenerateOutput` (the response
+ids, their log-probs and the weight versions that produced them) and the finish reasons. A leaf
+module: the engines, the fleet, the rollout and the plug-in contracts (`verst.plugins`) all
+speak these records without importing an engine.
+"""
 
 from __future__ import annotations
 

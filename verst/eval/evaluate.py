@@ -16,8 +16,9 @@ from verst import distributed
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
 from verst.engine import SamplingParams
-from verst.rollout.generate import Generator, generate_groups
-from verst.rollout.rewards import check_reward_fn, score_groups
+from verst.plugins import Generator
+from verst.rollout.generate import generate_groups
+from verst.rollout.rewards import load_reward_fn, score_groups
 from verst.types import Sample
 
 
@@ -41,7 +42,7 @@ class EvalConfig(ConfigBase):
     @classmethod
     def _reward_importable(cls, value: str | None) -> str | None:
         if value is not None:
-            check_reward_fn(value)
+            load_reward_fn(value, field="eval.reward")
         return value
 
 

@@ -1,15 +1,16 @@
-"""One async `EngineClient` interface over every engine: in-process or over SGLang's HTTP protocol.
+"""The `EngineClient`s of every engine: in-process or over SGLang's HTTP protocol.
 
 Everything above this layer (rollout, weight sync, the router) speaks SGLang's `/generate`
 request and response dicts through an `EngineClient` and never learns which engine runs.
 `InProcessEngineClient` calls the very functions the verst HTTP server uses, so both give the
 same dicts and the same errors; `HttpEngineClient` talks to a verst or a real SGLang server.
-Failures are `EngineError(status, body)` in both.
+Failures are `EngineError(status, body)` in both. The contract itself, `EngineClient`, is in
+`verst.plugins`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from verst.engine.server import sglang_api as protocol
 from verst.engine.serving import ServingEngine
@@ -23,52 +24,6 @@ class EngineError(RuntimeError):
         super().__init__(f"engine error {status}{where}: {body}")
         self.status = status
         self.body = body
-
-
-@runtime_checkable
-class EngineClient(Protocol):
-    async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
-        """An SGLang `/generate` body (not streamed) → its response body."""
-        ...
-
-    async def health(self) -> bool: ...
-
-    async def pause_generation(self, mode: str = "abort") -> None: ...
-
-    async def continue_generation(self) -> None: ...
-
-    async def flush_cache(self) -> bool: ...
-
-    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None: ...
-
-    async def update_weights_from_disk(
-        self, model_path: str, weight_version: str | None = None
-    ) -> dict[str, Any]: ...
-
-    async def get_weight_version(self) -> str: ...
-
-    async def init_weights_update_group(self, **body: Any) -> None:
-        """Join the trainer's weight-update group (SGLang's /init_weights_update_group)."""
-        ...
-
-    async def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
-        """Receive one broadcast bucket (SGLang's /update_weights_from_distributed)."""
-        ...
-
-    async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Copy in tensors shared as handles (SGLang's /update_weights_from_tensor body:
-        `serialized_named_tensors`, `load_format`, ...; see `verst.sync.ipc`)."""
-        ...
-
-    async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
-        """Stamp `version` on the engine (SGLang's /update_weight_version)."""
-        ...
-
-    async def get_load(self) -> dict[str, Any]:
-        """SGLang's `/v1/loads` body: `{"timestamp", "version", "loads": [per DP rank]}`."""
-        ...
-
-    async def close(self) -> None: ...
 
 
 def _refuse_stream(payload: dict[str, Any]) -> None:

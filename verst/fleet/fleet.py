@@ -31,8 +31,9 @@ from pydantic import Field
 from verst.configbase import ConfigBase
 from verst.engine import GenerateOutput, GenerateRequest
 from verst.engine.serving import ServingEngine
-from verst.fleet.client import EngineClient, HttpEngineClient, InProcessEngineClient
+from verst.fleet.client import HttpEngineClient, InProcessEngineClient
 from verst.fleet.launcher import LocalEngine, free_port, launch_local_engines
+from verst.plugins import EngineClient
 from verst.router.policy import Router
 
 T = TypeVar("T")

@@ -39,23 +39,20 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import inspect
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
-from verst.imports import load_object
+from verst.plugins import AgentFunction, load_plugin
 from verst.types import Group, Sample, Status
 
 log = logging.getLogger(__name__)
 
-AgentFn = Callable[[str, Any, dict[str, Any], dict[str, Any]], Awaitable[dict[str, Any] | None]]
-AGENT_ARGS = ("base_url", "prompt", "request_kwargs", "metadata")
+AgentFn = AgentFunction
 
 
 class AgentError(Exception):
@@ -86,41 +83,14 @@ class AgentConfig(ConfigBase):
     @classmethod
     def _agent_importable(cls, value: str | None) -> str | None:
         if value is not None:
-            check_agent_fn(value)
+            load_agent_fn(value)
         return value
 
 
 def load_agent_fn(path: str) -> AgentFn:
-    """The coroutine function named by 'pkg.mod:fn'; ValueError / ImportError when it is not
-    one that takes (base_url, prompt, request_kwargs, metadata)."""
-    fn = load_object(path)
-    if not callable(fn):
-        raise ValueError(f"agent function {path!r} is a {type(fn).__name__}, not callable")
-    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        type(fn).__call__  # an object with an `async def __call__`
-    )
-    if not is_async:
-        raise ValueError(
-            f"agent function {path!r} must be an `async def` function: agents run concurrently "
-            "on an event loop"
-        )
-    try:
-        inspect.signature(fn).bind(*AGENT_ARGS)
-    except TypeError as error:
-        raise ValueError(
-            f"agent function {path!r} must take ({', '.join(AGENT_ARGS)}): {error}"
-        ) from None
-    except ValueError:  # no signature to inspect (some builtins, C callables)
-        pass
-    return fn
-
-
-def check_agent_fn(path: str) -> None:
-    """Raise ValueError (config-time friendly) when `path` does not name a usable agent."""
-    try:
-        load_agent_fn(path)
-    except ImportError as error:
-        raise ValueError(str(error)) from None
+    """The coroutine function named by 'pkg.mod:fn'; `PluginError` when it is not one that
+    takes (base_url, prompt, request_kwargs, metadata)."""
+    return load_plugin(path, AgentFunction, field="rollout.agent_function")
 
 
 def agent_request_kwargs(

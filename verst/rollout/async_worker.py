@@ -63,8 +63,8 @@ from verst.rollout.buffer import (
     Buffer,
     GiveBack,
     GroupFilter,
-    check_buffer_path,
     is_aborted,
+    load_buffer_class,
     make_buffer,
 )
 from verst.rollout.rewards import RewardFn, compute_rewards
@@ -113,7 +113,7 @@ class AsyncConfig(ConfigBase):
     @field_validator("buffer")
     @classmethod
     def _buffer_importable(cls, value: str) -> str:
-        check_buffer_path(value)
+        load_buffer_class(value)
         return value
 
     def buffer_capacity(self, prompts_per_step: int) -> int:

@@ -1,6 +1,6 @@
 """The data buffer of fully asynchronous RL: finished groups wait here until the trainer takes them.
 
-A buffer has exactly three operations:
+A buffer has exactly three operations (the `verst.plugins.Buffer` contract):
 
 - `await put(group)`: the rollout worker hands over a finished, scored group. Blocks while the
   buffer is full, which throttles the worker.
@@ -33,39 +33,22 @@ All methods are meant to be called from one event loop (the rollout worker's).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from verst.imports import load_object
+from verst.plugins import Buffer, PluginError, check_plugin, load_plugin
 from verst.types import Group, Status, group_staleness
 
 GiveBack = Callable[[list[Group]], None]
 GroupFilter = Callable[[Group], bool]
 
+FIELD = "rollout.buffer"
 DEFAULT_BUFFER = "verst.rollout.buffer:DataBuffer"
 BUFFER_KWARGS = ("capacity", "max_staleness", "give_back", "group_filter")
 """The keyword arguments `make_buffer` passes to a buffer class (a custom one may take **kwargs)."""
-
-
-@runtime_checkable
-class Buffer(Protocol):
-    """What the rollout worker and the trainer need from a data buffer."""
-
-    async def put(self, group: Group) -> None:
-        """Add a finished, scored group, or drop it; wait while the buffer is full."""
-        ...
-
-    async def take(self, n_groups: int, current_version: int) -> list[Group]:
-        """Wait for, remove and return `n_groups` groups acceptable at `current_version`."""
-        ...
-
-    def metrics(self) -> dict[str, Any]:
-        """`buffer/*` metrics; numbers, plus an optional `buffer/advisory` text."""
-        ...
 
 
 def is_aborted(group: Group) -> bool:
@@ -272,25 +255,14 @@ def _mean(values: list[int]) -> float:
 
 
 def load_buffer_class(path: str) -> Callable[..., Buffer]:
-    """The buffer class (or factory) named by `path` ('pkg.mod:MyBuffer')."""
-    obj = load_object(path)
-    if not callable(obj):
-        raise ValueError(f"buffer {path!r} is a {type(obj).__name__}, not a class or factory")
-    return obj
-
-
-def check_buffer_path(path: str) -> None:
-    """Raise ValueError (config-time friendly) when `path` does not name a buffer class."""
-    try:
-        cls = load_buffer_class(path)
-    except ImportError as error:
-        raise ValueError(str(error)) from None
-    if inspect.isclass(cls):
-        missing = [m for m in ("put", "take", "metrics") if not callable(getattr(cls, m, None))]
-        if missing:
-            raise ValueError(
-                f"buffer {path!r} lacks {', '.join(missing)} (see verst.rollout.buffer)"
-            )
+    """The buffer class (or factory) named by `path` ('pkg.mod:MyBuffer'); a class must have the
+    `verst.plugins.Buffer` methods. `PluginError` naming `rollout.buffer` otherwise."""
+    factory = load_plugin(path, Buffer, field=FIELD)
+    if not callable(factory):
+        raise PluginError(
+            f"{FIELD}: {path!r} is a {type(factory).__name__} object, not a class or factory"
+        )
+    return factory
 
 
 def make_buffer(
@@ -302,18 +274,11 @@ def make_buffer(
     group_filter: GroupFilter | None,
 ) -> Buffer:
     """Build the buffer named by `path` with the `BUFFER_KWARGS`, and check its interface."""
-    cls = load_buffer_class(path)
-    buffer = cls(
+    buffer = load_buffer_class(path)(
         capacity=capacity,
         max_staleness=max_staleness,
         give_back=give_back,
         group_filter=group_filter,
     )
-    if not isinstance(buffer, Buffer):
-        raise TypeError(
-            f"buffer {path!r} built a {type(buffer).__name__} without put, take and metrics"
-        )
-    for name in ("put", "take"):
-        if not inspect.iscoroutinefunction(getattr(buffer, name)):
-            raise TypeError(f"buffer {path!r}: {name} must be an async method")
+    check_plugin(buffer, Buffer, field=FIELD, path=path)
     return buffer

@@ -8,24 +8,16 @@ versions; its reward is the next phase's (`verst.rollout.rewards.score_groups`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Literal
 
 from pydantic import Field, field_validator
 
 from verst.engine import GenerateOutput, GenerateRequest, SamplingParams
+from verst.plugins import Generator
 from verst.rollout.agent import AgentConfig
 from verst.rollout.async_worker import AsyncConfig
-from verst.rollout.rewards import check_reward_fn
+from verst.rollout.rewards import load_reward_fn
 from verst.types import Group, Sample, Status
-
-
-class Generator(Protocol):
-    """What a rollout generates with: the embedded `Scheduler`, a `Fleet` of serving engines,
-    or a `RankedFleet` (every rank through rank 0's fleet)."""
-
-    weight_version: int | str
-
-    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]: ...
 
 
 class RolloutConfig(AsyncConfig, AgentConfig):
@@ -61,7 +53,7 @@ class RolloutConfig(AsyncConfig, AgentConfig):
     @field_validator("reward")
     @classmethod
     def _reward_importable(cls, value: str) -> str:
-        check_reward_fn(value)
+        load_reward_fn(value, field="rollout.reward")
         return value
 
     @field_validator("top_k")

@@ -14,13 +14,12 @@ import inspect
 import math
 import numbers
 import re
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from verst.imports import load_object
+from verst.plugins import PluginError, RewardFunction, load_plugin
 from verst.types import Group, Sample, Status
 
-RewardFn = Callable[[Sample], float | Awaitable[float]]
+RewardFn = RewardFunction
 
 # Thousands separators only in well-formed groups ("1,234,567"), so "3,4" reads as 3 then 4;
 # a minus right after a word character is an operator ("8-3" ends in 3, not -3).
@@ -64,27 +63,17 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
-def load_reward_fn(path: str) -> RewardFn:
-    """A built-in by bare name ("exact_match", "numeric_match"), or any 'pkg.mod:fn'."""
+def load_reward_fn(path: str, *, field: str = "rollout.reward") -> RewardFn:
+    """A built-in by bare name ("exact_match", "numeric_match"), or any 'pkg.mod:fn' that takes
+    a Sample; `PluginError` naming `field` and `path` otherwise."""
     if ":" not in path and "." not in path:
         if path not in BUILTIN_REWARDS:
-            raise ValueError(
-                f"unknown reward function {path!r}: built-ins are "
+            raise PluginError(
+                f"{field}: unknown reward function {path!r}: built-ins are "
                 f"{', '.join(sorted(BUILTIN_REWARDS))}; or give an import path 'pkg.mod:fn'"
             )
         return BUILTIN_REWARDS[path]
-    fn = load_object(path)
-    if not callable(fn):
-        raise ValueError(f"reward function {path!r} is a {type(fn).__name__}, not callable")
-    return fn
-
-
-def check_reward_fn(path: str) -> None:
-    """Raise ValueError (config-time friendly) when `path` does not name a callable reward."""
-    try:
-        load_reward_fn(path)
-    except ImportError as error:
-        raise ValueError(str(error)) from None
+    return load_plugin(path, RewardFunction, field=field)
 
 
 def _fail(sample: Sample, reason: str) -> None:

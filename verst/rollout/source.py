@@ -25,6 +25,7 @@ from verst.data.source import DataSource
 from verst.engine import GenerateRequest
 from verst.fleet.fleet import Fleet, LoopThread, prompt_key
 from verst.fleet.ranked import on_rank_zero, scatter_from_rank_zero
+from verst.plugins import Generator
 from verst.rollout.agent import (
     agent_metrics,
     agent_request_kwargs,
@@ -34,7 +35,7 @@ from verst.rollout.agent import (
 )
 from verst.rollout.async_worker import RolloutWorker, build_rollout_worker
 from verst.rollout.dynamic import fill_batch, has_reward_variance
-from verst.rollout.generate import Generator, RolloutConfig, fill_sample, generate_groups
+from verst.rollout.generate import RolloutConfig, fill_sample, generate_groups
 from verst.rollout.metrics import rollout_metrics
 from verst.rollout.rewards import RewardFn, score_groups
 from verst.types import Group, Sample

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from verst.fleet.client import EngineClient
+from verst.plugins import EngineClient
 from verst.sync.buckets import bucketed
 
 

@@ -26,9 +26,10 @@ from pydantic import Field
 
 from verst import distributed
 from verst.configbase import ConfigBase
-from verst.fleet.client import EngineClient, InProcessEngineClient
+from verst.fleet.client import InProcessEngineClient
 from verst.fleet.fleet import Fleet, PlacementConfig
 from verst.fleet.launcher import free_port
+from verst.plugins import EngineClient, WeightTransport
 from verst.sync.broadcast import BroadcastTransport
 from verst.sync.buckets import full_parameters
 from verst.sync.colocated import share_storage
@@ -39,7 +40,6 @@ from verst.sync.protocol import (
     InProcessTensorTransport,
     NamedTensors,
     PauseMode,
-    Transport,
     WeightSync,
     WeightSyncError,
 )
@@ -94,7 +94,7 @@ class FleetSync:
         trainer: Trainer,
         fleet: Fleet | None,
         *,
-        transport: Transport | None,
+        transport: WeightTransport | None,
         pause_mode: PauseMode,
         engine_dtype: torch.dtype,
         generator: Any,
@@ -137,7 +137,7 @@ class FleetSync:
             )
         name = cfg.resolve(placement)
         bucket_bytes = cfg.bucket_mb << 20
-        transport: Transport
+        transport: WeightTransport
         if name == "colocated" and fleet.processes:
             transport = SharedTensorTransport(bucket_bytes=bucket_bytes, dtype=engine_dtype)
         elif name == "colocated":

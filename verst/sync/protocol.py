@@ -1,4 +1,5 @@
-"""The weight-update protocol every transport follows, over any set of `EngineClient`s.
+"""The weight-update protocol every transport follows, over any set of `EngineClient`s and any
+`WeightTransport` (both contracts are in `verst.plugins`).
 
 One update, in order:
 1. pause every engine (`retract`, `in_place` or `abort`);
@@ -18,26 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
-import torch
-
-from verst.fleet.client import EngineClient
+from verst.plugins import EngineClient, NamedTensors, WeightTransport
 from verst.sync.buckets import bucketed
 from verst.sync.disk import DiskPublisher
 
 PauseMode = Literal["retract", "in_place", "abort"]
-NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
-
-
-class Transport(Protocol):
-    """Moves weights into engines; the protocol around it is the same for every transport."""
-
-    async def send(
-        self, engines: list[EngineClient], tensors: NamedTensors, version: int
-    ) -> None: ...
 
 
 class WeightSyncError(RuntimeError):
@@ -79,7 +69,7 @@ class WeightSync:
     def __init__(
         self,
         engines: list[EngineClient],
-        transport: Transport,
+        transport: WeightTransport,
         *,
         pause_mode: PauseMode = "retract",
         max_resends: int = 1,

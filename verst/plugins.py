@@ -1,0 +1,394 @@
+"""The plug-in contracts of verst, and the one loader that loads and checks them.
+
+Every part a run can replace is a `Protocol` here. A config field names a replacement by import
+path (`pkg.mod:name`, or `pkg.mod.name`), and `load_plugin(path, Protocol, field=...)` imports
+it, checks it against the Protocol, and raises one `PluginError` that names the config field,
+the import path and what is wrong, so a bad plug-in fails when the config is read, not mid-run.
+
+Wired to config today: `RewardFunction` (`rollout.reward`, `eval.reward`), `AgentFunction`
+(`rollout.agent_function`) and `Buffer` (`rollout.buffer`). `EngineClient` and
+`WeightTransport` are the contracts between the trainer and its engines. `GroupRewardFunction`,
+`SampleFilter`, `RolloutFunction`, `GenerateFunction` and `EvalFunction` are contracts no
+config field loads yet.
+
+Callable contracts take their arguments positionally (`/`): a plug-in may name them as it
+likes. This module imports only leaf modules (`verst.types`, the engine's request records and
+sampling parameters), so any module may import it without making an import cycle.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Generic, Protocol, runtime_checkable
+
+import torch
+
+from verst.engine.requests import GenerateOutput, GenerateRequest
+from verst.engine.sampling import SamplingParams
+from verst.types import Group, Sample
+
+Decode = Callable[[list[int]], str]
+"""Token ids -> text (the tokenizer's decode, skipping special tokens)."""
+
+NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+"""A fresh pass over the policy's (name, tensor) pairs, in Hugging Face names."""
+
+
+# ---- rewards and filters ----------------------------------------------------------------------
+
+
+class RewardFunction(Protocol):
+    """Scores one finished sample (`rollout.reward`, `eval.reward`).
+
+    Receives the `Sample` with its response filled (text in `metadata["response_text"]`, the
+    label in `label`); returns a number, or an awaitable of one (an `async def` reward runs
+    concurrently with the others). A reward that raises or returns a non-number marks only that
+    sample FAILED (`verst.rollout.rewards.compute_rewards`).
+    """
+
+    def __call__(self, sample: Sample, /) -> float | Awaitable[float]: ...
+
+
+class GroupRewardFunction(Protocol):
+    """Scores a whole group at once (a pairwise judge, a batched reward model).
+
+    Receives the samples of one prompt, responses filled; returns one number per sample, in the
+    group's order (or an awaitable of that list).
+    """
+
+    def __call__(self, group: Group, /) -> list[float] | Awaitable[list[float]]: ...
+
+
+class SampleFilter(Protocol):
+    """Decides whether a scored group is worth training on (DAPO's dynamic sampling).
+
+    Receives one group with its rewards set; returns True to keep it, False to drop it (its
+    prompt is not served again). `verst.rollout.dynamic.has_reward_variance` is one.
+    """
+
+    def __call__(self, group: Group, /) -> bool: ...
+
+
+# ---- generation ---------------------------------------------------------------------------------
+
+
+class Generator(Protocol):
+    """What a rollout generates with: the embedded `Scheduler`, a `Fleet` of serving engines,
+    or a `RankedFleet` (every rank through rank 0's fleet)."""
+
+    weight_version: int | str
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+        """One output per request, in request order."""
+        ...
+
+
+class FleetGenerator(Protocol):
+    """What one trajectory generates with on serving engines: a `Fleet` (one request at a time,
+    on the engine its routing key maps to, so the samples of one prompt share a prefix cache)."""
+
+    async def agenerate(self, request: GenerateRequest, *, key: str | None) -> GenerateOutput: ...
+
+
+class RolloutFunction(Protocol):
+    """Generates one step's groups (the plain rollout is `verst.rollout.generate.generate_groups`).
+
+    Receives the engine, the decode function, the groups (each a prompt's samples with only the
+    prompt side set: `tokens` = prompt ids, `prompt`, `label`, `metadata`) and the sampling
+    parameters. Fills every sample in place, as `verst.rollout.generate.fill_sample` does:
+    `tokens` (prompt + response), `response_length`, `loss_mask`, `rollout_logprobs`, `status`,
+    `weight_versions` and `metadata["response_text"]`; returns the groups. Scoring is not its
+    job: rewards are the loop's next phase.
+    """
+
+    def __call__(
+        self,
+        engine: Generator,
+        decode: Decode,
+        groups: list[Group],
+        params: SamplingParams,
+        /,
+    ) -> list[Group]: ...
+
+
+class GenerateFunction(Protocol):
+    """Generates one trajectory (the unit of the fully asynchronous rollout worker).
+
+    Receives the fleet, one sample with only its prompt side set, the sampling parameters and
+    the decode function; fills the sample in place (the fields `RolloutFunction` fills) and
+    returns it. An exception marks that sample ABORTED, and its group is dropped.
+    """
+
+    async def __call__(
+        self,
+        engine: FleetGenerator,
+        sample: Sample,
+        params: SamplingParams,
+        decode: Decode,
+        /,
+    ) -> Sample: ...
+
+
+class AgentFunction(Protocol):
+    """Plays one multi-turn trajectory through the OpenAI API (`rollout.agent_function`).
+
+    Receives `base_url` (a session's OpenAI endpoint), the sample's `prompt` (text or a message
+    list), `request_kwargs` (the sampling settings as `chat.completions.create` arguments) and a
+    copy of the sample's `metadata` with its `label`; returns a dict merged into the sample's
+    metadata, or None. Must be `async def`: agents share one event loop. The full contract is
+    in `verst.rollout.agent`.
+    """
+
+    async def __call__(
+        self,
+        base_url: str,
+        prompt: str | list[dict[str, Any]],
+        request_kwargs: dict[str, Any],
+        metadata: dict[str, Any],
+        /,
+    ) -> dict[str, Any] | None: ...
+
+
+class EvalFunction(Protocol):
+    """Measures the policy on held-out prompts (the built-in is `verst.eval.evaluate.Evaluator`).
+
+    Receives the engine, the decode function, this rank's held-out prompts (prompt side only,
+    in file order), the evaluation's sampling parameters and its reward function; returns flat
+    `eval/*` metrics (the built-in gives `eval/accuracy`, `eval/response_len_mean`,
+    `eval/num_prompts`), summed over ranks: every rank calls it together.
+    """
+
+    def __call__(
+        self,
+        engine: Generator,
+        decode: Decode,
+        prompts: list[Sample],
+        params: SamplingParams,
+        reward: RewardFunction,
+        /,
+    ) -> dict[str, float]: ...
+
+
+# ---- the data buffer of fully asynchronous RL ---------------------------------------------------
+
+
+@runtime_checkable
+class Buffer(Protocol):
+    """What the rollout worker and the trainer need from a data buffer (`rollout.buffer` names
+    its class, built with `verst.rollout.buffer.BUFFER_KWARGS`)."""
+
+    async def put(self, group: Group) -> None:
+        """Add a finished, scored group, or drop it; wait while the buffer is full."""
+        ...
+
+    async def take(self, n_groups: int, current_version: int) -> list[Group]:
+        """Wait for, remove and return `n_groups` groups acceptable at `current_version`."""
+        ...
+
+    def metrics(self) -> dict[str, Any]:
+        """`buffer/*` metrics; numbers, plus an optional `buffer/advisory` text."""
+        ...
+
+
+# ---- engines and weight sync --------------------------------------------------------------------
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """One engine, in-process or over SGLang's HTTP protocol (`verst.fleet.client`): SGLang's
+    `/generate` request and response dicts, and its control and weight-update calls."""
+
+    async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """An SGLang `/generate` body (not streamed) → its response body."""
+        ...
+
+    async def health(self) -> bool: ...
+
+    async def pause_generation(self, mode: str = "abort") -> None: ...
+
+    async def continue_generation(self) -> None: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None: ...
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> dict[str, Any]: ...
+
+    async def get_weight_version(self) -> str: ...
+
+    async def init_weights_update_group(self, **body: Any) -> None:
+        """Join the trainer's weight-update group (SGLang's /init_weights_update_group)."""
+        ...
+
+    async def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
+        """Receive one broadcast bucket (SGLang's /update_weights_from_distributed)."""
+        ...
+
+    async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Copy in tensors shared as handles (SGLang's /update_weights_from_tensor body:
+        `serialized_named_tensors`, `load_format`, ...; see `verst.sync.ipc`)."""
+        ...
+
+    async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
+        """Stamp `version` on the engine (SGLang's /update_weight_version)."""
+        ...
+
+    async def get_load(self) -> dict[str, Any]:
+        """SGLang's `/v1/loads` body: `{"timestamp", "version", "loads": [per DP rank]}`."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class WeightTransport(Protocol):
+    """Moves weights into engines; the update protocol around it (`verst.sync.protocol`: pause,
+    flush, send, stamp the version, continue, confirm) is the same for every transport."""
+
+    async def send(
+        self, engines: list[EngineClient], tensors: NamedTensors, version: int
+    ) -> None: ...
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+class PluginError(ValueError):
+    """A plug-in that cannot be loaded or does not fit its contract. A ValueError, so a config
+    validator that raises it reports the field like any other bad value."""
+
+
+def load_plugin(path: str, protocol: type, *, field: str) -> Any:
+    """The object named by `path`, checked against `protocol`; `PluginError` naming `field`,
+    `path` and the problem when it cannot be imported or does not fit.
+
+    A callable contract (one with `__call__`) wants a callable whose signature accepts the
+    contract's arguments, and an `async def` one when the contract's `__call__` is async. Any
+    other contract wants a class or an object with its methods (async where the contract's
+    are); a plain function is taken as a factory of such objects, to be checked with
+    `check_plugin` once built.
+    """
+    try:
+        obj = load_object(path)
+    except (ImportError, ValueError) as error:
+        raise PluginError(f"{field}: {error}") from error
+    if "__call__" in _members(protocol) or not _is_factory(obj, protocol):
+        check_plugin(obj, protocol, field=field, path=path)
+    return obj
+
+
+def check_plugin(obj: Any, protocol: type, *, field: str, path: str) -> None:
+    """Raise `PluginError` when `obj` (loaded from `path` for `field`) does not fit `protocol`."""
+    members = _members(protocol)
+    call = members.get("__call__")
+    problem = _callable_problem(obj, call) if call is not None else _methods_problem(obj, members)
+    if problem:
+        name = f"{protocol.__module__}.{protocol.__qualname__}"
+        raise PluginError(f"{field}: {path!r} is not a {name}: {problem}")
+
+
+def load_object(path: str) -> Any:
+    """Import and return the object named by `path` ('pkg.mod:name', attributes may be dotted);
+    ImportError naming the path and whether the module or the attribute is missing.
+
+    Modules are looked up on sys.path and in the current directory, as `python -m` would, so
+    a `my_rewards.py` beside the config works from the `verst` command too.
+    """
+    module_name, attr = _split(path.strip())
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        # A module that exists but imports something missing is a different failure to report.
+        missing = exc.name or module_name
+        if missing != module_name and not module_name.startswith(missing + "."):
+            raise ImportError(
+                f"cannot load {path!r}: importing module {module_name!r} failed: {exc}"
+            ) from exc
+        raise ImportError(f"cannot load {path!r}: module {module_name!r} not found") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ImportError(
+                f"cannot load {path!r}: module {module_name!r} has no attribute {attr!r}"
+            ) from exc
+    return obj
+
+
+def _split(path: str) -> tuple[str, str]:
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(
+            f"import path {path!r} is not of the form 'pkg.mod:name' (or 'pkg.mod.name')"
+        )
+    return module_name, attr
+
+
+def _members(protocol: type) -> dict[str, Callable[..., Any]]:
+    """The contract's methods, in definition order: public ones, and `__call__`."""
+    members: dict[str, Callable[..., Any]] = {}
+    for klass in reversed(protocol.__mro__):
+        if klass in (object, Generic, Protocol):
+            continue
+        for name, value in vars(klass).items():
+            if callable(value) and (name == "__call__" or not name.startswith("_")):
+                members[name] = value
+    return members
+
+
+def _is_factory(obj: Any, protocol: type) -> bool:
+    """A plain callable without the contract's methods: it builds the object, not is it."""
+    if inspect.isclass(obj) or not callable(obj):
+        return False
+    return any(not hasattr(obj, name) for name in _members(protocol))
+
+
+def _is_async(obj: Any) -> bool:
+    if inspect.iscoroutinefunction(obj):
+        return True
+    # an object with an `async def __call__` (a class's own __call__ builds an instance)
+    return not inspect.isclass(obj) and inspect.iscoroutinefunction(type(obj).__call__)
+
+
+def _callable_problem(obj: Any, call: Callable[..., Any]) -> str | None:
+    if not callable(obj):
+        return f"it is a {type(obj).__name__}, not callable"
+    if inspect.iscoroutinefunction(call) and not _is_async(obj):
+        return "it must be an `async def` function (it is awaited on the event loop)"
+    params = list(inspect.signature(call).parameters.values())[1:]  # without self
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keywords = {p.name: p.name for p in params if p.kind is p.KEYWORD_ONLY}
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # no signature to inspect (some builtins, C callables)
+        return None
+    try:
+        signature.bind(*positional, **keywords)
+    except TypeError as error:
+        wanted = ", ".join(positional + [f"*, {k}" for k in keywords])
+        return f"it must take ({wanted}): {error}"
+    return None
+
+
+def _methods_problem(obj: Any, members: dict[str, Callable[..., Any]]) -> str | None:
+    what = obj.__name__ if inspect.isclass(obj) else f"a {type(obj).__name__} object"
+    missing = [name for name in members if not callable(getattr(obj, name, None))]
+    if missing:
+        return f"{what} lacks {', '.join(missing)}"
+    for name, method in members.items():
+        if inspect.iscoroutinefunction(method) and not inspect.iscoroutinefunction(
+            getattr(obj, name)
+        ):
+            return f"{what}.{name} must be an async method"
+    return None
