@@ -5,7 +5,6 @@ Runs, in one process and on one random-weight Qwen3-shaped model:
   the Triton paged decode kernel and decode CUDA graphs, captured untimed first);
 - `verst-scheduler-bf16` (opt-in, `--engines`): the same on a bf16 copy of the model, the
   dtype vLLM's CPU backend runs;
-- `verst-batch`: the static batch engine the RL loop uses today;
 - `hf-generate`: `model.generate(do_sample=True)` on the same prompts;
 for each batch size, plus a multi-turn shared-prefix workload (sessions whose every turn
 extends the previous one) that reports the scheduler's prefix-cache hit rate, and a staggered
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from verst.engine import Engine, GenerateRequest, SamplingParams
+from verst.engine import GenerateRequest, SamplingParams
 from verst.engine.kv_pool import KVPool
 from verst.engine.scheduler import Scheduler
 
@@ -198,10 +197,6 @@ def engine_run(name, model, bf16_model, args, preset, dtype, device, batch):
         scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
         warm_scheduler(scheduler, prompts, batch)
         return partial(cold_generate, scheduler, prompts, new)
-    if name == "verst-batch":
-        engine = Engine(model, eos_token_ids=[], pad_token_id=0)
-        engine.generate(requests(prompts[:1], 4))
-        return partial(engine.generate, requests(prompts, new))
     input_ids = torch.tensor(prompts, device=device)
 
     def hf_generate():
@@ -339,8 +334,8 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         nargs="*",
-        default=["verst-scheduler", "verst-batch", "hf-generate"],
-        choices=["verst-scheduler", "verst-scheduler-bf16", "verst-batch", "hf-generate", "vllm"],
+        default=["verst-scheduler", "hf-generate"],
+        choices=["verst-scheduler", "verst-scheduler-bf16", "hf-generate", "vllm"],
     )
     parser.add_argument(
         "--vllm-python",

@@ -101,8 +101,8 @@ def check_placement(cfg: RunConfig) -> None:
     if cfg.rollout.agent_function and placement.engines == "embedded":
         raise ValueError(
             "rollout.agent_function needs serving engines behind a session server: set "
-            "placement.engines=in_process (or processes); the embedded batch engine has no "
-            "chat API for an agent to call"
+            "placement.engines=in_process (or processes); the embedded engine has no chat "
+            "API for an agent to call"
         )
     if cfg.rollout.agent_function and cfg.pause_mode == "abort":
         raise ValueError(
@@ -118,7 +118,7 @@ def check_placement(cfg: RunConfig) -> None:
         if transport != "colocated":
             raise ValueError(
                 f"sync.transport={transport} needs serving engines (placement.engines="
-                "in_process or processes); the embedded batch engine is updated in place"
+                "in_process or processes); the embedded engine is updated in place"
             )
         if placement.num_engines != 1:
             raise ValueError(

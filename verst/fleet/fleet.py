@@ -5,7 +5,7 @@
 (`engines: processes`) — registers them with one `Router`, and runs every coroutine on a
 background event loop. The trainer's side stays synchronous:
 
-- `fleet.generate(requests)` has the batch `Engine`'s signature, so the default rollout,
+- `fleet.generate(requests)` has the embedded `Scheduler.generate`'s signature, so the rollout,
   evaluation and the warm start's dev check run unchanged on a fleet. Samples of one prompt
   share a routing key, so a group lands on one engine and its prompt is prefilled once.
 - `fleet.agenerate(request, key)` is the same for one request, for coroutines on the fleet's
@@ -44,7 +44,8 @@ EngineKind = Literal["embedded", "in_process", "processes"]
 class PlacementConfig(ConfigBase):
     engines: EngineKind = Field(
         "embedded",
-        description="rollout engines: embedded = the trainer's own batch engine; in_process = "
+        description="rollout engines: embedded = the scheduler called in the trainer's thread; "
+        "in_process = "
         "serving engines (continuous batching) in the trainer's process; processes = `verst "
         "serve` subprocesses",
     )
