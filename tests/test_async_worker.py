@@ -543,3 +543,67 @@ def test_async_config() -> None:
     with pytest.raises(ValidationError):
         AsyncConfig(replacement="trajectory")
     AsyncConfig(buffer="examples.custom_buffer:FreshestFirstBuffer", max_staleness=None)
+
+
+def test_slot_counts_agree_with_the_groups_the_worker_holds() -> None:
+    """With drops at put (aborted, filtered), stale drops at take and long tails, the slot
+    accounting stays consistent and counts as ahead exactly the prompts a checkpoint saves."""
+    rng = random.Random(1)
+
+    def delay(key):
+        return 0.01 if rng.random() < 0.2 else 0.001
+
+    async def main() -> None:
+        source, engine = FakeSource(2), FakeEngine(manual=False, delay=delay)
+        engine.fail = {(g, 1) for g in range(0, 200, 7)}
+        cfg = AsyncConfig(max_inflight=5, buffer_factor=1.5, max_staleness=1)
+        worker = build_rollout_worker(
+            cfg,
+            source,
+            engine,
+            reward,
+            prompts_per_step=2,
+            n_samples_per_prompt=2,
+            group_filter=lambda g: g[0].group_index % 5 != 0,
+        )
+        seen = 0
+
+        async def watch() -> None:
+            nonlocal seen
+            while True:
+                worker._slots.check()
+                assert len(worker.unconsumed_prompts()) == worker._slots.ahead
+                seen += 1
+                await asyncio.sleep(0)
+
+        async with worker:
+            watcher = asyncio.ensure_future(watch())
+            for version in [0, 1, 2, 5, 6, 7]:  # the jump leaves the buffered groups stale
+                engine.version = version
+                await worker.take(2, current_version=version)
+                await asyncio.sleep(0.003)
+            watcher.cancel()
+        m = worker.metrics()
+        assert m["buffer/dropped_aborted"] >= 1 and m["buffer/dropped_filtered"] >= 1
+        assert m["buffer/dropped_stale"] >= 1 and seen > 50
+        worker._slots.check()
+        assert worker.inflight == 0 and worker.unconsumed_prompts() == []
+
+    run(main())
+
+
+def test_a_generation_cancelled_by_something_else_than_stop_fails_the_worker() -> None:
+    async def main() -> None:
+        async def cancelled(sample):
+            raise asyncio.CancelledError
+
+        worker = RolloutWorker(
+            FakeSource(1), DataBuffer(2), cancelled, None, n_samples_per_prompt=1, max_inflight=1
+        )
+        await worker.start()
+        with pytest.raises(RolloutWorkerError, match="a group's generation was cancelled"):
+            await worker.take(1, 0)
+        await worker.stop()
+        assert worker.aborted_on_stop == 1 and worker.occupied == 0
+
+    run(main())

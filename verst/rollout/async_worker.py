@@ -7,18 +7,12 @@ it into the data buffer (`verst.rollout.buffer`). When the buffer is full the pu
 while a put is blocked no new group starts, so generation drains instead of racing ahead of the
 trainer: the buffer's bound is what bounds staleness.
 
-When may a new group start? Each started group takes `n_samples_per_prompt` places out of
-`max_inflight`; the replacement rule says when they are given up:
-
-- `sample` (default): each finished trajectory frees its place at once, and a new group starts
-  as soon as `n_samples_per_prompt` places are free, so a long-tailed trajectory holds one
-  place, not its group's; the group's last place is held while the group is scored;
-- `group`: a group's places are freed only when the whole group has finished (generated and
-  scored).
-
-Either way a group gives up its last places only as it goes into the buffer, and no group
-starts while a put is blocked, so the trajectories generating stay within `max_inflight`, and
-once the buffer is full, generation stops: the groups then in flight finish and wait at put.
+When a new group may start is the job of `verst.rollout.slots.Slots`, a pure state machine that
+this worker tells about every event (a group started, a trajectory finished, a put began or
+returned, the buffer let go of a group, a group was aborted): it holds the places each group
+takes under the replacement rule (`sample`: a finished trajectory frees its place at once;
+`group`: a group's places are freed when the whole group has been scored), the puts in progress
+and the groups ahead. This module owns the tasks.
 
 Failures: an exception raised by `generate_sample` marks that sample ABORTED (with the reason in
 `metadata["abort_error"]`), so the buffer drops its group at put; `max_consecutive_errors`
@@ -52,7 +46,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from pydantic import Field, field_validator
@@ -68,11 +62,11 @@ from verst.rollout.buffer import (
     make_buffer,
 )
 from verst.rollout.rewards import RewardFn, compute_rewards
+from verst.rollout.slots import BEFORE_PUT, Replacement, Slots
 from verst.types import Group, Sample, Status
 
 log = logging.getLogger(__name__)
 
-Replacement = Literal["group", "sample"]
 GenerateSample = Callable[[Sample], Awaitable[Sample]]
 
 
@@ -145,15 +139,45 @@ class RolloutWorkerError(RuntimeError):
     """The rollout worker stopped because of an error; `__cause__` is that error."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Flight:
-    """A group from its start until the buffer accepts it."""
+    """A group from its start until its put returns (or `stop` aborts it)."""
 
     group: Group
     prompts: Group  # untouched copies of the prompt side, to give back or stand in for aborts
-    task: asyncio.Task | None = None
-    generating: int = 0  # its samples inside generate_sample
-    holds_last_place: bool = False  # generated, being scored (counted in _scoring)
+    task: asyncio.Task | None = None  # generates, scores and puts the group
+    samples: list[asyncio.Task] = field(default_factory=list)  # one generate_sample each
+
+    def tasks(self) -> list[asyncio.Task]:
+        return [t for t in (self.task, *self.samples) if t is not None]
+
+
+class _InflightGauge:
+    """Time-weighted mean and peak of the trajectories generating, between two readings."""
+
+    def __init__(self) -> None:
+        self._value = 0
+        self._area = 0.0
+        self._peak = 0
+        self.restart()
+
+    def restart(self) -> None:
+        self._since = self._mark = time.monotonic()
+
+    def set(self, value: int) -> None:
+        now = time.monotonic()
+        self._area += self._value * (now - self._mark)
+        self._mark, self._value = now, value
+        self._peak = max(self._peak, value)
+
+    def read(self) -> tuple[float, float]:
+        """(mean, peak) since the previous reading; the next window starts now."""
+        self.set(self._value)
+        elapsed = self._mark - self._since
+        mean = self._area / elapsed if elapsed > 0 else float(self._value)
+        peak = float(self._peak)
+        self._area, self._since, self._peak = 0.0, self._mark, self._value
+        return mean, peak
 
 
 class RolloutWorker:
@@ -184,52 +208,30 @@ class RolloutWorker:
         max_consecutive_errors: int | None = None,
         max_ahead: int | None = None,
     ) -> None:
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
-        if max_inflight < n_samples_per_prompt:
-            raise ValueError(
-                f"max_inflight ({max_inflight}) must be at least n_samples_per_prompt "
-                f"({n_samples_per_prompt}): a group needs that many places to start"
-            )
-        if replacement not in ("group", "sample"):
-            raise ValueError(f"replacement must be 'group' or 'sample', got {replacement!r}")
+        self._slots = Slots(
+            n_samples_per_prompt=n_samples_per_prompt,
+            max_inflight=max_inflight,
+            replacement=replacement,
+            max_ahead=max_ahead,
+        )
         self.source = source
         self.buffer = buffer
         self.generate_sample = generate_sample
         self.reward_fn = reward_fn
-        self.n_samples_per_prompt = n_samples_per_prompt
-        self.max_inflight = max_inflight
-        self.replacement = replacement
         self.give_back = give_back
         self.max_consecutive_errors = max_consecutive_errors or 2 * max_inflight
-        if max_ahead is not None and max_ahead < 1:
-            raise ValueError(f"max_ahead must be >= 1 group, got {max_ahead}")
-        self.max_ahead = max_ahead
-        # counters (cumulative)
-        self.groups_started = 0
-        self.groups_put = 0
-        self.generate_errors = 0
-        self.aborted_on_stop = 0
-        # state
-        self._flights: dict[int, _Flight] = {}
-        # groups handed to the buffer, by id, with their prompts, until a take serves them or
-        # the buffer drops them (`forget`)
-        self._in_buffer: dict[int, Group] = {}
-        self._next_id = 0
-        self._generating = 0  # samples inside generate_sample now
-        self._holding_groups = 0  # groups started and not yet handed to the buffer
-        self._scoring = 0  # groups generated, being scored: each holds one place
-        self._putting = 0  # groups inside buffer.put now (blocked when the buffer is full)
+        self.generate_errors = 0  # cumulative
         self._consecutive_errors = 0
+        self._flights: dict[int, _Flight] = {}  # by slot key, until the group's put returns
+        # groups handed to the buffer, by id, with their slot key and prompts, until a take
+        # serves them or the buffer drops them (`forget`)
+        self._in_buffer: dict[int, tuple[int, Group]] = {}
+        self._gauge = _InflightGauge()
         self._failure: BaseException | None = None
         self._surfaced = False
         self._main: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopped = False
-        # time-weighted in-flight count since the last metrics()
-        self._area = 0.0
-        self._since = self._mark = time.monotonic()
-        self._peak = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -238,7 +240,7 @@ class RolloutWorker:
         if self._main is not None:
             raise RuntimeError("the rollout worker was already started")
         self._wake = asyncio.Event()
-        self._since = self._mark = time.monotonic()
+        self._gauge.restart()
         self._main = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
@@ -250,19 +252,13 @@ class RolloutWorker:
         if self._main is None or self._stopped:
             return
         self._stopped = True
-        tasks = [self._main, *(f.task for f in self._flights.values() if f.task is not None)]
+        tasks = [self._main, *(t for f in self._flights.values() for t in f.tasks())]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        unfinished = list(self._flights.values())
-        self._flights.clear()
-        for flight in unfinished:
-            for sample in flight.group:
-                if sample.status == Status.PENDING:
-                    sample.status = Status.ABORTED
-        self.aborted_on_stop += len(unfinished)
-        if unfinished and self.give_back is not None:
-            self.give_back([flight.prompts for flight in unfinished])
+        unconsumed = self._abort_flights()
+        if unconsumed and self.give_back is not None:
+            self.give_back(unconsumed)
         if self._failure is not None and not self._surfaced:
             self._surfaced = True
             raise RolloutWorkerError(f"the rollout worker failed: {self._failure!r}") from (
@@ -299,15 +295,17 @@ class RolloutWorker:
     def forget(self, groups: list[Group]) -> None:
         """These groups left the buffer (served, or dropped by its rules): not unconsumed."""
         for group in groups:
-            self._in_buffer.pop(id(group), None)
+            handed = self._in_buffer.pop(id(group), None)
+            if handed is not None:
+                self._slots.forget(handed[0])
         self._poke()  # fewer groups ahead: one may start
 
     def unconsumed_prompts(self) -> list[Group]:
         """The prompt side of every group drawn from the source and not yet served by a take
         nor dropped: generating, blocked at put, or waiting in the buffer."""
-        flights = self._flights.values()
-        generating = [f.prompts for f in flights if id(f.group) not in self._in_buffer]
-        return generating + list(self._in_buffer.values())
+        phase = self._slots.phase
+        generating = [f.prompts for key, f in self._flights.items() if phase(key) in BEFORE_PUT]
+        return generating + [prompts for _, prompts in self._in_buffer.values()]
 
     def metrics(self) -> dict[str, Any]:
         """The buffer's metrics and `rollout/*`: `inflight` (trajectories generating now),
@@ -315,56 +313,82 @@ class RolloutWorker:
         call), `inflight_groups` (started, not yet in the buffer), `max_inflight`, `put_blocked`
         (1 when a finished group waits for room), and cumulative `groups_started`,
         `groups_put`, `generate_errors`."""
-        now = time.monotonic()
-        self._account(now)
-        elapsed = now - self._since
-        mean = self._area / elapsed if elapsed > 0 else float(self._generating)
-        peak = self._peak
-        self._area, self._since, self._peak = 0.0, now, self._generating
+        mean, peak = self._gauge.read()
+        slots = self._slots
         return self.buffer.metrics() | {
-            "rollout/inflight": float(self._generating),
+            "rollout/inflight": float(slots.generating),
             "rollout/inflight_mean": mean,
-            "rollout/inflight_peak": float(peak),
-            "rollout/inflight_groups": float(len(self._flights)),
-            "rollout/max_inflight": float(self.max_inflight),
-            "rollout/put_blocked": float(self._putting > 0),
-            "rollout/groups_started": float(self.groups_started),
-            "rollout/groups_put": float(self.groups_put),
+            "rollout/inflight_peak": peak,
+            "rollout/inflight_groups": float(slots.inflight_groups),
+            "rollout/max_inflight": float(slots.max_inflight),
+            "rollout/put_blocked": float(slots.putting > 0),
+            "rollout/groups_started": float(slots.groups_started),
+            "rollout/groups_put": float(slots.groups_put),
             "rollout/generate_errors": float(self.generate_errors),
         }
 
     @property
     def inflight(self) -> int:
         """Trajectories inside `generate_sample` now."""
-        return self._generating
+        return self._slots.generating
 
     @property
     def occupied(self) -> int:
         """Places held under the replacement rule (at most `max_inflight`)."""
-        if self.replacement == "sample":
-            return self._generating + self._scoring
-        return self._holding_groups * self.n_samples_per_prompt
+        return self._slots.occupied
+
+    @property
+    def groups_started(self) -> int:
+        return self._slots.groups_started
+
+    @property
+    def groups_put(self) -> int:
+        """Groups whose put returned, kept by the buffer or dropped by its rules."""
+        return self._slots.groups_put
+
+    @property
+    def aborted_on_stop(self) -> int:
+        return self._slots.groups_aborted
+
+    @property
+    def n_samples_per_prompt(self) -> int:
+        return self._slots.n_samples_per_prompt
+
+    @property
+    def max_inflight(self) -> int:
+        return self._slots.max_inflight
+
+    @property
+    def replacement(self) -> Replacement:
+        return self._slots.replacement
+
+    @property
+    def max_ahead(self) -> int | None:
+        return self._slots.max_ahead
 
     # -- the worker ----------------------------------------------------------------------------
-
-    def _can_start(self) -> bool:
-        free = self.max_inflight - self.occupied
-        if self.max_ahead is not None and len(self.unconsumed_prompts()) >= self.max_ahead:
-            return False  # a group started now would be stale before a take could serve it
-        return free >= self.n_samples_per_prompt and self._putting == 0
 
     async def _run(self) -> None:
         assert self._wake is not None
         while True:
             if self._failure is not None:
                 raise self._failure
-            if self._can_start():
+            if self._slots.may_start():
                 self._launch()
                 continue
             self._wake.clear()
             await self._wake.wait()
 
     def _launch(self) -> None:
+        group = self._draw()
+        key = self._slots.start()
+        self._gauge.set(self._slots.generating)
+        flight = _Flight(group=group, prompts=[s.clone_prompt(s.index) for s in group])
+        self._flights[key] = flight
+        flight.task = asyncio.ensure_future(self._fly(key, flight))
+        flight.task.add_done_callback(self._on_flight_done)
+
+    def _draw(self) -> Group:
         groups = self.source.take(1)
         if len(groups) != 1 or len(groups[0]) != self.n_samples_per_prompt:
             sizes = [len(g) for g in groups]
@@ -372,59 +396,25 @@ class RolloutWorker:
                 f"source.take(1) returned groups of sizes {sizes}, "
                 f"expected one group of {self.n_samples_per_prompt}"
             )
-        group = groups[0]
-        flight = _Flight(group=group, prompts=[s.clone_prompt(s.index) for s in group])
-        gid = self._next_id
-        self._next_id += 1
-        self._flights[gid] = flight
-        self.groups_started += 1
-        self._holding_groups += 1
-        self._account()
-        self._generating += len(group)
-        flight.generating = len(group)
-        self._peak = max(self._peak, self._generating)
-        flight.task = asyncio.ensure_future(self._fly(gid, flight))
-        flight.task.add_done_callback(self._on_flight_done)
+        return groups[0]
 
-    async def _fly(self, gid: int, flight: _Flight) -> None:
-        holding = True  # the group holds places until it goes to the buffer
-        try:
-            results = await asyncio.gather(
-                *(
-                    self._generate(flight, sample, prompt)
-                    for sample, prompt in zip(flight.group, flight.prompts, strict=True)
-                )
-            )
-            flight.group = list(results)
-            if self.reward_fn is not None and not is_aborted(flight.group):
-                await compute_rewards(flight.group, self.reward_fn)
-            # From here to the put's first suspension nothing awaits: the scheduler sees the
-            # places freed and the put blocked (or done) in the same instant, never a gap in
-            # which a new group could slip past a full buffer.
-            self._release_last_place(flight)
-            self._holding_groups -= 1
-            holding = False
-            self._putting += 1
-            self._in_buffer[id(flight.group)] = flight.prompts  # a drop at put forgets it
-            try:
-                await self.buffer.put(flight.group)
-            finally:
-                self._putting -= 1
-            # accepted (or dropped by the buffer's rules): no longer ours to give back
-            del self._flights[gid]
-            self.groups_put += 1
-        finally:
-            self._release_last_place(flight)
-            if holding:
-                self._holding_groups -= 1
-            self._poke()
+    async def _fly(self, key: int, flight: _Flight) -> None:
+        flight.samples = [
+            asyncio.ensure_future(self._generate(key, sample, prompt))
+            for sample, prompt in zip(flight.group, flight.prompts, strict=True)
+        ]
+        flight.group = list(await asyncio.gather(*flight.samples))
+        if self.reward_fn is not None and not is_aborted(flight.group):
+            await compute_rewards(flight.group, self.reward_fn)
+        self._in_buffer[id(flight.group)] = (key, flight.prompts)  # a drop at put forgets it
+        self._slots.put_begin(key)
+        await self.buffer.put(flight.group)
+        # accepted (or dropped by the buffer's rules): no longer ours to give back
+        self._slots.put_end(key)
+        del self._flights[key]
+        self._poke()
 
-    def _release_last_place(self, flight: _Flight) -> None:
-        if flight.holds_last_place:
-            flight.holds_last_place = False
-            self._scoring -= 1
-
-    async def _generate(self, flight: _Flight, sample: Sample, prompt: Sample) -> Sample:
+    async def _generate(self, key: int, sample: Sample, prompt: Sample) -> Sample:
         try:
             result = await self.generate_sample(sample)
             if not isinstance(result, Sample):
@@ -432,33 +422,48 @@ class RolloutWorker:
             self._consecutive_errors = 0
             return result
         except Exception as exc:
-            self.generate_errors += 1
-            self._consecutive_errors += 1
-            reason = f"{type(exc).__name__}: {exc}"
-            log.warning("generation failed, sample aborted: %s", reason)
-            if self._consecutive_errors >= self.max_consecutive_errors:
-                error = RolloutWorkerError(
-                    f"{self._consecutive_errors} generations failed in a row; last: {reason}"
-                )
-                error.__cause__ = exc
-                self._fail(error)
-            aborted = prompt.clone_prompt(prompt.index)
-            aborted.status = Status.ABORTED
-            aborted.metadata["abort_error"] = reason
-            return aborted
+            return self._failed(prompt, exc)
         finally:
-            self._account()
-            self._generating -= 1
-            flight.generating -= 1
-            if flight.generating == 0:
-                # the group's last trajectory: its place stays taken until the group is scored
-                # and goes to the buffer (see _fly)
-                flight.holds_last_place = True
-                self._scoring += 1
+            self._slots.finish_sample(key)
+            self._gauge.set(self._slots.generating)
             self._poke()
 
+    def _failed(self, prompt: Sample, exc: Exception) -> Sample:
+        """Count a failed generation; an aborted copy of the prompt stands in for its sample."""
+        self.generate_errors += 1
+        self._consecutive_errors += 1
+        reason = f"{type(exc).__name__}: {exc}"
+        log.warning("generation failed, sample aborted: %s", reason)
+        if self._consecutive_errors >= self.max_consecutive_errors:
+            error = RolloutWorkerError(
+                f"{self._consecutive_errors} generations failed in a row; last: {reason}"
+            )
+            error.__cause__ = exc
+            self._fail(error)
+        aborted = prompt.clone_prompt(prompt.index)
+        aborted.status = Status.ABORTED
+        aborted.metadata["abort_error"] = reason
+        return aborted
+
+    def _abort_flights(self) -> list[Group]:
+        """Abort every group whose put has not returned; the prompts of those still unconsumed."""
+        unconsumed = []
+        for key, flight in self._flights.items():
+            for sample in flight.group:
+                if sample.status == Status.PENDING:
+                    sample.status = Status.ABORTED
+            self._in_buffer.pop(id(flight.group), None)  # a put cancelled adds nothing
+            if self._slots.abort(key):
+                unconsumed.append(flight.prompts)
+        self._flights.clear()
+        self._gauge.set(self._slots.generating)
+        return unconsumed
+
     def _on_flight_done(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            if not self._stopped:  # its places would stay held: stop rather than shrink
+                self._fail(RolloutWorkerError("a group's generation was cancelled"))
+        elif task.exception() is not None:
             self._fail(task.exception())
 
     def _fail(self, exc: BaseException | None) -> None:
@@ -469,11 +474,6 @@ class RolloutWorker:
     def _poke(self) -> None:
         if self._wake is not None:
             self._wake.set()
-
-    def _account(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        self._area += self._generating * (now - self._mark)
-        self._mark = now
 
     def _raise_dead(self) -> None:
         assert self._main is not None
