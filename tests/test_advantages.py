@@ -1,19 +1,29 @@
-"""Advantage estimators against closed forms worked out by hand on tiny tensors."""
+"""Advantage estimators against closed forms worked out by hand on tiny tensors.
+
+The estimators run as production runs them (`estimator_advantages`): the sequence-level
+advantage of each sample as the loop hands it to the trainer, then the trainer's per-token
+advantage pass on the collated micro-batch.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from verst.loop import train_items
 from verst.train.advantages import (
     discounted_returns,
-    dr_grpo_advantages,
     gae,
+    group_advantages,
     masked_whiten,
     reinforce_plus_plus_advantages,
-    reinforce_plus_plus_baseline_advantages,
     terminal_token_rewards,
 )
-from verst.train.losses import group_advantages
+from verst.train.algorithms import LossConfig
+from verst.train.batching import MicroBatch, collate
+from verst.train.objective import needs_advantage_pass, set_token_advantages, whiten_globally
+from verst.types import Sample
+
+CPU = torch.device("cpu")
 
 
 def close(actual: torch.Tensor, expected: list | float, atol: float = 1e-5) -> None:
@@ -26,26 +36,92 @@ def assert_finite(x: torch.Tensor) -> None:
     assert torch.isfinite(x).all(), x
 
 
+def estimator_advantages(
+    rewards: list[float],
+    group_ids: list[int],
+    mask_B_T: torch.Tensor,
+    kl_B_T: torch.Tensor | None = None,
+    values_B_T: torch.Tensor | None = None,
+    **loss: object,
+) -> MicroBatch:
+    """The micro-batch after the advantage steps of `Trainer.step`, with the KL to the
+    reference and the critic's values given instead of computed by models."""
+    cfg = LossConfig(**loss)
+    width = mask_B_T.shape[1]
+    samples = [
+        Sample(
+            tokens=[1] + [2] * width,
+            response_length=width,
+            loss_mask=[int(m) for m in mask_T.tolist()],
+            rollout_logprobs=[0.0] * width,
+            reward=reward,
+            group_index=group,
+        )
+        for reward, group, mask_T in zip(rewards, group_ids, mask_B_T, strict=True)
+    ]
+    micro = collate(train_items([samples], cfg), pad_token_id=0, device=CPU)
+    if needs_advantage_pass(cfg):
+        kl_B_T = torch.zeros_like(mask_B_T) if kl_B_T is None else kl_B_T
+        set_token_advantages(cfg, micro, kl_B_T, values_B_T)
+        if cfg.whiten_advantages:
+            whiten_globally([micro], CPU)
+    return micro
+
+
 # ---------------------------------------------------------------- group estimators
+
+
+def test_grpo_divides_by_the_unbiased_group_std() -> None:
+    # group 7: [1, 3] mean 2 -> [-1, 1], unbiased std sqrt(2) -> [-0.7071068, 0.7071068]
+    # group 2: [4] singleton -> 0
+    # group 5: [0, 0, 3] mean 1 -> [-1, -1, 2], std sqrt(3)
+    rewards, group_ids = [1.0, 4.0, 0.0, 3.0, 0.0, 3.0], [7, 2, 5, 7, 5, 5]
+    r2, s3 = 0.70710678, 1.7320508
+    expected = [-r2, 0.0, -1 / s3, r2, -1 / s3, 2 / s3]
+    for name in ("grpo", "gspo"):
+        micro = estimator_advantages(rewards, group_ids, torch.ones(6, 2), advantage_estimator=name)
+        close(micro.advantages_N_R, [[a, a] for a in expected])
+    micro = estimator_advantages(rewards, group_ids, torch.ones(6, 1), grpo_std_normalization=False)
+    close(micro.advantages_N_R[:, 0], [-1.0, 0.0, -1.0, 1.0, -1.0, 2.0])
 
 
 def test_dr_grpo_is_centered_never_divided() -> None:
     # group 7: [1, 3] mean 2 -> [-1, 1]; group 2: singleton -> 0; group 5: [0, 0, 3] mean 1
-    rewards_N = torch.tensor([1.0, 4.0, 0.0, 3.0, 0.0, 3.0])
-    group_ids_N = torch.tensor([7, 2, 5, 7, 5, 5])
-    close(dr_grpo_advantages(rewards_N, group_ids_N), [-1.0, 0.0, -1.0, 1.0, -1.0, 2.0])
+    micro = estimator_advantages(
+        [1.0, 4.0, 0.0, 3.0, 0.0, 3.0],
+        [7, 2, 5, 7, 5, 5],
+        torch.ones(6, 1),
+        advantage_estimator="dr_grpo",
+    )
+    close(micro.advantages_N_R[:, 0], [-1.0, 0.0, -1.0, 1.0, -1.0, 2.0])
     # all-equal rewards -> 0 for every estimator of the group family
-    equal_N = torch.full((4,), 0.7)
-    ids_N = torch.zeros(4, dtype=torch.long)
-    close(dr_grpo_advantages(equal_N, ids_N), [0.0] * 4)
-    close(group_advantages(equal_N, ids_N, std_normalization=True), [0.0] * 4)
+    for name in ("grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline"):
+        micro = estimator_advantages([0.7] * 4, [0] * 4, torch.ones(4, 2), advantage_estimator=name)
+        close(micro.advantages_N_R, [[0.0, 0.0]] * 4)
 
 
-def test_group_advantages_still_importable_from_losses() -> None:
-    from verst.train import advantages, losses
-
-    assert losses.group_advantages is advantages.group_advantages
-    assert losses.grpo_advantages is advantages.grpo_advantages
+def test_group_advantages_std_eps_and_degenerate_groups() -> None:
+    # [1, 2, 3]: std 1; [0, 0, 3]: std sqrt(3); eps lands in the denominator
+    rewards_N = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 3.0])
+    ids_N = torch.tensor([0, 0, 0, 1, 1, 1])
+    s3 = 1.7320508
+    close(
+        group_advantages(rewards_N, ids_N, std_normalization=True, eps=0.0),
+        [-1.0, 0.0, 1.0, -1 / s3, -1 / s3, 2 / s3],
+    )
+    close(
+        group_advantages(rewards_N[:3], ids_N[:3], std_normalization=True, eps=1.0),
+        [-0.5, 0.0, 0.5],
+    )
+    # singletons and equal rewards stay exactly 0, even with eps = 0
+    for std in (True, False):
+        singles_N = group_advantages(
+            torch.tensor([5.0, -2.0]), torch.arange(2), std_normalization=std
+        )
+        close(singles_N, [0.0, 0.0])
+        equal_N = torch.tensor([0.7, 0.7, 1.0, 1.0])
+        out_N = group_advantages(equal_N, torch.tensor([0, 0, 1, 1]), std_normalization=std, eps=0)
+        close(out_N, [0.0] * 4)
 
 
 # ---------------------------------------------------------------- token rewards and returns
@@ -81,21 +157,44 @@ def test_reinforce_plus_plus_with_kl_and_gamma() -> None:
     # row 2 empty -> 0
     kl_N_T = torch.tensor([[0.1, 0.2, 0.4], [0.2, 9.0, 0.2], [1.0, 1.0, 1.0]])
     mask_N_T = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
-    out = reinforce_plus_plus_advantages(
-        torch.tensor([1.0, 2.0, 3.0]), kl_N_T, mask_N_T, kl_coef=0.5, gamma=0.5
+    micro = estimator_advantages(
+        [1.0, 2.0, 3.0],
+        [0, 1, 2],
+        mask_N_T,
+        kl_N_T,
+        advantage_estimator="reinforce_plus_plus",
+        kl_coef=0.5,
+        gamma=0.5,
+        normalize_advantages=False,
     )
-    close(out, [[0.1, 0.3, 0.8], [0.85, 0.0, 1.9], [0.0, 0.0, 0.0]])
+    close(micro.advantages_N_R, [[0.1, 0.3, 0.8], [0.85, 0.0, 1.9], [0.0, 0.0, 0.0]])
 
 
 def test_reinforce_plus_plus_baseline() -> None:
     # group 0: [1, 3] mean 2 -> [-1, 1]; group 1: singleton -> 0; then minus 0.5*kl per token
     # row 0: [-1 - 0.1, -1 - 0.2]; row 1: [1 - 0, masked]; row 2: [0 - 0.5, 0 - 0.5]
-    kl_N_T = torch.tensor([[0.2, 0.4], [0.0, 0.2], [1.0, 1.0]])
-    mask_N_T = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
-    out = reinforce_plus_plus_baseline_advantages(
-        torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1]), kl_N_T, mask_N_T, kl_coef=0.5
+    micro = estimator_advantages(
+        [1.0, 3.0, 5.0],
+        [0, 0, 1],
+        torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]]),
+        torch.tensor([[0.2, 0.4], [0.0, 0.2], [1.0, 1.0]]),
+        advantage_estimator="reinforce_plus_plus_baseline",
+        kl_coef=0.5,
+        normalize_advantages=False,
     )
-    close(out, [[-1.1, -1.2], [1.0, 0.0], [-0.5, -0.5]])
+    close(micro.advantages_N_R, [[-1.1, -1.2], [1.0, 0.0], [-0.5, -0.5]])
+
+
+def test_reinforce_plus_plus_variants_are_whitened_by_default() -> None:
+    # advantages [1, 3] (one token each): mean 2, unbiased std sqrt(2) -> ±0.7071068
+    for name, group_ids in (
+        ("reinforce_plus_plus", [0, 1]),
+        ("reinforce_plus_plus_baseline", [0, 0]),
+    ):
+        micro = estimator_advantages(
+            [1.0, 3.0], group_ids, torch.ones(2, 1), advantage_estimator=name
+        )
+        close(micro.advantages_N_R, [[-0.7071068], [0.7071068]])
 
 
 # ---------------------------------------------------------------- GAE
@@ -131,6 +230,35 @@ def test_gae_masked() -> None:
     close(ret_N_T, [[0.828, 1.0, 0.0], [1.292, 0.0, 1.0], [0.0, 0.0, 0.0]])
 
 
+def test_ppo_is_gae_on_the_terminal_reward_minus_kl() -> None:
+    # the one-sequence case above through the ppo estimator: r = 1 on the last token
+    micro = estimator_advantages(
+        [1.0],
+        [0],
+        torch.ones(1, 3),
+        values_B_T=torch.tensor([[0.5, 0.6, 0.7]]),
+        advantage_estimator="ppo",
+        gamma=0.9,
+        lam=0.8,
+    )
+    close(micro.advantages_N_R, [[0.21712, 0.246, 0.3]])
+    close(micro.returns_N_R, [[0.71712, 0.846, 1.0]])
+    close(micro.old_values_N_R, [[0.5, 0.6, 0.7]])
+    # KL as reward, gamma = lam = 1, values 0: token rewards [-0.1, -0.1, 2 - 0.1]
+    # -> advantages = returns = reward-to-go [1.7, 1.8, 1.9]
+    micro = estimator_advantages(
+        [2.0],
+        [0],
+        torch.ones(1, 3),
+        torch.full((1, 3), 0.2),
+        torch.zeros(1, 3),
+        advantage_estimator="ppo",
+        kl_coef=0.5,
+    )
+    close(micro.advantages_N_R, [[1.7, 1.8, 1.9]])
+    close(micro.returns_N_R, [[1.7, 1.8, 1.9]])
+
+
 def test_gae_lambda_one_returns_are_discounted_returns() -> None:
     torch.manual_seed(0)
     rewards_N_T = torch.randn(3, 6)
@@ -149,24 +277,33 @@ def test_masked_whiten() -> None:
     x_N_T = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, 100.0]])
     mask_N_T = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     a, b = 1.1618950, 0.3872983
-    close(masked_whiten(x_N_T, mask_N_T), [[-a, -b, 0.0], [b, a, 0.0]])
-    close(
-        masked_whiten(x_N_T, mask_N_T, shift_mean=False),
-        [[2.5 - a, 2.5 - b, 0.0], [2.5 + b, 2.5 + a, 0.0]],
-    )
+    (out_N_T,) = masked_whiten([x_N_T], [mask_N_T], CPU)
+    close(out_N_T, [[-a, -b, 0.0], [b, a, 0.0]])
+    # split into micro-batches, the statistics are still those of the whole batch
+    first_N_T, second_N_T = masked_whiten([x_N_T[:1], x_N_T[1:]], [mask_N_T[:1], mask_N_T[1:]], CPU)
+    close(first_N_T, [[-a, -b, 0.0]])
+    close(second_N_T, [[b, a, 0.0]])
 
 
 def test_edge_cases_give_zeros_not_nan() -> None:
     empty_N_T = torch.zeros(2, 3)
     x_N_T = torch.ones(2, 3)
     rewards_N = torch.tensor([1.0, 2.0])
-    ids_N = torch.tensor([0, 1])
+    baseline = estimator_advantages(
+        [1.0, 2.0],
+        [0, 1],
+        empty_N_T,
+        x_N_T,
+        advantage_estimator="reinforce_plus_plus_baseline",
+        kl_coef=0.1,
+    )
     outs = [
-        masked_whiten(x_N_T, empty_N_T),
-        masked_whiten(x_N_T, torch.tensor([[1.0, 0, 0], [0, 0, 0]])),  # one entry: nothing to scale
+        *masked_whiten([x_N_T], [empty_N_T], CPU),
+        # one entry: nothing to scale by
+        *masked_whiten([x_N_T], [torch.tensor([[1.0, 0, 0], [0, 0, 0]])], CPU),
         discounted_returns(x_N_T, empty_N_T, 0.9),
         reinforce_plus_plus_advantages(rewards_N, x_N_T, empty_N_T, kl_coef=0.1, gamma=0.9),
-        reinforce_plus_plus_baseline_advantages(rewards_N, ids_N, x_N_T, empty_N_T, kl_coef=0.1),
+        baseline.advantages_N_R,
         *gae(x_N_T, x_N_T, empty_N_T, gamma=0.9, lam=0.9),
     ]
     for out in outs:

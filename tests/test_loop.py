@@ -178,7 +178,7 @@ def test_custom_data_and_reward_example_runs(tmp_path: Path, monkeypatch) -> Non
 
 def test_aborted_samples_leave_their_group_before_advantages() -> None:
     from verst.loop import train_items, without_aborted
-    from verst.train.losses import LossConfig
+    from verst.train.algorithms import LossConfig
     from verst.types import Sample, Status
 
     def sample(group: int, reward: float, status: Status = Status.COMPLETED) -> Sample:

@@ -6,18 +6,14 @@ import math
 
 import pytest
 import torch
-from pydantic import ValidationError
 
+from verst.train.algorithms import LossConfig, gspo, ppo_clip
 from verst.train.losses import (
-    LossConfig,
     aggregate,
     entropy_from_logits,
-    group_advantages,
-    grpo_advantages,
     gspo_log_ratio,
     kl_penalty,
     logprobs_from_logits,
-    policy_loss,
     policy_loss_from_log_ratio,
     value_loss,
 )
@@ -27,143 +23,6 @@ def close(actual: torch.Tensor, expected: list | float, atol: float = 1e-5) -> N
     torch.testing.assert_close(
         actual.float(), torch.tensor(expected, dtype=torch.float32), atol=atol, rtol=0
     )
-
-
-# ---------------------------------------------------------------- config
-
-
-def test_config_defaults_and_clip_high() -> None:
-    cfg = LossConfig()
-    assert cfg.advantage_estimator == "grpo"
-    assert cfg.clip_high == 0.2
-    assert not cfg.needs_reference_model
-    assert LossConfig(eps_clip_high=0.28).clip_high == 0.28
-    assert LossConfig(kl_loss_coef=0.01).needs_reference_model
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        ({"eps_clip": 0.0}, "eps_clip"),
-        ({"eps_clip": 1.0}, "eps_clip"),
-        ({"eps_clip_high": -0.1}, "eps_clip_high"),
-        ({"kl_loss_coef": -1.0}, "kl_loss_coef"),
-        ({"entropy_coef": -0.5}, "entropy_coef"),
-        ({"kl_loss_type": "k4"}, "kl_loss_type"),
-        ({"loss_aggregation": "sum"}, "loss_aggregation"),
-        ({"not_a_field": 1}, "not_a_field"),
-        ({"advantage_estimator": "a2c"}, "advantage_estimator"),
-        ({"eps_clip_c": 1.0}, "eps_clip_c"),
-        ({"constant_normaliser": 0.0}, "constant_normaliser"),
-        ({"kl_coef": -0.1}, "kl_coef"),
-        ({"gamma": 1.5}, "gamma"),
-        ({"lam": -0.1}, "lam"),
-        ({"value_clip": 0.0}, "value_clip"),
-        ({"tis_clip_low": -1.0}, "tis_clip_low"),
-        ({"mis_level": "batch"}, "mis_level"),
-        ({"mis_mode": "clip"}, "mis_mode"),
-        ({"mis_high": 0.0}, "mis_high"),
-    ],
-)
-def test_config_rejects_bad_values_naming_the_field(kwargs: dict, field: str) -> None:
-    with pytest.raises(ValidationError, match=field):
-        LossConfig(**kwargs)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "names"),
-    [
-        (
-            {"kl_coef": 0.1, "kl_loss_coef": 0.1, "advantage_estimator": "ppo"},
-            ("kl_coef", "kl_loss_coef"),
-        ),
-        ({"use_tis": True, "mis_level": "token"}, ("use_tis", "mis_level")),
-        ({"kl_coef": 0.1}, ("kl_coef", "advantage_estimator='grpo'", "kl_loss_coef")),
-        ({"tis_clip_low": 3.0}, ("tis_clip_low", "tis_clip_high")),
-        ({"mis_low": 2.0, "mis_high": 1.0}, ("mis_low", "mis_high")),
-    ],
-)
-def test_config_cross_field_errors_name_both_fields(kwargs: dict, names: tuple) -> None:
-    with pytest.raises(ValidationError) as info:
-        LossConfig(**kwargs)
-    for name in names:
-        assert name in str(info.value)
-
-
-def test_config_properties() -> None:
-    assert LossConfig(kl_coef=0.1, advantage_estimator="ppo").needs_reference_model
-    assert LossConfig(advantage_estimator="ppo").needs_critic
-    assert not LossConfig(advantage_estimator="gspo").needs_critic
-    # whitening: auto = on exactly for the ++ variants; explicit values win
-    assert LossConfig(advantage_estimator="reinforce_plus_plus").whiten_advantages
-    assert LossConfig(advantage_estimator="reinforce_plus_plus_baseline").whiten_advantages
-    assert not LossConfig(advantage_estimator="ppo").whiten_advantages
-    assert LossConfig(normalize_advantages=True).whiten_advantages
-    cfg = LossConfig(advantage_estimator="reinforce_plus_plus", normalize_advantages=False)
-    assert not cfg.whiten_advantages
-    # Dr.GRPO with a per-token mean is allowed (documented as not Dr.GRPO proper)
-    assert LossConfig(advantage_estimator="dr_grpo", loss_aggregation="seq_mean")
-
-
-# ---------------------------------------------------------------- advantages
-
-
-def test_grpo_advantages_without_std() -> None:
-    # row 0: mean 2 -> [-1, 0, 1]; row 1: mean 1 -> [-1, -1, 2]
-    rewards_P_G = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 3.0]])
-    close(
-        grpo_advantages(rewards_P_G, std_normalization=False),
-        [[-1.0, 0.0, 1.0], [-1.0, -1.0, 2.0]],
-    )
-
-
-def test_grpo_advantages_with_unbiased_std() -> None:
-    rewards_P_G = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 3.0]])
-    # row 0: var = (1 + 0 + 1) / (3 - 1) = 1 -> std 1
-    # row 1: var = (1 + 1 + 4) / 2 = 3 -> std sqrt(3) = 1.7320508
-    s3 = 1.7320508
-    close(
-        grpo_advantages(rewards_P_G, std_normalization=True, eps=0.0),
-        [[-1.0, 0.0, 1.0], [-1 / s3, -1 / s3, 2 / s3]],
-    )
-    # eps lands in the denominator: std 1 + eps 1 halves row 0
-    close(grpo_advantages(rewards_P_G[:1], std_normalization=True, eps=1.0), [[-0.5, 0.0, 0.5]])
-
-
-def test_grpo_group_of_one_and_equal_rewards_are_zero() -> None:
-    for std in (True, False):
-        close(grpo_advantages(torch.tensor([[5.0], [-2.0]]), std_normalization=std), [[0.0], [0.0]])
-        out = grpo_advantages(torch.tensor([[0.7, 0.7, 0.7, 0.7]]), std_normalization=std)
-        close(out, [[0.0, 0.0, 0.0, 0.0]])
-        out = grpo_advantages(torch.tensor([[0.7, 0.7], [1.0, 1.0]]), std_normalization=std, eps=0)
-        close(out, [[0.0, 0.0], [0.0, 0.0]])
-
-
-def test_group_advantages_ragged() -> None:
-    # group 7: [1, 3] mean 2 -> [-1, 1], unbiased std sqrt(2) -> [-0.7071068, 0.7071068]
-    # group 2: [4] singleton -> 0
-    # group 5: [0, 0, 3] mean 1 -> [-1, -1, 2], std sqrt(3)
-    rewards_N = torch.tensor([1.0, 4.0, 0.0, 3.0, 0.0, 3.0])
-    group_ids_N = torch.tensor([7, 2, 5, 7, 5, 5])
-    close(
-        group_advantages(rewards_N, group_ids_N, std_normalization=False),
-        [-1.0, 0.0, -1.0, 1.0, -1.0, 2.0],
-    )
-    r2, s3 = 0.70710678, 1.7320508
-    close(
-        group_advantages(rewards_N, group_ids_N, std_normalization=True, eps=0.0),
-        [-r2, 0.0, -1 / s3, r2, -1 / s3, 2 / s3],
-    )
-
-
-def test_group_advantages_matches_table_version() -> None:
-    rewards_P_G = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.2, 0.9, 0.4, 0.1]])
-    group_ids_N = torch.arange(3).repeat_interleave(4)
-    for std in (True, False):
-        close(
-            group_advantages(rewards_P_G.flatten(), group_ids_N, std_normalization=std),
-            grpo_advantages(rewards_P_G, std_normalization=std).flatten().tolist(),
-        )
 
 
 # ---------------------------------------------------------------- KL
@@ -191,6 +50,13 @@ def test_low_var_kl_is_clamped() -> None:
 
 
 # ---------------------------------------------------------------- policy loss
+
+
+def policy_loss(
+    logp_B_T: torch.Tensor, old_B_T: torch.Tensor, adv_B_T: torch.Tensor, **clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The built-in `ppo_clip` policy loss as the trainer calls it, clip ranges from config."""
+    return ppo_clip(logp_B_T, old_B_T, adv_B_T, torch.ones_like(adv_B_T), LossConfig(**clip))
 
 
 def _ratios(*ratios: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,7 +136,7 @@ def test_dual_clip_caps_negative_advantage() -> None:
     close(loss_B_T, [[-2.4]])
 
 
-def test_policy_loss_is_policy_loss_from_log_ratio() -> None:
+def test_ppo_clip_is_policy_loss_from_log_ratio() -> None:
     torch.manual_seed(0)
     logp_B_T, old_B_T, adv_B_T = torch.randn(3, 2, 5).unbind(0)
     kwargs = {"eps_clip": 0.2, "eps_clip_high": 0.28, "eps_clip_c": 3.0}
@@ -299,8 +165,8 @@ def test_gspo_log_ratio_value() -> None:
 
 
 def test_gspo_gradient_is_the_sequence_level_one() -> None:
-    # GSPO by definition: loss = mean_b(-A_b * exp(mean_t(logp - old))); the token form through
-    # policy_loss_from_log_ratio (no clip active) with seq_mean must match in value and gradient.
+    # GSPO by definition: loss = mean_b(-A_b * exp(mean_t(logp - old))); the built-in `gspo`
+    # policy loss (no clip active) with seq_mean must match it in value and gradient.
     adv_B = torch.tensor([1.0, -2.0])
     # row 0: diffs 0.5, 0.1 -> s = exp(0.3) = 1.35; row 1: s = exp(0.4 / 3) = 1.14
     logp_B_T = torch.tensor([[-1.0, -1.9, -9.0], [-1.0, -1.0, -1.0]], requires_grad=True)
@@ -310,9 +176,9 @@ def test_gspo_gradient_is_the_sequence_level_one() -> None:
     reference = (-adv_B * s_B).mean()
     (ref_grad,) = torch.autograd.grad(reference, logp_B_T)
 
-    log_ratio_B_T = gspo_log_ratio(logp_B_T, GSPO_OLD_B_T, GSPO_MASK_B_T)
-    loss_B_T, clipped_B_T = policy_loss_from_log_ratio(
-        log_ratio_B_T, adv_B[:, None].expand(2, 3), eps_clip=0.5
+    adv_B_T = adv_B[:, None].expand(2, 3)
+    loss_B_T, clipped_B_T = gspo(
+        logp_B_T, GSPO_OLD_B_T, adv_B_T, GSPO_MASK_B_T, LossConfig(eps_clip=0.5)
     )
     token_form = aggregate(loss_B_T, GSPO_MASK_B_T, "seq_mean")
     (grad,) = torch.autograd.grad(token_form, logp_B_T)
@@ -320,9 +186,7 @@ def test_gspo_gradient_is_the_sequence_level_one() -> None:
     torch.testing.assert_close(grad, ref_grad)
     close(clipped_B_T, [[0.0] * 3] * 2)
     # the clip acts on the whole sequence: row 0's ratio exp(0.3) = 1.35 > 1.2 with A > 0
-    _, clipped_B_T = policy_loss_from_log_ratio(
-        log_ratio_B_T, adv_B[:, None].expand(2, 3), eps_clip=0.2
-    )
+    _, clipped_B_T = gspo(logp_B_T, GSPO_OLD_B_T, adv_B_T, GSPO_MASK_B_T, LossConfig())
     close(clipped_B_T, [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
 
 

@@ -36,6 +36,13 @@ def run(tmp_path: Path, *overrides: str, name: str = "run", resume: bool = False
             ["train/value_loss", "train/values_mean", "train/critic_grad_norm"],
         ),
         (
+            [
+                "loss.advantage_estimator=examples.custom_algorithm:RLOO",
+                "loss.policy_loss=examples.custom_algorithm:unclipped_policy_gradient",
+            ],
+            [],
+        ),
+        (
             ["loss.use_tis=true", "loss.eps_clip_c=3.0"],
             ["train/tis_mean", "train/tis_clipfrac", "train/ess_ratio"],
         ),

@@ -10,8 +10,8 @@ import torch
 from verst.engine import GenerateRequest, SamplingParams, Scheduler
 from verst.models.tiny import TinyModelConfig, build_tiny_model
 from verst.sync.colocated import ColocatedSync
+from verst.train.algorithms import LossConfig
 from verst.train.batching import TrainItem, balance_micro_batches, pack_micro_batches
-from verst.train.losses import LossConfig
 from verst.train.trainer import NonFiniteLossError, Trainer, TrainerConfig
 
 CPU = torch.device("cpu")

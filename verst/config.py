@@ -20,12 +20,10 @@ from verst.models.loading import ModelConfig
 from verst.models.tiny import TinyModelConfig
 from verst.rollout.generate import RolloutConfig
 from verst.sync.fleet_sync import SyncConfig
+from verst.train.algorithms import LossConfig
 from verst.train.checkpoint import CheckpointConfig
-from verst.train.losses import LossConfig
 from verst.train.sft import WarmStartConfig
 from verst.train.trainer import TrainerConfig
-
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline")
 
 
 class ConfigError(ValueError):
@@ -68,7 +66,7 @@ class RunConfig(ConfigBase):
     @model_validator(mode="after")
     def _check_combinations(self) -> RunConfig:
         estimator = self.loss.advantage_estimator
-        if self.rollout.n_samples_per_prompt < 2 and estimator in GROUP_ESTIMATORS:
+        if self.rollout.n_samples_per_prompt < 2 and self.loss.estimator.group_relative:
             raise ValueError(
                 f"rollout.n_samples_per_prompt must be >= 2 for {estimator}: advantages are "
                 "relative to the group, so a group of one has advantage 0 and learns nothing"

@@ -13,36 +13,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from verst import distributed, launch
 from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
 from verst.rollout.rewards import score_groups
+from verst.train.algorithms import LossConfig, sample_advantages
 from verst.train.batching import TrainItem
-from verst.train.losses import LossConfig, group_advantages
 from verst.train.sft import warm_start
 from verst.train.trainer import NonFiniteLossError
 from verst.types import Group, Status
 
 
 def train_items(groups: list[Group], loss: LossConfig) -> list[TrainItem]:
-    """Samples as the trainer takes them, with their sequence-level advantage: relative to the
-    group for the group estimators, the reward itself for the token-level ones (PPO,
-    REINFORCE++), which the trainer turns into per-token advantages."""
+    """Samples as the trainer takes them, with their estimator's sequence-level advantage
+    (token-level estimators such as PPO build per-token ones inside the trainer)."""
     samples = [s for group in groups for s in group]
-    rewards = torch.tensor([s.reward or 0.0 for s in samples], dtype=torch.float64)
-    group_ids = torch.tensor([s.group_index for s in samples])
-    estimator = loss.advantage_estimator
-    if estimator in ("grpo", "gspo"):
-        advantages = group_advantages(
-            rewards, group_ids, std_normalization=loss.grpo_std_normalization
-        )
-    elif estimator in ("dr_grpo", "reinforce_plus_plus_baseline"):
-        advantages = group_advantages(rewards, group_ids, std_normalization=False)
-    else:
-        advantages = rewards
+    advantages = sample_advantages(samples, loss)
     return [TrainItem.from_sample(s, float(a)) for s, a in zip(samples, advantages, strict=True)]
 
 

@@ -46,8 +46,8 @@ def test_engine_weights_equal_trainer_weights_after_sync() -> None:
     from verst.engine import Engine
     from verst.models.tiny import TinyModelConfig, build_tiny_model
     from verst.sync.colocated import ColocatedSync
+    from verst.train.algorithms import LossConfig
     from verst.train.batching import TrainItem
-    from verst.train.losses import LossConfig
     from verst.train.trainer import Trainer, TrainerConfig
 
     device = torch.device("cuda")

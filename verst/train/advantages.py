@@ -1,11 +1,14 @@
-"""Advantage estimators: GRPO, Dr.GRPO, REINFORCE++ (and its group baseline), GAE; whitening.
+"""The math of the advantage estimators: group-relative advantages, token rewards, discounted
+returns (REINFORCE++), GAE, and whitening over the batch.
 
-Everything here is a pure function of tensors, tested against closed forms. Scalar rewards are
-`rewards_N` (one per sequence); per-token tensors are `[N, T]` (sequences × response tokens) with
-a `mask_N_T` of 1 for tokens the model generated and 0 for padding / tool output. Per-token
-outputs are 0 at masked positions. Recurrences over time (discounted returns, GAE) run over the
-masked-in tokens only: a masked position neither adds reward nor breaks or discounts the chain,
-so a tool-output gap inside a response is invisible to the discounting.
+Everything here is a pure function of tensors (whitening also sums over ranks, when there are
+several), tested against closed forms; the estimators built from it live in
+`verst.train.algorithms`. Scalar rewards are `rewards_N` (one per sequence); per-token tensors
+are `[N, T]` (sequences × response tokens) with a `mask_N_T` of 1 for tokens the model
+generated and 0 for padding / tool output. Per-token outputs are 0 at masked positions.
+Recurrences over time (discounted returns, GAE) run over the masked-in tokens only: a masked
+position neither adds reward nor breaks or discounts the chain, so a tool-output gap inside a
+response is invisible to the discounting.
 """
 
 from __future__ import annotations
@@ -13,29 +16,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def grpo_advantages(rewards_P_G: Tensor, *, std_normalization: bool, eps: float = 1e-6) -> Tensor:
-    """GRPO advantages for a full table of P prompts × G samples: (r − group mean) [/ (std + eps)].
-
-    The std is the unbiased one (torch.std, divisor G − 1), as in Miles and verl. A group of
-    one has advantage 0 (nothing to compare with), and so does a group of equal rewards; such
-    groups are never divided, so they stay exactly 0 for any eps, including 0.
-    """
-    rewards_P_G = rewards_P_G.float()
-    centered_P_G = rewards_P_G - rewards_P_G.mean(dim=-1, keepdim=True)
-    if std_normalization and rewards_P_G.shape[-1] > 1:
-        std_P_1 = rewards_P_G.std(dim=-1, keepdim=True)
-        centered_P_G = torch.where(std_P_1 > 0, centered_P_G / (std_P_1 + eps), 0.0)
-    return centered_P_G
+from verst import distributed
 
 
 def group_advantages(
     rewards_N: Tensor, group_ids_N: Tensor, *, std_normalization: bool, eps: float = 1e-6
 ) -> Tensor:
-    """GRPO advantages for a flat list of samples whose groups may differ in size.
+    """GRPO advantages for a flat list of samples whose groups may differ in size:
+    (r − group mean), divided by (group std + eps) with `std_normalization`.
 
-    `group_ids_N` holds any integer id per sample; samples sharing an id form a group. The
-    results equal `grpo_advantages` applied group by group (unbiased std; singletons → 0).
+    `group_ids_N` holds any integer id per sample; samples sharing an id form a group. The std
+    is the unbiased one (torch.std, divisor G − 1), as in Miles and verl. A group of one has
+    advantage 0 (nothing to compare with), and so does a group of equal rewards; such groups
+    are never divided, so they stay exactly 0 for any eps, including 0.
     """
     rewards_N = rewards_N.float()
     _, inverse_N = torch.unique(group_ids_N, return_inverse=True)
@@ -50,11 +43,6 @@ def group_advantages(
     sq_K = zeros_K.index_add(0, inverse_N, centered_N.square())
     std_N = (sq_K / (counts_K - 1).clamp(min=1)).sqrt()[inverse_N]
     return torch.where(std_N > 0, centered_N / (std_N + eps), 0.0)
-
-
-def dr_grpo_advantages(rewards_N: Tensor, group_ids_N: Tensor) -> Tensor:
-    """Dr.GRPO advantages: reward minus its group mean, never divided by the group std."""
-    return group_advantages(rewards_N, group_ids_N, std_normalization=False)
 
 
 def terminal_token_rewards(rewards_N: Tensor, mask_N_T: Tensor) -> Tensor:
@@ -98,19 +86,10 @@ def reinforce_plus_plus_advantages(
 ) -> Tensor:
     """REINFORCE++: discounted returns of the token rewards −kl_coef·KL_t + r·[t is last].
 
-    Whitening across the batch (`masked_whiten`) is the caller's step, as in Miles.
+    Whitening across the batch (`masked_whiten`) is the trainer's step, as in Miles.
     """
     token_rewards_N_T = terminal_token_rewards(rewards_N, mask_N_T) - kl_coef * kl_N_T.float()
     return discounted_returns(token_rewards_N_T, mask_N_T, gamma)
-
-
-def reinforce_plus_plus_baseline_advantages(
-    rewards_N: Tensor, group_ids_N: Tensor, kl_N_T: Tensor, mask_N_T: Tensor, *, kl_coef: float
-) -> Tensor:
-    """REINFORCE++ with a group baseline: (r − group mean) on every token, minus kl_coef·KL_t."""
-    centered_N = dr_grpo_advantages(rewards_N, group_ids_N)
-    advantages_N_T = centered_N.unsqueeze(-1) - kl_coef * kl_N_T.float()
-    return torch.where(mask_N_T > 0, advantages_N_T, 0.0)
 
 
 def gae(
@@ -145,21 +124,24 @@ def gae(
 
 
 def masked_whiten(
-    x_N_T: Tensor, mask_N_T: Tensor, eps: float = 1e-8, *, shift_mean: bool = True
-) -> Tensor:
-    """(x − mean) / (std + eps) over the masked-in entries of the whole batch; masked → 0.
+    advantages: list[Tensor], masks: list[Tensor], device: torch.device
+) -> list[Tensor]:
+    """(A − mean) / (std + 1e-8) over the masked-in entries of every [B, T] micro-batch on
+    every rank together; masked → 0.
 
-    The std is unbiased (divisor n − 1, as Miles' whitening applies Bessel's correction);
-    fewer than two entries leave nothing to scale by, so it is taken as 0 there. With
-    `shift_mean=False` the mean is added back: only the scale is normalised.
+    One all-reduce of three sums serves the whole step, so the result equals whitening the
+    global batch at once. The std is unbiased (divisor n − 1, as Miles' whitening applies
+    Bessel's correction); fewer than two entries leave nothing to scale by, so it is 0 there.
     """
-    mask_N_T = mask_N_T > 0
-    x_N_T = x_N_T.float()
-    n = mask_N_T.sum()
-    mean = torch.where(mask_N_T, x_N_T, 0.0).sum() / n.clamp(min=1)
-    centered_N_T = torch.where(mask_N_T, x_N_T - mean, 0.0)
-    var = centered_N_T.square().sum() / (n - 1).clamp(min=1)
-    whitened_N_T = centered_N_T / (var.sqrt() + eps)
-    if not shift_mean:
-        whitened_N_T = whitened_N_T + mean
-    return torch.where(mask_N_T, whitened_N_T, 0.0)
+    sums = [0.0, 0.0, 0.0]
+    for advantages_B_T, mask_B_T in zip(advantages, masks, strict=True):
+        sums[0] += float((advantages_B_T * mask_B_T).sum())
+        sums[1] += float((advantages_B_T.square() * mask_B_T).sum())
+        sums[2] += float(mask_B_T.sum())
+    total, total_sq, count = distributed.all_reduce_sum(sums, device)
+    mean = total / max(count, 1.0)
+    var = max(total_sq - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
+    return [
+        (advantages_B_T - mean) / (var**0.5 + 1e-8) * mask_B_T
+        for advantages_B_T, mask_B_T in zip(advantages, masks, strict=True)
+    ]

@@ -1,9 +1,11 @@
-"""The RL math of the trainer: its config, KL penalties, the policy and value losses, reductions.
+"""The RL math of the trainer: KL penalties, the policy and value losses, reductions, and
+log-probs and entropy from logits.
 
-Everything here is a pure function of tensors (no model, no optimizer), tested against closed
-forms; the advantage estimators live in `verst.train.advantages` (re-exported here for
-the GRPO pair). Per-token tensors are `[B, T]` (sequences × response tokens) and come with a
-`mask_B_T` of 1 for tokens the model generated and 0 for padding / tool output.
+Everything here is a pure function of tensors (no model, no optimizer, no config), tested
+against closed forms; `verst.train.algorithms` names the policy losses built from it and holds
+the loss config. Per-token tensors are `[B, T]` (sequences × response tokens, see
+`verst.types`) and come with a `mask_B_T` of 1 for tokens the model generated and 0 for
+padding / tool output.
 """
 
 from __future__ import annotations
@@ -11,136 +13,14 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
 from torch import Tensor
-
-from verst.configbase import ConfigBase
-from verst.train.advantages import group_advantages as group_advantages
-from verst.train.advantages import grpo_advantages as grpo_advantages
 
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 Aggregation = Literal["token_mean", "seq_mean", "constant"]
-AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
-]
-MisLevel = Literal["token", "sequence", "geometric"]
-MisMode = Literal["truncate", "mask"]
 
 # exp() of a log-ratio beyond this overflows float32 to inf and poisons the gradient.
 _LOG_RATIO_CLAMP = 20.0
 _LOW_VAR_KL_CLAMP = 10.0
-_WHITENED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
-
-
-class LossConfig(ConfigBase):
-    """How advantages are estimated and how the policy loss is built and reduced.
-
-    Dr.GRPO proper is `advantage_estimator="dr_grpo"` with `loss_aggregation="constant"`;
-    dr_grpo with token_mean / seq_mean is allowed (only the std division is dropped then).
-    GSPO proper reduces with seq_mean: its token-level form then has the sequence-level gradient.
-    """
-
-    advantage_estimator: AdvantageEstimator = Field(
-        "grpo",
-        description="grpo | dr_grpo | gspo | reinforce_plus_plus | "
-        "reinforce_plus_plus_baseline | ppo (GAE with a critic)",
-    )
-    grpo_std_normalization: bool = Field(
-        True, description="grpo and gspo: divide advantages by the group std (dr_grpo never does)"
-    )
-    eps_clip: float = Field(
-        0.2, gt=0, lt=1, description="PPO clip range below 1: ratio >= 1 - eps_clip"
-    )
-    eps_clip_high: float | None = Field(
-        None, gt=0, description="PPO clip range above 1 (DAPO clip-higher); None = eps_clip"
-    )
-    eps_clip_c: float | None = Field(
-        None, gt=1, description="dual-clip PPO: for A < 0 the loss is capped at -A*eps_clip_c"
-    )
-    loss_aggregation: Aggregation = Field(
-        "token_mean",
-        description="token_mean: mean over all tokens (DAPO); seq_mean: mean of sequence means; "
-        "constant: sum / (constant_normaliser * sequences) (Dr.GRPO)",
-    )
-    constant_normaliser: float | None = Field(
-        None,
-        gt=0,
-        description="divisor per sequence of the constant aggregation; None = max_new_tokens",
-    )
-    kl_loss_coef: float = Field(
-        0.0,
-        ge=0,
-        description="weight of the KL loss to the reference (the policy as RL starts)",
-    )
-    kl_loss_type: KLType = Field("k3", description="KL estimator: k1 | k2 | k3 | low_var_kl")
-    kl_coef: float = Field(
-        0.0, ge=0, description="KL as reward shaping: per-token reward -kl_coef*KL (ppo, ++ only)"
-    )
-    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus (subtracted)")
-    gamma: float = Field(1.0, ge=0, le=1, description="discount of ppo (GAE) and reinforce++")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda of ppo")
-    value_clip: float = Field(0.2, gt=0, description="ppo critic: clip range of the value update")
-    normalize_advantages: bool | None = Field(
-        None,
-        description="whiten advantages over the batch; None = on for the reinforce++ variants",
-    )
-    use_tis: bool = Field(
-        False, description="truncated importance sampling of train vs rollout log-probs"
-    )
-    tis_clip_low: float = Field(0.0, ge=0, description="TIS weights are clamped to at least this")
-    tis_clip_high: float = Field(2.0, gt=0, description="TIS weights are clamped to at most this")
-    mis_level: MisLevel | None = Field(
-        None, description="masked importance sampling level: token | sequence | geometric"
-    )
-    mis_mode: MisMode = Field(
-        "truncate", description="MIS: truncate = clamp weights; mask = zero out-of-range weights"
-    )
-    mis_low: float = Field(0.0, ge=0, description="MIS lower bound of the accepted weight")
-    mis_high: float = Field(2.0, gt=0, description="MIS upper bound of the accepted weight")
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> LossConfig:
-        if self.kl_coef > 0 and self.kl_loss_coef > 0:
-            raise ValueError(
-                "kl_coef (KL as reward) and kl_loss_coef (KL as loss) are mutually exclusive: "
-                "set one of them to 0"
-            )
-        if self.kl_coef > 0 and self.advantage_estimator in ("grpo", "dr_grpo", "gspo"):
-            raise ValueError(
-                f"kl_coef shapes per-token rewards, which advantage_estimator="
-                f"{self.advantage_estimator!r} ignores; use kl_loss_coef instead"
-            )
-        if self.use_tis and self.mis_level is not None:
-            raise ValueError(
-                "use_tis and mis_level are mutually exclusive: pick one mismatch correction"
-            )
-        if self.tis_clip_low >= self.tis_clip_high:
-            raise ValueError("tis_clip_low must be below tis_clip_high")
-        if self.mis_low >= self.mis_high:
-            raise ValueError("mis_low must be below mis_high")
-        return self
-
-    @property
-    def clip_high(self) -> float:
-        """The effective upper clip range (eps_clip_high, or eps_clip when unset)."""
-        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
-
-    @property
-    def whiten_advantages(self) -> bool:
-        """Whether advantages are whitened over the batch (normalize_advantages, or its default)."""
-        if self.normalize_advantages is None:
-            return self.advantage_estimator in _WHITENED_ESTIMATORS
-        return self.normalize_advantages
-
-    @property
-    def needs_reference_model(self) -> bool:
-        """Whether the trainer must keep a frozen reference model (KL as loss or as reward)."""
-        return self.kl_loss_coef > 0.0 or self.kl_coef > 0.0
-
-    @property
-    def needs_critic(self) -> bool:
-        """Whether the trainer must train a value model (ppo's GAE)."""
-        return self.advantage_estimator == "ppo"
 
 
 def kl_penalty(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor, kind: KLType) -> Tensor:
@@ -187,25 +67,6 @@ def policy_loss_from_log_ratio(
         loss_B_T = torch.where(is_dual_B_T, dual_B_T, loss_B_T)
         is_clipped_B_T = is_clipped_B_T | is_dual_B_T
     return loss_B_T, is_clipped_B_T.float()
-
-
-def policy_loss(
-    logprobs_B_T: Tensor,
-    old_logprobs_B_T: Tensor,
-    advantages_B_T: Tensor,
-    *,
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-    eps_clip_c: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The per-token PPO loss of `policy_loss_from_log_ratio` with ratio = exp(logp − old)."""
-    return policy_loss_from_log_ratio(
-        logprobs_B_T - old_logprobs_B_T,
-        advantages_B_T,
-        eps_clip=eps_clip,
-        eps_clip_high=eps_clip_high,
-        eps_clip_c=eps_clip_c,
-    )
 
 
 def gspo_log_ratio(logprobs_B_T: Tensor, old_logprobs_B_T: Tensor, mask_B_T: Tensor) -> Tensor:

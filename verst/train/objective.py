@@ -1,8 +1,9 @@
 """The RL objective on one micro-batch: token-level advantages, the policy loss with its
 train–inference corrections, and the metrics that explain it.
 
-The math lives in `losses`, `advantages` and `correction` (pure functions, tested against
-closed forms); this module decides which of it a config asks for and wires it to a batch.
+The estimator and the policy loss are the objects `algorithms` resolves from the config; the
+math lives in `losses`, `advantages` and `correction` (pure functions, tested against closed
+forms). This module wires them to a micro-batch.
 
 Which log-probs the ratio is taken against: the rollout's by default (one optimiser step per
 batch, so the rollout policy *is* the behaviour policy). With TIS or MIS on, the ratio is
@@ -16,21 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from verst import distributed
-from verst.train.advantages import gae, reinforce_plus_plus_advantages, terminal_token_rewards
+from verst.train.advantages import masked_whiten
+from verst.train.algorithms import LossConfig, TokenInputs
 from verst.train.batching import MicroBatch
 from verst.train.correction import ess_ratio, mis_weights, tis_weights, train_rollout_kl
-from verst.train.losses import (
-    LossConfig,
-    aggregate,
-    entropy_from_logits,
-    gspo_log_ratio,
-    kl_penalty,
-    logprobs_from_logits,
-    policy_loss_from_log_ratio,
-)
-
-TOKEN_LEVEL_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+from verst.train.losses import aggregate, entropy_from_logits, kl_penalty, logprobs_from_logits
 
 
 @dataclass
@@ -44,11 +35,7 @@ class Normalisers:
 
 def needs_advantage_pass(cfg: LossConfig) -> bool:
     """Whether advantages depend on more than the sequence's own reward and group."""
-    return (
-        cfg.advantage_estimator in TOKEN_LEVEL_ESTIMATORS
-        or cfg.kl_coef > 0
-        or cfg.whiten_advantages
-    )
+    return cfg.estimator.token_level or cfg.kl_coef > 0 or cfg.whiten_advantages
 
 
 def set_token_advantages(
@@ -57,41 +44,30 @@ def set_token_advantages(
     kl_N_R: torch.Tensor,
     values_N_R: torch.Tensor | None,
 ) -> None:
-    """Fill `micro.advantages_N_R` (and, for PPO, its values and returns) from rewards, the
-    KL to the reference (zeros when unused) and the critic's values."""
-    mask = micro.loss_mask_N_R
-    estimator = cfg.advantage_estimator
-    if estimator == "ppo":
-        assert values_N_R is not None
-        token_rewards = terminal_token_rewards(micro.rewards_N, mask) - cfg.kl_coef * kl_N_R
-        advantages, returns = gae(token_rewards, values_N_R, mask, gamma=cfg.gamma, lam=cfg.lam)
+    """Fill `micro.advantages_N_R` (and, with a critic, its values and returns) from rewards,
+    the KL to the reference (zeros when unused) and the critic's values."""
+    inputs = TokenInputs(
+        rewards_B=micro.rewards_N,
+        sequence_advantages_B_T=micro.advantages_N_R,
+        mask_B_T=micro.loss_mask_N_R,
+        kl_B_T=kl_N_R,
+        values_B_T=values_N_R,
+    )
+    advantages, returns = cfg.estimator.token_advantages(inputs, cfg)
+    if returns is not None:
         micro.old_values_N_R, micro.returns_N_R = values_N_R, returns
-    elif estimator == "reinforce_plus_plus":
-        advantages = reinforce_plus_plus_advantages(
-            micro.rewards_N, kl_N_R, mask, kl_coef=cfg.kl_coef, gamma=cfg.gamma
-        )
-    elif estimator == "reinforce_plus_plus_baseline":
-        # the loop already put r − group mean in advantages_N_R
-        advantages = micro.advantages_N_R - cfg.kl_coef * kl_N_R
-    else:
-        advantages = micro.advantages_N_R
-    micro.advantages_N_R = advantages * mask
+    micro.advantages_N_R = advantages * micro.loss_mask_N_R
 
 
 def whiten_globally(micros: list[MicroBatch], device: torch.device) -> None:
     """(A − mean) / std over every masked token of the step, on all ranks together."""
-    sums = [0.0, 0.0, 0.0]
-    for micro in micros:
-        adv, mask = micro.advantages_N_R, micro.loss_mask_N_R
-        sums[0] += float((adv * mask).sum())
-        sums[1] += float((adv.square() * mask).sum())
-        sums[2] += float(mask.sum())
-    total, total_sq, count = distributed.all_reduce_sum(sums, device)
-    mean = total / max(count, 1.0)
-    var = max(total_sq - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
-    for micro in micros:
-        micro.advantages_N_R = (micro.advantages_N_R - mean) / (var**0.5 + 1e-8)
-        micro.advantages_N_R = micro.advantages_N_R * micro.loss_mask_N_R
+    whitened = masked_whiten(
+        [micro.advantages_N_R for micro in micros],
+        [micro.loss_mask_N_R for micro in micros],
+        device,
+    )
+    for micro, advantages in zip(micros, whitened, strict=True):
+        micro.advantages_N_R = advantages
 
 
 def policy_objective(
@@ -118,17 +94,7 @@ def policy_objective(
     logprobs = logprobs_from_logits(logits_N_R_V, micro.response_ids_N_R)
     corrected = cfg.use_tis or cfg.mis_level is not None
     old = logprobs.detach() if corrected else rollout
-    if cfg.advantage_estimator == "gspo":
-        log_ratio = gspo_log_ratio(logprobs, old, mask)
-    else:
-        log_ratio = logprobs - old
-    pg, clipped = policy_loss_from_log_ratio(
-        log_ratio,
-        micro.advantages_N_R,
-        eps_clip=cfg.eps_clip,
-        eps_clip_high=cfg.clip_high,
-        eps_clip_c=cfg.eps_clip_c,
-    )
+    pg, clipped = cfg.policy_loss_fn(logprobs, old, micro.advantages_N_R, mask, cfg)
     stats: dict[str, float] = {}
     if cfg.use_tis:
         weights, weight_stats = tis_weights(

@@ -16,9 +16,9 @@ import torch
 from transformers import PreTrainedModel
 
 from verst import distributed
+from verst.train.algorithms import LossConfig
 from verst.train.checkpoint import load_weights
 from verst.train.critic import ValueModel
-from verst.train.losses import LossConfig
 from verst.train.trainer import Trainer
 
 REFERENCE_DIR = "reference"

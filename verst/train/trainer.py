@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from verst import distributed
 from verst.configbase import ConfigBase
+from verst.train.algorithms import LossConfig
 from verst.train.batching import (
     MicroBatch,
     TrainItem,
@@ -37,13 +38,7 @@ from verst.train.batching import (
     response_outputs,
 )
 from verst.train.critic import ValueModel, policy_body_weights
-from verst.train.losses import (
-    LossConfig,
-    aggregate,
-    kl_penalty,
-    logprobs_from_logits,
-    value_loss,
-)
+from verst.train.losses import aggregate, kl_penalty, logprobs_from_logits, value_loss
 from verst.train.objective import (
     Normalisers,
     needs_advantage_pass,
@@ -284,7 +279,7 @@ class Trainer:
     def _prepare_advantages(self, micro: MicroBatch) -> None:
         cfg = self.loss_cfg
         kl = torch.zeros_like(micro.loss_mask_N_R)
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 or cfg.estimator.needs_reference:
             kl = kl_penalty(
                 self._logprobs(self.model, micro),
                 self._logprobs(self._require_reference(), micro),
