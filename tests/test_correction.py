@@ -31,16 +31,16 @@ def test_tis_clamps_and_reports() -> None:
     # raw ratios [0.5, 1, 3, (1.5 masked)], clamp to [0.6, 2] -> [0.6, 1, 2, 0]
     # tis_mean = (0.5 + 1 + 3) / 3 = 1.5; tis_abs = (0.5 + 0 + 2) / 3 = 0.833333;
     # clipfrac: 0.5 and 3 are outside -> 2/3
-    train_N_T = torch.log(torch.tensor([[0.5, 1.0, 3.0, 1.5]])).requires_grad_(True)
-    rollout_N_T = torch.zeros(1, 4)
-    mask_N_T = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    weights_N_T, metrics = tis_weights(train_N_T, rollout_N_T, mask_N_T, low=0.6, high=2.0)
-    close(weights_N_T, [[0.6, 1.0, 2.0, 0.0]])
-    assert not weights_N_T.requires_grad
+    train_B_T = torch.log(torch.tensor([[0.5, 1.0, 3.0, 1.5]])).requires_grad_(True)
+    rollout_B_T = torch.zeros(1, 4)
+    mask_B_T = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    weights_B_T, metrics = tis_weights(train_B_T, rollout_B_T, mask_B_T, low=0.6, high=2.0)
+    close(weights_B_T, [[0.6, 1.0, 2.0, 0.0]])
+    assert not weights_B_T.requires_grad
     approx(metrics, {"tis_mean": 1.5, "tis_abs": 2.5 / 3, "tis_clipfrac": 2 / 3})
     # token_normaliser turns the means into this micro-batch's share of a 6-token batch
     _, metrics = tis_weights(
-        train_N_T, rollout_N_T, mask_N_T, low=0.6, high=2.0, token_normaliser=6.0
+        train_B_T, rollout_B_T, mask_B_T, low=0.6, high=2.0, token_normaliser=6.0
     )
     approx(metrics, {"tis_mean": 0.75, "tis_abs": 2.5 / 6, "tis_clipfrac": 1 / 3})
 
@@ -49,9 +49,9 @@ def test_tis_clamps_and_reports() -> None:
 
 # log-ratios: row 0 [ln2, ln2, (masked 5)] -> token [2, 2], sequence e^(2 ln2) = 4, geometric 2
 #             row 1 [ln2, -ln2, 0]         -> token [2, 0.5, 1], sequence 1, geometric 1
-MIS_TRAIN_N_T = torch.tensor([[LN2, LN2, 5.0], [LN2, -LN2, 0.0]])
-MIS_ROLLOUT_N_T = torch.zeros(2, 3)
-MIS_MASK_N_T = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+MIS_TRAIN_B_T = torch.tensor([[LN2, LN2, 5.0], [LN2, -LN2, 0.0]])
+MIS_ROLLOUT_B_T = torch.zeros(2, 3)
+MIS_MASK_B_T = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
 
 
 @pytest.mark.parametrize(
@@ -74,10 +74,10 @@ MIS_MASK_N_T = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
 def test_mis_levels_and_modes(
     level: str, mode: str, high: float, weights: list, metrics: tuple
 ) -> None:
-    weights_N_T, out = mis_weights(
-        MIS_TRAIN_N_T, MIS_ROLLOUT_N_T, MIS_MASK_N_T, level=level, mode=mode, low=0.6, high=high
+    weights_B_T, out = mis_weights(
+        MIS_TRAIN_B_T, MIS_ROLLOUT_B_T, MIS_MASK_B_T, level=level, mode=mode, low=0.6, high=high
     )
-    close(weights_N_T, weights)
+    close(weights_B_T, weights)
     keys = ("mis_mean", "mis_abs", "mis_clipfrac", "mis_masked_frac")
     approx(out, dict(zip(keys, metrics, strict=True)))
 
@@ -96,22 +96,22 @@ def test_ess_ratio() -> None:
 def test_train_rollout_kl_is_k3() -> None:
     # train - rollout = ln2: 2 - 1 - ln2 = 0.3068528; = -ln2: 0.5 - 1 + ln2 = 0.1931472; 0 -> 0
     # mean over 3 masked-in tokens: 0.5 / 3
-    train_N_T = torch.tensor([[LN2, -LN2, 0.0, 7.0]])
-    mask_N_T = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    assert train_rollout_kl(train_N_T, torch.zeros(1, 4), mask_N_T) == pytest.approx(0.5 / 3)
+    train_B_T = torch.tensor([[LN2, -LN2, 0.0, 7.0]])
+    mask_B_T = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert train_rollout_kl(train_B_T, torch.zeros(1, 4), mask_B_T) == pytest.approx(0.5 / 3)
 
 
 def test_empty_and_inf_padding_give_no_nan() -> None:
-    train_N_T = torch.tensor([[-math.inf, -1.0]])
-    rollout_N_T = torch.tensor([[-1.0, -math.inf]])
-    empty_N_T = torch.zeros(1, 2)
-    weights_N_T, metrics = tis_weights(train_N_T, rollout_N_T, empty_N_T, low=0.0, high=2.0)
-    close(weights_N_T, [[0.0, 0.0]])
+    train_B_T = torch.tensor([[-math.inf, -1.0]])
+    rollout_B_T = torch.tensor([[-1.0, -math.inf]])
+    empty_B_T = torch.zeros(1, 2)
+    weights_B_T, metrics = tis_weights(train_B_T, rollout_B_T, empty_B_T, low=0.0, high=2.0)
+    close(weights_B_T, [[0.0, 0.0]])
     assert all(v == 0.0 for v in metrics.values())
     for level in ("token", "sequence", "geometric"):
-        weights_N_T, metrics = mis_weights(
-            train_N_T, rollout_N_T, empty_N_T, level=level, mode="mask", low=0.5, high=2.0
+        weights_B_T, metrics = mis_weights(
+            train_B_T, rollout_B_T, empty_B_T, level=level, mode="mask", low=0.5, high=2.0
         )
-        close(weights_N_T, [[0.0, 0.0]])
+        close(weights_B_T, [[0.0, 0.0]])
         assert all(v == 0.0 for v in metrics.values())
-    assert train_rollout_kl(train_N_T, rollout_N_T, empty_N_T) == 0.0
+    assert train_rollout_kl(train_B_T, rollout_B_T, empty_B_T) == 0.0

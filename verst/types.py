@@ -1,7 +1,28 @@
-"""The data model shared by every part: `Sample` (one trajectory), its `Status`, and groups.
+"""The data model shared by every part: `Sample` (one trajectory), its `Status`, and groups;
+and the shape letters that end every tensor's name.
 
 Per-token arrays (`loss_mask`, `rollout_logprobs`) cover the response only: they have length
 `response_length`, and the response is the last `response_length` ids of `tokens`.
+
+A tensor's name ends with one letter per axis, so `logprobs_B_T` is [B, T]:
+
+    B  batch rows, one sequence each (a sample in training, a request in an engine step)
+    T  tokens along a row (response tokens in training; the tokens a forward feeds per row)
+    S  positions a row attends to: prompt, earlier tokens and T (the key/value length)
+    L  prompt tokens (of a left-padded prompt)
+    K  distinct prompts, i.e. groups, of a batch
+    G  samples per group
+    N  tokens flattened over rows (B·T), the rows of a kernel
+    V  vocabulary
+    E  model width (hidden size)
+    H  attention heads
+    D  head dimension
+    I  MLP intermediate width
+    P  KV-cache pages of a row
+    Q  query rows of grouped-query attention (query heads per KV head × T)
+    M  metadata columns (the model runner's packed decode inputs)
+    X  any other axis, said where it is made (a model output's features: V, or 1 for a critic)
+    1  an axis of size one, kept for broadcasting
 """
 
 from __future__ import annotations

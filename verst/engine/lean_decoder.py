@@ -130,9 +130,9 @@ class LeanDecoder:
     def hidden(
         self, ids_B_T: torch.Tensor, positions_B_T: torch.Tensor, step: PagedStep
     ) -> torch.Tensor:
-        """The final-norm hidden states [B, T, H] of the fed tokens (K/V written to the pool)."""
-        x_B_T_H = self.decoder.embed_tokens(ids_B_T)
-        cos_B_T_D, sin_B_T_D = self.decoder.rotary_emb(x_B_T_H, positions_B_T)
+        """The final-norm hidden states [B, T, E] of the fed tokens (K/V written to the pool)."""
+        x_B_T_E = self.decoder.embed_tokens(ids_B_T)
+        cos_B_T_D, sin_B_T_D = self.decoder.rotary_emb(x_B_T_E, positions_B_T)
         if self.kernels is not None:
             rotary = (cos_B_T_D.reshape(-1, self.head_dim), sin_B_T_D.reshape(-1, self.head_dim))
         else:
@@ -142,17 +142,17 @@ class LeanDecoder:
             rotary = (cos_B_T_D.unsqueeze(2), signed_sin_B_T_D.unsqueeze(2))
         # each residual add runs with the norm after it: a layer's post-attention norm, then the
         # next layer's input norm (the final norm after the last layer)
-        residual_B_T_H = x_B_T_H
-        h_B_T_H = self.layers[0].input_norm(residual_B_T_H)
+        residual_B_T_E = x_B_T_E
+        h_B_T_E = self.layers[0].input_norm(residual_B_T_E)
         after = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for layer, next_norm in zip(self.layers, after, strict=True):
-            attn_B_T_H = self._attention(layer, h_B_T_H, rotary, step)
-            residual_B_T_H, h_B_T_H = layer.post_norm.add(attn_B_T_H, residual_B_T_H)
-            residual_B_T_H, h_B_T_H = next_norm.add(self._mlp(layer, h_B_T_H), residual_B_T_H)
-        return h_B_T_H
+            attn_B_T_E = self._attention(layer, h_B_T_E, rotary, step)
+            residual_B_T_E, h_B_T_E = layer.post_norm.add(attn_B_T_E, residual_B_T_E)
+            residual_B_T_E, h_B_T_E = next_norm.add(self._mlp(layer, h_B_T_E), residual_B_T_E)
+        return h_B_T_E
 
-    def logits(self, hidden_N_H: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden_N_H)[0]
+    def logits(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden_N_E)[0]
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -179,14 +179,14 @@ class LeanDecoder:
     def _attention(
         self,
         layer: _Layer,
-        h_B_T_H: torch.Tensor,
+        h_B_T_E: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         step: PagedStep,
     ) -> torch.Tensor:
-        """The attention block's output [B, T, H] for normed input h (K/V written to the pool)."""
-        B, T, _ = h_B_T_H.shape
+        """The attention block's output [B, T, E] for normed input h (K/V written to the pool)."""
+        B, T, _ = h_B_T_E.shape
         D = self.head_dim
-        q, k, v = layer.qkv(h_B_T_H)
+        q, k, v = layer.qkv(h_B_T_E)
         out_B_T_H_D = attend(
             step,
             layer.index,
@@ -195,17 +195,17 @@ class LeanDecoder:
             v.view(B, T, self.kv_heads, D),
             layer.scaling,
         )
-        (attn_B_T_H,) = layer.o(out_B_T_H_D.reshape(B, T, -1))
-        return attn_B_T_H
+        (attn_B_T_E,) = layer.o(out_B_T_H_D.reshape(B, T, -1))
+        return attn_B_T_E
 
-    def _mlp(self, layer: _Layer, h_B_T_H: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(h_B_T_H)
+    def _mlp(self, layer: _Layer, h_B_T_E: torch.Tensor) -> torch.Tensor:
+        gate, up = layer.gate_up(h_B_T_E)
         if isinstance(self.kernels, CudaKernels):
             act = self.kernels.silu_mul(gate, up)
         else:  # PyTorch's two ops measured faster than a C loop on the CPU
             act = F.silu(gate) * up
-        (mlp_B_T_H,) = layer.down(act)
-        return mlp_B_T_H
+        (mlp_B_T_E,) = layer.down(act)
+        return mlp_B_T_E
 
     def _position(
         self, x_B_T_X: torch.Tensor, norm: _Norm | None, rotary: tuple[torch.Tensor, torch.Tensor]

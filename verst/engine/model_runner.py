@@ -208,8 +208,8 @@ class ModelRunner:
             step.mask_B_1_Q_S = decode_mask(
                 seq_lens_B, table_B_P.shape[1], self.group, self.pool.page_size
             )
-        hidden_B_1_H = self._run_decoder(ids_B_1, positions_B_1, step)
-        return self._logits(hidden_B_1_H[:, 0])
+        hidden_B_1_E = self._run_decoder(ids_B_1, positions_B_1, step)
+        return self._logits(hidden_B_1_E[:, 0])
 
     def _bucket(self, batch: int) -> int | None:
         for size in self.graph_batch_sizes:
@@ -275,7 +275,7 @@ class ModelRunner:
             mask_B_1_Q_S=None if fresh else step_mask(past_B, T, width, self.group, page),
             fresh=fresh,
         )
-        hidden_B_T_H = self._run_decoder(ids_B_T, positions_B_T, step)
+        hidden_B_T_E = self._run_decoder(ids_B_T, positions_B_T, step)
         # the LM head only where logits are wanted
         wanted: list[int] = []
         spans: dict[int, tuple[int, int]] = {}
@@ -289,7 +289,7 @@ class ModelRunner:
                 last.append(len(wanted))
                 wanted.append(b * T + n - 1)
         index = torch.tensor(wanted, dtype=torch.long).to(device, non_blocking=True)
-        logits_N_V = self._logits(hidden_B_T_H.reshape(B * T, -1).index_select(0, index))
+        logits_N_V = self._logits(hidden_B_T_E.reshape(B * T, -1).index_select(0, index))
         last_B_V = logits_N_V[torch.tensor(last, dtype=torch.long).to(device, non_blocking=True)]
         return last_B_V, {b: logits_N_V[s : s + n] for b, (s, n) in spans.items()}
 
@@ -306,11 +306,11 @@ class ModelRunner:
             )
         return out.last_hidden_state
 
-    def _logits(self, hidden_N_H: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
         if self.lean is not None:
-            logits_N_V = self.lean.logits(hidden_N_H).float()
+            logits_N_V = self.lean.logits(hidden_N_E).float()
         else:
-            logits_N_V = self.lm_head(hidden_N_H).float()
+            logits_N_V = self.lm_head(hidden_N_E).float()
         if self.softcap:
             logits_N_V = torch.tanh(logits_N_V / self.softcap) * self.softcap
         return logits_N_V

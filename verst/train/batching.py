@@ -42,26 +42,26 @@ class TrainItem:
 
 @dataclass
 class MicroBatch:
-    """K distinct prompts (left-padded) and N responses (right-padded) that continue them.
+    """K distinct prompts (left-padded) and B responses (right-padded) that continue them.
 
     Samples of one group share their prompt, so the prompt is run once and its KV cache is
-    shared by all N responses: the forward and backward cost of the prompt is paid per group,
-    not per sample. Per-token fields are [N, R], aligned with `response_ids_N_R`.
+    shared by all B responses: the forward and backward cost of the prompt is paid per group,
+    not per sample. Per-token fields are [B, T], aligned with `response_ids_B_T`.
     """
 
-    prompt_ids_K_P: torch.Tensor
-    prompt_mask_K_P: torch.Tensor
-    prompt_index_N: torch.Tensor  # which prompt each response continues
-    response_ids_N_R: torch.Tensor
-    response_mask_N_R: torch.Tensor
-    loss_mask_N_R: torch.Tensor
-    rollout_logprobs_N_R: torch.Tensor
-    advantages_N_R: torch.Tensor
-    rewards_N: torch.Tensor
+    prompt_ids_K_L: torch.Tensor
+    prompt_mask_K_L: torch.Tensor
+    prompt_index_B: torch.Tensor  # which prompt each response continues
+    response_ids_B_T: torch.Tensor
+    response_mask_B_T: torch.Tensor
+    loss_mask_B_T: torch.Tensor
+    rollout_logprobs_B_T: torch.Tensor
+    advantages_B_T: torch.Tensor
+    rewards_B: torch.Tensor
     # filled by the trainer's advantage pass for PPO: the critic's values before the update,
     # and the GAE returns they are trained towards
-    old_values_N_R: torch.Tensor | None = None
-    returns_N_R: torch.Tensor | None = None
+    old_values_B_T: torch.Tensor | None = None
+    returns_B_T: torch.Tensor | None = None
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -104,55 +104,55 @@ def collate(items: list[TrainItem], pad_token_id: int, device: torch.device) -> 
     for item in items:
         prompt = tuple(item.tokens[: len(item.tokens) - item.response_length])
         prompt_index.append(prompts.setdefault(prompt, len(prompts)))
-    width_p = max(len(p) for p in prompts)
-    width_r = max(1, max(item.response_length for item in items))
+    width_l = max(len(p) for p in prompts)
+    width_t = max(1, max(item.response_length for item in items))
     responses = [item.tokens[len(item.tokens) - item.response_length :] for item in items]
-    advantages_N = torch.tensor([item.advantage for item in items], dtype=torch.float32)
+    advantages_B = torch.tensor([item.advantage for item in items], dtype=torch.float32)
     tensors = (
-        torch.tensor([[pad_token_id] * (width_p - len(p)) + list(p) for p in prompts]),
-        torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts]),
+        torch.tensor([[pad_token_id] * (width_l - len(p)) + list(p) for p in prompts]),
+        torch.tensor([[0] * (width_l - len(p)) + [1] * len(p) for p in prompts]),
         torch.tensor(prompt_index),
-        torch.tensor(_pad_right(responses, width_r, pad_token_id)),
-        torch.tensor(_pad_right([[1] * len(r) for r in responses], width_r, 0)),
+        torch.tensor(_pad_right(responses, width_t, pad_token_id)),
+        torch.tensor(_pad_right([[1] * len(r) for r in responses], width_t, 0)),
         torch.tensor(
-            _pad_right([item.loss_mask for item in items], width_r, 0), dtype=torch.float32
+            _pad_right([item.loss_mask for item in items], width_t, 0), dtype=torch.float32
         ),
         torch.tensor(
-            _pad_right([item.rollout_logprobs for item in items], width_r, 0.0), dtype=torch.float32
+            _pad_right([item.rollout_logprobs for item in items], width_t, 0.0), dtype=torch.float32
         ),
-        advantages_N[:, None].expand(-1, width_r).clone(),  # padding is masked out of sums
+        advantages_B[:, None].expand(-1, width_t).clone(),  # padding is masked out of sums
         torch.tensor([item.reward for item in items], dtype=torch.float32),
     )
     return MicroBatch(*(t.to(device) for t in tensors))
 
 
 def response_outputs(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-    """Model outputs [N, R, X] where position j is the prediction for response token j.
+    """Model outputs [B, T, X] where position j is the prediction for response token j.
 
     Each distinct prompt runs once; its KV cache rows are repeated for the responses that
     continue it. The last response token predicts nothing we train on and nothing attends to
-    it, so only tokens 0..R-2 are fed.
+    it, so only tokens 0..T-2 are fed.
     """
     cache = new_cache(model)
-    prompt_positions_K_P = (micro.prompt_mask_K_P.cumsum(-1) - 1).clamp(min=0)
+    prompt_positions_K_L = (micro.prompt_mask_K_L.cumsum(-1) - 1).clamp(min=0)
     last_K_1_X = cached_forward(
         model,
-        micro.prompt_ids_K_P,
-        micro.prompt_mask_K_P,
-        prompt_positions_K_P,
+        micro.prompt_ids_K_L,
+        micro.prompt_mask_K_L,
+        prompt_positions_K_L,
         cache,
         last_only=True,
     )
-    index_N = micro.prompt_index_N
-    first_N_1_X = last_K_1_X[index_N]
-    width_r = micro.response_ids_N_R.shape[1]
-    if width_r == 1:
-        return first_N_1_X
-    cache.batch_select_indices(index_N)
-    prompt_lengths_N_1 = micro.prompt_mask_K_P.sum(-1, keepdim=True)[index_N]
-    positions_N_T = prompt_lengths_N_1 + torch.arange(width_r - 1, device=index_N.device)
-    mask_N_S = torch.cat([micro.prompt_mask_K_P[index_N], micro.response_mask_N_R[:, :-1]], 1)
-    response_N_T_X = cached_forward(
-        model, micro.response_ids_N_R[:, :-1], mask_N_S, positions_N_T, cache
+    index_B = micro.prompt_index_B
+    first_B_1_X = last_K_1_X[index_B]
+    width_t = micro.response_ids_B_T.shape[1]
+    if width_t == 1:
+        return first_B_1_X
+    cache.batch_select_indices(index_B)
+    prompt_lengths_B_1 = micro.prompt_mask_K_L.sum(-1, keepdim=True)[index_B]
+    positions_B_T = prompt_lengths_B_1 + torch.arange(width_t - 1, device=index_B.device)
+    mask_B_S = torch.cat([micro.prompt_mask_K_L[index_B], micro.response_mask_B_T[:, :-1]], 1)
+    response_B_T_X = cached_forward(
+        model, micro.response_ids_B_T[:, :-1], mask_B_S, positions_B_T, cache
     )
-    return torch.cat([first_N_1_X, response_N_T_X], dim=1)
+    return torch.cat([first_B_1_X, response_B_T_X], dim=1)

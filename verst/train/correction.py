@@ -21,24 +21,24 @@ from torch import Tensor
 _LOG_RATIO_CLAMP = 20.0
 
 
-def _masked_mean(x_N_T: Tensor, mask_N_T: Tensor, token_normaliser: float | None) -> float:
-    total = torch.where(mask_N_T, x_N_T, 0.0).sum()
-    denom = mask_N_T.sum().clamp(min=1) if token_normaliser is None else max(token_normaliser, 1.0)
+def _masked_mean(x_B_T: Tensor, mask_B_T: Tensor, token_normaliser: float | None) -> float:
+    total = torch.where(mask_B_T, x_B_T, 0.0).sum()
+    denom = mask_B_T.sum().clamp(min=1) if token_normaliser is None else max(token_normaliser, 1.0)
     return float(total / denom)
 
 
 def _log_ratio(
-    train_logprobs_N_T: Tensor, rollout_logprobs_N_T: Tensor, mask_N_T: Tensor
+    train_logprobs_B_T: Tensor, rollout_logprobs_B_T: Tensor, mask_B_T: Tensor
 ) -> Tensor:
     # Masked positions may hold −inf or garbage; they are zeroed before any sum or exp.
-    diff_N_T = train_logprobs_N_T.detach().float() - rollout_logprobs_N_T.detach().float()
-    return torch.where(mask_N_T, diff_N_T, 0.0)
+    diff_B_T = train_logprobs_B_T.detach().float() - rollout_logprobs_B_T.detach().float()
+    return torch.where(mask_B_T, diff_B_T, 0.0)
 
 
 def tis_weights(
-    train_logprobs_N_T: Tensor,
-    rollout_logprobs_N_T: Tensor,
-    mask_N_T: Tensor,
+    train_logprobs_B_T: Tensor,
+    rollout_logprobs_B_T: Tensor,
+    mask_B_T: Tensor,
     *,
     low: float,
     high: float,
@@ -49,23 +49,23 @@ def tis_weights(
     Metrics (as Miles logs them): `tis_mean` = mean raw ratio, `tis_abs` = mean |raw − 1|
     (both measure the mismatch, before the clamp), `tis_clipfrac` = share of tokens clamped.
     """
-    mask_N_T = mask_N_T > 0
-    log_w_N_T = _log_ratio(train_logprobs_N_T, rollout_logprobs_N_T, mask_N_T)
-    raw_N_T = torch.exp(log_w_N_T.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-    weights_N_T = torch.where(mask_N_T, raw_N_T.clamp(low, high), 0.0)
-    outside_N_T = ((raw_N_T < low) | (raw_N_T > high)).float()
+    mask_B_T = mask_B_T > 0
+    log_w_B_T = _log_ratio(train_logprobs_B_T, rollout_logprobs_B_T, mask_B_T)
+    raw_B_T = torch.exp(log_w_B_T.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    weights_B_T = torch.where(mask_B_T, raw_B_T.clamp(low, high), 0.0)
+    outside_B_T = ((raw_B_T < low) | (raw_B_T > high)).float()
     metrics = {
-        "tis_mean": _masked_mean(raw_N_T, mask_N_T, token_normaliser),
-        "tis_clipfrac": _masked_mean(outside_N_T, mask_N_T, token_normaliser),
-        "tis_abs": _masked_mean((raw_N_T - 1).abs(), mask_N_T, token_normaliser),
+        "tis_mean": _masked_mean(raw_B_T, mask_B_T, token_normaliser),
+        "tis_clipfrac": _masked_mean(outside_B_T, mask_B_T, token_normaliser),
+        "tis_abs": _masked_mean((raw_B_T - 1).abs(), mask_B_T, token_normaliser),
     }
-    return weights_N_T, metrics
+    return weights_B_T, metrics
 
 
 def mis_weights(
-    train_logprobs_N_T: Tensor,
-    rollout_logprobs_N_T: Tensor,
-    mask_N_T: Tensor,
+    train_logprobs_B_T: Tensor,
+    rollout_logprobs_B_T: Tensor,
+    mask_B_T: Tensor,
     *,
     level: Literal["token", "sequence", "geometric"],
     mode: Literal["truncate", "mask"],
@@ -84,55 +84,55 @@ def mis_weights(
     Metrics: `mis_mean` and `mis_abs` (mean raw w and |raw w − 1|), `mis_clipfrac` (share of
     tokens whose w is outside [low, high]), `mis_masked_frac` (share zeroed; 0 for truncate).
     """
-    mask_N_T = mask_N_T > 0
-    log_w_N_T = _log_ratio(train_logprobs_N_T, rollout_logprobs_N_T, mask_N_T)
+    mask_B_T = mask_B_T > 0
+    log_w_B_T = _log_ratio(train_logprobs_B_T, rollout_logprobs_B_T, mask_B_T)
     if level == "sequence":
-        log_w_N_T = log_w_N_T.sum(-1, keepdim=True).expand_as(log_w_N_T)
+        log_w_B_T = log_w_B_T.sum(-1, keepdim=True).expand_as(log_w_B_T)
     elif level == "geometric":
-        counts_N_1 = mask_N_T.sum(-1, keepdim=True).clamp(min=1)
-        log_w_N_T = (log_w_N_T.sum(-1, keepdim=True) / counts_N_1).expand_as(log_w_N_T)
+        counts_B_1 = mask_B_T.sum(-1, keepdim=True).clamp(min=1)
+        log_w_B_T = (log_w_B_T.sum(-1, keepdim=True) / counts_B_1).expand_as(log_w_B_T)
     elif level != "token":
         raise ValueError(f"unknown mis_level {level!r}")
-    raw_N_T = torch.exp(log_w_N_T.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-    outside_N_T = (raw_N_T < low) | (raw_N_T > high)
+    raw_B_T = torch.exp(log_w_B_T.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    outside_B_T = (raw_B_T < low) | (raw_B_T > high)
     if mode == "truncate":
-        weights_N_T = raw_N_T.clamp(low, high)
-        zeroed_N_T = torch.zeros_like(outside_N_T)
+        weights_B_T = raw_B_T.clamp(low, high)
+        zeroed_B_T = torch.zeros_like(outside_B_T)
     elif mode == "mask":
-        weights_N_T = torch.where(outside_N_T, 0.0, raw_N_T)
-        zeroed_N_T = outside_N_T
+        weights_B_T = torch.where(outside_B_T, 0.0, raw_B_T)
+        zeroed_B_T = outside_B_T
     else:
         raise ValueError(f"unknown mis_mode {mode!r}")
-    weights_N_T = torch.where(mask_N_T, weights_N_T, 0.0)
+    weights_B_T = torch.where(mask_B_T, weights_B_T, 0.0)
     metrics = {
-        "mis_mean": _masked_mean(raw_N_T, mask_N_T, token_normaliser),
-        "mis_clipfrac": _masked_mean(outside_N_T.float(), mask_N_T, token_normaliser),
-        "mis_abs": _masked_mean((raw_N_T - 1).abs(), mask_N_T, token_normaliser),
-        "mis_masked_frac": _masked_mean(zeroed_N_T.float(), mask_N_T, token_normaliser),
+        "mis_mean": _masked_mean(raw_B_T, mask_B_T, token_normaliser),
+        "mis_clipfrac": _masked_mean(outside_B_T.float(), mask_B_T, token_normaliser),
+        "mis_abs": _masked_mean((raw_B_T - 1).abs(), mask_B_T, token_normaliser),
+        "mis_masked_frac": _masked_mean(zeroed_B_T.float(), mask_B_T, token_normaliser),
     }
-    return weights_N_T, metrics
+    return weights_B_T, metrics
 
 
-def ess_ratio(weights_N_T: Tensor, mask_N_T: Tensor) -> float:
+def ess_ratio(weights_B_T: Tensor, mask_B_T: Tensor) -> float:
     """Normalised effective sample size (Σw)² / (n·Σw²) over the n masked-in tokens, in (0, 1].
 
     1 means uniform weights. No tokens gives 1 (nothing is degenerate); all-zero weights give 0.
     """
-    mask_N_T = mask_N_T > 0
-    w_N_T = torch.where(mask_N_T, weights_N_T.detach().float(), 0.0)
-    n = float(mask_N_T.sum())
-    sum_sq = float(w_N_T.square().sum())
+    mask_B_T = mask_B_T > 0
+    w_B_T = torch.where(mask_B_T, weights_B_T.detach().float(), 0.0)
+    n = float(mask_B_T.sum())
+    sum_sq = float(w_B_T.square().sum())
     if n == 0:
         return 1.0
     if sum_sq == 0:
         return 0.0
-    return float(w_N_T.sum()) ** 2 / (n * sum_sq)
+    return float(w_B_T.sum()) ** 2 / (n * sum_sq)
 
 
 def train_rollout_kl(
-    train_logprobs_N_T: Tensor,
-    rollout_logprobs_N_T: Tensor,
-    mask_N_T: Tensor,
+    train_logprobs_B_T: Tensor,
+    rollout_logprobs_B_T: Tensor,
+    mask_B_T: Tensor,
     *,
     token_normaliser: float | None = None,
 ) -> float:
@@ -141,9 +141,9 @@ def train_rollout_kl(
     With d = rollout − train and r = exp(−d) = π_train/π_rollout, k3 = (r − 1) − log r
     = expm1(−d) + d: unbiased for samples drawn from the rollout policy, and never negative.
     """
-    mask_N_T = mask_N_T > 0
-    neg_d_N_T = _log_ratio(train_logprobs_N_T, rollout_logprobs_N_T, mask_N_T).clamp(
+    mask_B_T = mask_B_T > 0
+    neg_d_B_T = _log_ratio(train_logprobs_B_T, rollout_logprobs_B_T, mask_B_T).clamp(
         -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP
     )
-    k3_N_T = torch.expm1(neg_d_N_T) - neg_d_N_T
-    return _masked_mean(k3_N_T, mask_N_T, token_normaliser)
+    k3_B_T = torch.expm1(neg_d_B_T) - neg_d_B_T
+    return _masked_mean(k3_B_T, mask_B_T, token_normaliser)

@@ -41,49 +41,49 @@ def needs_advantage_pass(cfg: LossConfig) -> bool:
 def set_token_advantages(
     cfg: LossConfig,
     micro: MicroBatch,
-    kl_N_R: torch.Tensor,
-    values_N_R: torch.Tensor | None,
+    kl_B_T: torch.Tensor,
+    values_B_T: torch.Tensor | None,
 ) -> None:
-    """Fill `micro.advantages_N_R` (and, with a critic, its values and returns) from rewards,
+    """Fill `micro.advantages_B_T` (and, with a critic, its values and returns) from rewards,
     the KL to the reference (zeros when unused) and the critic's values."""
     inputs = TokenInputs(
-        rewards_B=micro.rewards_N,
-        sequence_advantages_B_T=micro.advantages_N_R,
-        mask_B_T=micro.loss_mask_N_R,
-        kl_B_T=kl_N_R,
-        values_B_T=values_N_R,
+        rewards_B=micro.rewards_B,
+        sequence_advantages_B_T=micro.advantages_B_T,
+        mask_B_T=micro.loss_mask_B_T,
+        kl_B_T=kl_B_T,
+        values_B_T=values_B_T,
     )
     advantages, returns = cfg.estimator.token_advantages(inputs, cfg)
     if returns is not None:
-        micro.old_values_N_R, micro.returns_N_R = values_N_R, returns
-    micro.advantages_N_R = advantages * micro.loss_mask_N_R
+        micro.old_values_B_T, micro.returns_B_T = values_B_T, returns
+    micro.advantages_B_T = advantages * micro.loss_mask_B_T
 
 
 def whiten_globally(micros: list[MicroBatch], device: torch.device) -> None:
     """(A − mean) / std over every masked token of the step, on all ranks together."""
     whitened = masked_whiten(
-        [micro.advantages_N_R for micro in micros],
-        [micro.loss_mask_N_R for micro in micros],
+        [micro.advantages_B_T for micro in micros],
+        [micro.loss_mask_B_T for micro in micros],
         device,
     )
     for micro, advantages in zip(micros, whitened, strict=True):
-        micro.advantages_N_R = advantages
+        micro.advantages_B_T = advantages
 
 
 def policy_objective(
     cfg: LossConfig,
-    logits_N_R_V: torch.Tensor,
+    logits_B_T_V: torch.Tensor,
     micro: MicroBatch,
     norms: Normalisers,
-    ref_logprobs_N_R: torch.Tensor | None,
+    ref_logprobs_B_T: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """This micro-batch's share of the step's policy loss, and its share of each metric."""
-    mask = micro.loss_mask_N_R
-    rollout = micro.rollout_logprobs_N_R
+    mask = micro.loss_mask_B_T
+    rollout = micro.rollout_logprobs_B_T
 
-    def reduce(values_N_R: torch.Tensor) -> torch.Tensor:
+    def reduce(values_B_T: torch.Tensor) -> torch.Tensor:
         return aggregate(
-            values_N_R,
+            values_B_T,
             mask,
             cfg.loss_aggregation,
             token_normaliser=norms.tokens,
@@ -91,10 +91,10 @@ def policy_objective(
             constant_normaliser=norms.constant,
         )
 
-    logprobs = logprobs_from_logits(logits_N_R_V, micro.response_ids_N_R)
+    logprobs = logprobs_from_logits(logits_B_T_V, micro.response_ids_B_T)
     corrected = cfg.use_tis or cfg.mis_level is not None
     old = logprobs.detach() if corrected else rollout
-    pg, clipped = cfg.policy_loss_fn(logprobs, old, micro.advantages_N_R, mask, cfg)
+    pg, clipped = cfg.policy_loss_fn(logprobs, old, micro.advantages_B_T, mask, cfg)
     stats: dict[str, float] = {}
     if cfg.use_tis:
         weights, weight_stats = tis_weights(
@@ -123,12 +123,12 @@ def policy_objective(
     loss = reduce(pg)
     stats["pg_loss"] = loss.item()
     if cfg.kl_loss_coef > 0:
-        assert ref_logprobs_N_R is not None
-        kl = reduce(kl_penalty(logprobs, ref_logprobs_N_R, cfg.kl_loss_type))
+        assert ref_logprobs_B_T is not None
+        kl = reduce(kl_penalty(logprobs, ref_logprobs_B_T, cfg.kl_loss_type))
         loss = loss + cfg.kl_loss_coef * kl
         stats["kl_loss"] = kl.item()
     if cfg.entropy_coef > 0:
-        entropy = reduce(entropy_from_logits(logits_N_R_V))
+        entropy = reduce(entropy_from_logits(logits_B_T_V))
         loss = loss - cfg.entropy_coef * entropy
         stats["entropy"] = entropy.item()
     with torch.no_grad():

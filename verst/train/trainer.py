@@ -195,11 +195,11 @@ class Trainer:
     # --- forward -------------------------------------------------------------------------------
 
     def _logits(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-        """Temperature-scaled fp32 logits [N, R, V]; position j predicts response token j."""
+        """Temperature-scaled fp32 logits [B, T, V]; position j predicts response token j."""
         return response_outputs(model, micro).float() / self.temperature
 
     def _logprobs(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-        return logprobs_from_logits(self._logits(model, micro), micro.response_ids_N_R)
+        return logprobs_from_logits(self._logits(model, micro), micro.response_ids_B_T)
 
     def _micro_batches(self, items: list[TrainItem]) -> Iterator[tuple[bool, MicroBatch]]:
         """Micro-batches within the token budget; every rank yields the same number of them,
@@ -278,7 +278,7 @@ class Trainer:
 
     def _prepare_advantages(self, micro: MicroBatch) -> None:
         cfg = self.loss_cfg
-        kl = torch.zeros_like(micro.loss_mask_N_R)
+        kl = torch.zeros_like(micro.loss_mask_B_T)
         if cfg.kl_coef > 0 or cfg.estimator.needs_reference:
             kl = kl_penalty(
                 self._logprobs(self.model, micro),
@@ -291,18 +291,18 @@ class Trainer:
         set_token_advantages(cfg, micro, kl, values)
 
     def _critic_backward(self, micro: MicroBatch, token_norm: float) -> dict[str, float]:
-        assert micro.old_values_N_R is not None and micro.returns_N_R is not None
-        mask = micro.loss_mask_N_R
+        assert micro.old_values_B_T is not None and micro.returns_B_T is not None
+        mask = micro.loss_mask_B_T
         values = response_outputs(self.critic, micro)[..., 0].float()
         per_token = value_loss(
-            values, micro.old_values_N_R, micro.returns_N_R, value_clip=self.loss_cfg.value_clip
+            values, micro.old_values_B_T, micro.returns_B_T, value_clip=self.loss_cfg.value_clip
         )
         loss = aggregate(per_token, mask, "token_mean", token_normaliser=token_norm)
         loss.backward()
         return {
             "value_loss": loss.item(),
             "values_mean": float((values.detach() * mask).sum()) / token_norm,
-            "returns_mean": float((micro.returns_N_R * mask).sum()) / token_norm,
+            "returns_mean": float((micro.returns_B_T * mask).sum()) / token_norm,
         }
 
     def sft_step(
@@ -313,8 +313,8 @@ class Trainer:
         total = 0.0
         for is_last, micro in self._micro_batches(items):
             self.model.set_requires_gradient_sync(is_last)
-            logprobs = logprobs_from_logits(self._logits(self.model, micro), micro.response_ids_N_R)
-            loss = -(logprobs * micro.loss_mask_N_R).sum() / token_norm
+            logprobs = logprobs_from_logits(self._logits(self.model, micro), micro.response_ids_B_T)
+            loss = -(logprobs * micro.loss_mask_B_T).sum() / token_norm
             loss.backward()
             total += loss.item()
         self._clip_and_check(self.model, optimizer, total, step)

@@ -82,11 +82,11 @@ class CpuKernels:
         """HF's RMSNorm over the last dim of x [..., n] (rows may be strided, each row dense)."""
         n = x.shape[-1]
         _check_pair(x, weight, n)
-        x_R_N, stride = _rows_and_stride(x, n)
+        x_N_X, stride = _rows_and_stride(x, n)
         out = torch.empty(x.shape, dtype=x.dtype)
         self._sync_threads()
         self.lib.rms_norm(
-            x_R_N.data_ptr(), stride, weight.data_ptr(), out.data_ptr(), n, out.numel() // n, n,
+            x_N_X.data_ptr(), stride, weight.data_ptr(), out.data_ptr(), n, out.numel() // n, n,
             eps, x.dtype is torch.bfloat16,
         )  # fmt: skip
         return out
@@ -98,12 +98,12 @@ class CpuKernels:
         n = x.shape[-1]
         _check_pair(x, weight, n)
         _check_pair(residual, weight, n)
-        x_R_N, x_stride = _rows_and_stride(x, n)
-        residual_R_N, residual_stride = _rows_and_stride(residual, n)
+        x_N_E, x_stride = _rows_and_stride(x, n)
+        residual_N_E, residual_stride = _rows_and_stride(residual, n)
         total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
         self._sync_threads()
         self.lib.add_rms_norm(
-            x_R_N.data_ptr(), x_stride, residual_R_N.data_ptr(), residual_stride,
+            x_N_E.data_ptr(), x_stride, residual_N_E.data_ptr(), residual_stride,
             weight.data_ptr(), total.data_ptr(), out.data_ptr(), out.numel() // n, n, eps,
             x.dtype is torch.bfloat16,
         )  # fmt: skip
@@ -111,32 +111,32 @@ class CpuKernels:
 
     def norm_rope(
         self,
-        x_R_H_D: torch.Tensor,
+        x_N_H_D: torch.Tensor,
         weight: torch.Tensor | None,
         eps: float,
-        cos_R_D: torch.Tensor,
-        sin_R_D: torch.Tensor,
+        cos_N_D: torch.Tensor,
+        sin_N_D: torch.Tensor,
     ) -> torch.Tensor:
-        """Per-head RMSNorm (when `weight` is given), then HF's rotary: [R, H, D] contiguous.
+        """Per-head RMSNorm (when `weight` is given), then HF's rotary: [N, H, D] contiguous.
         x's heads must be dense within a row; rows may be strided."""
-        R, H, D = x_R_H_D.shape
-        if x_R_H_D.stride(2) != 1 or x_R_H_D.stride(1) != D:
+        N, H, D = x_N_H_D.shape
+        if x_N_H_D.stride(2) != 1 or x_N_H_D.stride(1) != D:
             raise ValueError("norm_rope needs each row's heads dense")
-        _check_pair(x_R_H_D, cos_R_D, D)
+        _check_pair(x_N_H_D, cos_N_D, D)
         if weight is not None:
-            _check_pair(x_R_H_D, weight, D)
+            _check_pair(x_N_H_D, weight, D)
         if (
-            not (cos_R_D.is_contiguous() and sin_R_D.is_contiguous())
-            or sin_R_D.dtype != cos_R_D.dtype
+            not (cos_N_D.is_contiguous() and sin_N_D.is_contiguous())
+            or sin_N_D.dtype != cos_N_D.dtype
         ):
             raise ValueError("norm_rope needs contiguous cos / sin of the input's dtype")
         _limit(D, MAX_HEAD)
-        out = torch.empty((R, H, D), dtype=x_R_H_D.dtype)
+        out = torch.empty((N, H, D), dtype=x_N_H_D.dtype)
         self._sync_threads()
         self.lib.norm_rope(
-            x_R_H_D.data_ptr(), x_R_H_D.stride(0), None if weight is None else weight.data_ptr(),
-            eps, cos_R_D.data_ptr(), sin_R_D.data_ptr(), out.data_ptr(), R, H, D,
-            x_R_H_D.dtype is torch.bfloat16,
+            x_N_H_D.data_ptr(), x_N_H_D.stride(0), None if weight is None else weight.data_ptr(),
+            eps, cos_N_D.data_ptr(), sin_N_D.data_ptr(), out.data_ptr(), N, H, D,
+            x_N_H_D.dtype is torch.bfloat16,
         )  # fmt: skip
         return out
 
@@ -191,7 +191,7 @@ def _rows_and_stride(x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
 
 
 def dense_rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x as [R, n] with dense rows, a view where possible."""
+    """x as [N, n] with dense rows, a view where possible."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     try:

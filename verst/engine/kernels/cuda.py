@@ -45,38 +45,38 @@ class CudaKernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """HF's residual add then RMSNorm over [..., n]: (x + residual, its norm), one kernel."""
         n = x.shape[-1]
-        x_R_N, residual_R_N = dense_rows(x, n), dense_rows(residual, n)
-        sum_R_N = torch.empty((x_R_N.shape[0], n), dtype=x.dtype, device=x.device)
-        out_R_N = torch.empty_like(sum_R_N)
+        x_N_E, residual_N_E = dense_rows(x, n), dense_rows(residual, n)
+        sum_N_E = torch.empty((x_N_E.shape[0], n), dtype=x.dtype, device=x.device)
+        out_N_E = torch.empty_like(sum_N_E)
         block = triton.next_power_of_2(n)
-        _add_rms_norm_kernel[(x_R_N.shape[0],)](
-            x_R_N, residual_R_N, weight, sum_R_N, out_R_N, x_R_N.stride(0),
-            residual_R_N.stride(0), n, eps, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+        _add_rms_norm_kernel[(x_N_E.shape[0],)](
+            x_N_E, residual_N_E, weight, sum_N_E, out_N_E, x_N_E.stride(0),
+            residual_N_E.stride(0), n, eps, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
         )  # fmt: skip
-        return sum_R_N.view(x.shape), out_R_N.view(x.shape)
+        return sum_N_E.view(x.shape), out_N_E.view(x.shape)
 
     def norm_rope(
         self,
-        x_R_H_D: torch.Tensor,
+        x_N_H_D: torch.Tensor,
         weight: torch.Tensor | None,
         eps: float,
-        cos_R_D: torch.Tensor,
-        sin_R_D: torch.Tensor,
+        cos_N_D: torch.Tensor,
+        sin_N_D: torch.Tensor,
     ) -> torch.Tensor:
-        """Per-head RMSNorm (when `weight` is given), then HF's rotary: [R, H, D] contiguous.
+        """Per-head RMSNorm (when `weight` is given), then HF's rotary: [N, H, D] contiguous.
         x's heads must be dense within a row; rows may be strided."""
-        R, H, D = x_R_H_D.shape
-        if x_R_H_D.stride(2) != 1 or x_R_H_D.stride(1) != D:
+        N, H, D = x_N_H_D.shape
+        if x_N_H_D.stride(2) != 1 or x_N_H_D.stride(1) != D:
             raise ValueError("norm_rope needs each row's heads dense")
-        cos_R_D, sin_R_D = cos_R_D.contiguous(), sin_R_D.contiguous()
-        out = torch.empty((R, H, D), dtype=x_R_H_D.dtype, device=x_R_H_D.device)
-        _norm_rope_kernel[(R, H)](
-            x_R_H_D,
-            weight if weight is not None else x_R_H_D,  # unread without HAS_NORM
-            cos_R_D,
-            sin_R_D,
+        cos_N_D, sin_N_D = cos_N_D.contiguous(), sin_N_D.contiguous()
+        out = torch.empty((N, H, D), dtype=x_N_H_D.dtype, device=x_N_H_D.device)
+        _norm_rope_kernel[(N, H)](
+            x_N_H_D,
+            weight if weight is not None else x_N_H_D,  # unread without HAS_NORM
+            cos_N_D,
+            sin_N_D,
             out,
-            x_R_H_D.stride(0),
+            x_N_H_D.stride(0),
             eps,
             D=D,
             HALF=D // 2,
@@ -88,11 +88,11 @@ class CudaKernels:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up over [..., I], the activation cast before the product."""
         n = gate.shape[-1]
-        gate_R_I, up_R_I = dense_rows(gate, n), dense_rows(up, n)
-        out = torch.empty((gate_R_I.shape[0], n), dtype=gate.dtype, device=gate.device)
+        gate_N_I, up_N_I = dense_rows(gate, n), dense_rows(up, n)
+        out = torch.empty((gate_N_I.shape[0], n), dtype=gate.dtype, device=gate.device)
         block = min(triton.next_power_of_2(n), 1024)
-        _silu_mul_kernel[(gate_R_I.shape[0], triton.cdiv(n, block))](
-            gate_R_I, up_R_I, out, gate_R_I.stride(0), up_R_I.stride(0), n, BLOCK=block
+        _silu_mul_kernel[(gate_N_I.shape[0], triton.cdiv(n, block))](
+            gate_N_I, up_N_I, out, gate_N_I.stride(0), up_N_I.stride(0), n, BLOCK=block
         )
         return out.view(*gate.shape[:-1], n)
 

@@ -48,26 +48,26 @@ class _FusedForward:
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm of x [..., N] with weight [N], in one kernel."""
+    """HF's RMSNorm of x [..., X] with weight [X] (X: E, or D for a per-head norm), one kernel."""
     if triton is None:
         raise RuntimeError("the fused RMSNorm needs Triton")
     n = x.shape[-1]
-    x_R_N = x.reshape(-1, n)
+    x_N_X = x.reshape(-1, n)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out_R_N = torch.empty(x_R_N.shape, dtype=out_dtype, device=x.device)
+    out_N_X = torch.empty(x_N_X.shape, dtype=out_dtype, device=x.device)
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(x_R_N.shape[0],)](
-        x_R_N,
+    _rms_norm_kernel[(x_N_X.shape[0],)](
+        x_N_X,
         weight,
-        out_R_N,
-        x_R_N.stride(0),
-        out_R_N.stride(0),
+        out_N_X,
+        x_N_X.stride(0),
+        out_N_X.stride(0),
         n,
         eps,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 8),
     )
-    return out_R_N.view(x.shape)
+    return out_N_X.view(x.shape)
 
 
 if triton is not None:
