@@ -4,7 +4,7 @@
       advantage_estimator: examples.custom_algorithm:RLOO
       policy_loss: examples.custom_algorithm:unclipped_policy_gradient
 
-An estimator is an object with the members of `verst.train.algorithms.AdvantageEstimator`
+An estimator is an object with the members of `verst.plugins.AdvantageEstimator`
 (a class is instantiated without arguments); a policy loss is a callable with the signature of
 `PolicyLoss`. Both are checked when the config loads.
 """
@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from verst.train.algorithms import LossConfig, TokenInputs
+from verst.plugins import TokenInputs
+from verst.train.algorithms import LossConfig
 
 
 class RLOO:

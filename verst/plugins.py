@@ -6,7 +6,8 @@ it, checks it against the Protocol, and raises one `PluginError` that names the 
 the import path and what is wrong, so a bad plug-in fails when the config is read, not mid-run.
 
 Wired to config today: `RewardFunction` (`rollout.reward`, `eval.reward`), `AgentFunction`
-(`rollout.agent_function`) and `Buffer` (`rollout.buffer`). `EngineClient` and
+(`rollout.agent_function`), `Buffer` (`rollout.buffer`), `AdvantageEstimator`
+(`loss.advantage_estimator`) and `PolicyLoss` (`loss.policy_loss`). `EngineClient` and
 `WeightTransport` are the contracts between the trainer and its engines. `GroupRewardFunction`,
 `SampleFilter`, `RolloutFunction`, `GenerateFunction` and `EvalFunction` are contracts no
 config field loads yet.
@@ -23,6 +24,7 @@ import inspect
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol, runtime_checkable
 
 import torch
@@ -256,6 +258,59 @@ class WeightTransport(Protocol):
 
 
 # ---- loading ------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenInputs:
+    """What `token_advantages` gets for one micro-batch; per-token tensors are [B, T]."""
+
+    rewards_B: torch.Tensor
+    sequence_advantages_B_T: torch.Tensor  # `sequence_advantages` repeated on every token of a row
+    mask_B_T: torch.Tensor  # 1 for tokens the model generated, 0 for padding / tool output
+    kl_B_T: torch.Tensor  # per-token KL to the reference; zeros when there is none
+    values_B_T: torch.Tensor | None  # the critic's values before the update (needs_critic)
+
+
+class AdvantageEstimator(Protocol):
+    """How advantages are computed from rewards (and KL, values), and what that requires
+    (`loss.advantage_estimator`; built-ins in `verst.train.algorithms`). `cfg` is the run's
+    `loss` config, a `verst.train.algorithms.LossConfig`."""
+
+    group_relative: bool  # relative to the group: needs rollout.n_samples_per_prompt >= 2
+    token_level: bool  # token_advantages does real work; kl_coef (KL as reward) applies
+    whiten_by_default: bool  # loss.normalize_advantages unset = whiten over the batch
+    needs_critic: bool  # the trainer trains a value model and passes its values
+    needs_reference: bool  # the trainer keeps a frozen reference and passes the KL to it
+    default_policy_loss: str  # the policy loss when loss.policy_loss is unset
+
+    def sequence_advantages(
+        self, rewards_B: torch.Tensor, group_ids_B: torch.Tensor, cfg: Any
+    ) -> torch.Tensor:
+        """One advantage per sample; samples sharing a group id form a group."""
+        ...
+
+    def token_advantages(
+        self, inputs: TokenInputs, cfg: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Advantages [B, T] and, with a critic, the returns [B, T] it is trained towards.
+        Masked positions are zeroed by the caller."""
+        ...
+
+
+class PolicyLoss(Protocol):
+    """The policy-gradient loss per token, to be weighted (TIS/MIS) and aggregated
+    (`loss.policy_loss`; `cfg` is the run's `loss` config)."""
+
+    def __call__(
+        self,
+        logprobs_B_T: torch.Tensor,
+        old_logprobs_B_T: torch.Tensor,
+        advantages_B_T: torch.Tensor,
+        mask_B_T: torch.Tensor,
+        cfg: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss_B_T to minimise, clipped_B_T: 1.0 where a clip stops the gradient)."""
+        ...
 
 
 class PluginError(ValueError):

@@ -16,15 +16,14 @@ config loads, and the error names the field and the path.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 
 from verst.configbase import ConfigBase
-from verst.plugins import load_object
+from verst.plugins import AdvantageEstimator, PolicyLoss, TokenInputs, load_plugin
 from verst.train.advantages import (
     gae,
     group_advantages,
@@ -36,56 +35,6 @@ from verst.types import Sample
 
 MisLevel = Literal["token", "sequence", "geometric"]
 MisMode = Literal["truncate", "mask"]
-
-
-@dataclass
-class TokenInputs:
-    """What `token_advantages` gets for one micro-batch; per-token tensors are [B, T]."""
-
-    rewards_B: Tensor
-    sequence_advantages_B_T: Tensor  # `sequence_advantages` repeated on every token of a row
-    mask_B_T: Tensor  # 1 for tokens the model generated, 0 for padding / tool output
-    kl_B_T: Tensor  # per-token KL to the reference; zeros when there is none
-    values_B_T: Tensor | None  # the critic's values before the update (needs_critic)
-
-
-class AdvantageEstimator(Protocol):
-    """How advantages are computed from rewards (and KL, values), and what that requires."""
-
-    group_relative: bool  # relative to the group: needs rollout.n_samples_per_prompt >= 2
-    token_level: bool  # token_advantages does real work; kl_coef (KL as reward) applies
-    whiten_by_default: bool  # loss.normalize_advantages unset = whiten over the batch
-    needs_critic: bool  # the trainer trains a value model and passes its values
-    needs_reference: bool  # the trainer keeps a frozen reference and passes the KL to it
-    default_policy_loss: str  # the policy loss when loss.policy_loss is unset
-
-    def sequence_advantages(
-        self, rewards_B: Tensor, group_ids_B: Tensor, cfg: LossConfig
-    ) -> Tensor:
-        """One advantage per sample; samples sharing a group id form a group."""
-        ...
-
-    def token_advantages(
-        self, inputs: TokenInputs, cfg: LossConfig
-    ) -> tuple[Tensor, Tensor | None]:
-        """Advantages [B, T] and, with a critic, the returns [B, T] it is trained towards.
-        Masked positions are zeroed by the caller."""
-        ...
-
-
-class PolicyLoss(Protocol):
-    """The policy-gradient loss per token, to be weighted (TIS/MIS) and aggregated."""
-
-    def __call__(
-        self,
-        logprobs_B_T: Tensor,
-        old_logprobs_B_T: Tensor,
-        advantages_B_T: Tensor,
-        mask_B_T: Tensor,
-        cfg: LossConfig,
-    ) -> tuple[Tensor, Tensor]:
-        """(loss_B_T to minimise, clipped_B_T: 1.0 where a clip stops the gradient)."""
-        ...
 
 
 # ---------------------------------------------------------------- built-in estimators
@@ -257,25 +206,22 @@ _ESTIMATOR_FLAGS = (
 )
 
 
-def _load(name: str, builtins: dict, kind: str) -> object:
+def _load(name: str, builtins: dict, protocol: type, field: str) -> object:
     if name in builtins:
         return builtins[name]
     if ":" not in name and "." not in name:
         raise ValueError(
-            f"unknown {kind} {name!r}: built-ins are {', '.join(builtins)}; "
+            f"{field}: unknown name {name!r}: built-ins are {', '.join(builtins)}; "
             "or give an import path 'pkg.mod:obj'"
         )
-    try:
-        obj = load_object(name)
-    except ImportError as error:
-        raise ValueError(str(error)) from None
+    obj = load_plugin(name, protocol, field=field)
     if not isinstance(obj, type):
         return obj
     try:
         return obj()
     except TypeError as error:
         raise ValueError(
-            f"{kind} {name!r}: cannot build the class without arguments: {error}"
+            f"{field}: {name!r}: cannot build the class without arguments: {error}"
         ) from None
 
 
@@ -283,7 +229,7 @@ def _load(name: str, builtins: dict, kind: str) -> object:
 def resolve_estimator(name: str) -> AdvantageEstimator:
     """The built-in estimator `name`, or the one at import path `name`; ValueError when it is
     neither or does not have every member of `AdvantageEstimator`."""
-    estimator = _load(name, ESTIMATORS, "advantage estimator")
+    estimator = _load(name, ESTIMATORS, AdvantageEstimator, "loss.advantage_estimator")
     problems = [f for f in _ESTIMATOR_FLAGS if not isinstance(getattr(estimator, f, None), bool)]
     if not isinstance(getattr(estimator, "default_policy_loss", None), str):
         problems.append("default_policy_loss")
@@ -304,7 +250,7 @@ def resolve_estimator(name: str) -> AdvantageEstimator:
 @functools.cache
 def resolve_policy_loss(name: str) -> PolicyLoss:
     """The built-in policy loss `name`, or the callable at import path `name`."""
-    loss = _load(name, POLICY_LOSSES, "policy loss")
+    loss = _load(name, POLICY_LOSSES, PolicyLoss, "loss.policy_loss")
     if not callable(loss):
         raise ValueError(f"policy loss {name!r} is a {type(loss).__name__}, not callable")
     return loss  # type: ignore[return-value]

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from verst.plugins import TokenInputs
 from verst.train.advantages import masked_whiten
-from verst.train.algorithms import LossConfig, TokenInputs
+from verst.train.algorithms import LossConfig
 from verst.train.batching import MicroBatch
 from verst.train.correction import ess_ratio, mis_weights, tis_weights, train_rollout_kl
 from verst.train.losses import aggregate, entropy_from_logits, kl_penalty, logprobs_from_logits
