@@ -45,7 +45,7 @@ def test_engine_weights_equal_trainer_weights_after_sync() -> None:
 
     from verst.engine import Engine
     from verst.models.tiny import TinyModelConfig, build_tiny_model
-    from verst.sync.colocated import ColocatedSync
+    from verst.sync.embedded import EmbeddedSync
     from verst.train.batching import TrainItem
     from verst.train.losses import LossConfig
     from verst.train.trainer import Trainer, TrainerConfig
@@ -69,7 +69,7 @@ def test_engine_weights_equal_trainer_weights_after_sync() -> None:
         pad_token_id=0,
         device=device,
     )
-    sync = ColocatedSync(trainer, engine)
+    sync = EmbeddedSync(trainer, engine)
     assert not sync.zero_copy  # fp32 master weights, bf16 engine
     batch = [
         TrainItem(
