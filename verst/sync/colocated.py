@@ -1,16 +1,29 @@
-"""Colocated weight sync: the engine shares the trainer's process (or host) and device.
+"""The `colocated` transport: engines on the trainer's device, reached without a socket or a
+disk carrying the bytes.
 
-`share_storage` re-points an engine's parameters at the trainer's own tensors when a rank holds
-whole parameters (a world of one) with the same names, shapes, dtypes and device: every later
-update is then only a version bump, since the optimiser writes the very tensors the engine
-reads. The embedded engine's sync (`verst.sync.embedded`) uses it.
+`ColocatedTransport` serves every kind of serving engine the placement can put there:
+- an engine in the trainer's process whose parameters ARE the trainer's tensors (re-pointed by
+  `share_storage`: a world of one, same dtype) needs nothing sent: the optimiser wrote them;
+- another engine in the trainer's process gets an in-process copy, bucket by bucket;
+- an engine process on the trainer's device gets CUDA IPC handles (GPU) or shared-memory buffers
+  (CPU) and copies from them (`verst.sync.ipc.IpcBucketSender`).
+
+The embedded engine shares storage the same way, without the version protocol
+(`verst.sync.embedded`).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
+
 import torch
 
 from verst import distributed
+from verst.fleet.client import InProcessEngineClient
+from verst.plugins import EngineClient, NamedTensors
+from verst.sync.buckets import bucketed
+from verst.sync.ipc import IpcBucketSender
 from verst.train.trainer import Trainer
 
 
@@ -34,3 +47,58 @@ def share_storage(trainer: Trainer, model: torch.nn.Module) -> bool:
     for name, tensor in local.items():
         engine_params[name].data = tensor
     return True
+
+
+class ColocatedTransport:
+    """The `colocated` transport, for `WeightSync`. An engine that takes tensors in-process
+    (`update_weights_from_tensors`, as `InProcessEngineClient` does) gets a copy unless it is
+    one of `shared`; any other engine is an engine process on the trainer's device and gets
+    handles to staging buffers (`IpcBucketSender`, configured by `bucket_bytes` and `dtype`).
+
+    A fleet's engines are all of one kind, so a push walks the tensors once (under FSDP each
+    walk is a collective gather that every rank joins).
+    """
+
+    def __init__(
+        self,
+        *,
+        bucket_bytes: int = 512 << 20,
+        dtype: torch.dtype | None = None,
+        shared: Iterable[EngineClient] = (),
+    ) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.shared = {id(e) for e in shared}  # engines whose weights are the trainer's tensors
+        self.ipc = IpcBucketSender(bucket_bytes=bucket_bytes, dtype=dtype)
+
+    @classmethod
+    def sharing_storage(
+        cls,
+        trainer: Trainer,
+        engines: Iterable[EngineClient],
+        *,
+        bucket_bytes: int = 512 << 20,
+        dtype: torch.dtype | None = None,
+    ) -> ColocatedTransport:
+        """Re-point each in-process engine's parameters at the trainer's storage where
+        `share_storage` can; those engines are then sent nothing."""
+        shared = [
+            e
+            for e in engines
+            if isinstance(e, InProcessEngineClient)
+            and share_storage(trainer, e.serving.scheduler.model)
+        ]
+        return cls(bucket_bytes=bucket_bytes, dtype=dtype, shared=shared)
+
+    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
+        in_process = [e for e in engines if hasattr(e, "update_weights_from_tensors")]
+        copied = [e for e in in_process if id(e) not in self.shared]
+        processes = [e for e in engines if all(e is not p for p in in_process)]
+        if copied:  # every engine from one pass over the tensors
+            for bucket in bucketed(tensors(), self.bucket_bytes):
+                await asyncio.gather(*(e.update_weights_from_tensors(bucket) for e in copied))
+        if processes:
+            await self.ipc.send(processes, tensors, version)
+
+    def close(self) -> None:
+        """Free the staging buffers of engine processes."""
+        self.ipc.close()
