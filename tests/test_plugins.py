@@ -191,7 +191,7 @@ def test_config_reports_a_bad_plugin_under_its_field() -> None:
         ("verst.fleet.client:HttpEngineClient", EngineClient),
         ("verst.sync.colocated:ColocatedTransport", WeightTransport),
         ("verst.sync.broadcast:BroadcastTransport", WeightTransport),
-        ("verst.sync.protocol:DiskTransport", WeightTransport),
+        ("verst.sync.disk:DiskTransport", WeightTransport),
         ("verst.sync.ipc:IpcBucketSender", WeightTransport),  # WeightSync drives it alone too
     ],
 )

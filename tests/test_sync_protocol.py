@@ -175,8 +175,7 @@ def test_a_joining_engine_gets_a_full_push(model_dir: Path) -> None:
 
 
 def test_disk_transport_full_then_deltas_stays_exact(model_dir: Path, tmp_path: Path) -> None:
-    from verst.sync.disk import DiskPublisher
-    from verst.sync.protocol import DiskTransport
+    from verst.sync.disk import DiskPublisher, DiskTransport
 
     source = build_tiny_model(TINY, vocab_size=100, seed=11)
 

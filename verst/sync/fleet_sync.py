@@ -33,13 +33,8 @@ from verst.plugins import WeightTransport
 from verst.sync.broadcast import BroadcastTransport
 from verst.sync.buckets import full_parameters
 from verst.sync.colocated import ColocatedTransport
-from verst.sync.disk import DiskPublisher
-from verst.sync.protocol import (
-    DiskTransport,
-    PauseMode,
-    WeightSync,
-    WeightSyncError,
-)
+from verst.sync.disk import DiskPublisher, DiskTransport
+from verst.sync.protocol import PauseMode, WeightSync, WeightSyncError
 from verst.train.trainer import Trainer
 
 TransportName = Literal["auto", "colocated", "broadcast", "disk"]
