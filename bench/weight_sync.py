@@ -431,7 +431,9 @@ def main() -> None:
         "others for the send alone",
     )
     parser.add_argument(
-        "--no-shared", action="store_true", help="skip the shared-tensor transport (no engine)"
+        "--no-shared",
+        action="store_true",
+        help="skip colocated sync into an engine process (shared tensors; starts no engine)",
     )
     parser.add_argument(
         "--transport",
