@@ -90,9 +90,12 @@ class ColocatedTransport:
         return cls(bucket_bytes=bucket_bytes, dtype=dtype, shared=shared)
 
     async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
-        in_process = [e for e in engines if hasattr(e, "update_weights_from_tensors")]
-        copied = [e for e in in_process if id(e) not in self.shared]
-        processes = [e for e in engines if all(e is not p for p in in_process)]
+        copied, processes = [], []
+        for engine in engines:
+            if not hasattr(engine, "update_weights_from_tensors"):
+                processes.append(engine)
+            elif id(engine) not in self.shared:
+                copied.append(engine)
         if copied:  # every engine from one pass over the tensors
             for bucket in bucketed(tensors(), self.bucket_bytes):
                 await asyncio.gather(*(e.update_weights_from_tensors(bucket) for e in copied))
