@@ -2,16 +2,17 @@
 
 For a set of tensors of `--gb` GB (fp32 by default) it measures:
 - the limits: memcpy bandwidth (`copy_` between two buffers) and raw disk write + fsync;
-- colocated zero-copy (`verst.sync.colocated`: engine and trainer share storage): a push is a
-  version bump;
-- in-process copy (the bucketed copy a colocated push falls back to, and
-  `InProcessTensorTransport`): `copy_` of every tensor into the engine's;
+- colocated zero-copy (`verst.sync.colocated.share_storage`: engine and trainer share storage):
+  a push is a version bump;
+- in-process copy (the bucketed copy `ColocatedTransport` and the embedded engine's sync fall
+  back to): `copy_` of every tensor into the engine's;
 - disk (`verst.sync.disk`): publish + apply of a full snapshot, and of an XOR delta where
   `--changed` of the tensors changed;
-- shared memory across processes (`verst.sync.ipc.SharedTensorTransport`): a `verst serve`
-  process holding a random Qwen3-shaped model of about `--gb` maps the trainer's /dev/shm
-  buffers and copies from them; the send alone, and the whole version protocol (pause, flush,
-  send, version, continue, confirm), against a memcpy of the same bytes.
+- shared memory across processes (`ColocatedTransport` to an engine process, through
+  `verst.sync.ipc.IpcBucketSender`): a `verst serve` process holding a random Qwen3-shaped
+  model of about `--gb` maps the trainer's /dev/shm buffers and copies from them; the send
+  alone, and the whole version protocol (pause, flush, send, version, continue, confirm),
+  against a memcpy of the same bytes.
 Prints seconds and GB/s, each transport's share of its physical limit, and saves JSON.
 
 With `--device cuda` it measures the GPU case instead: a random Qwen2-0.5B-shaped bf16 model
@@ -158,12 +159,12 @@ def device_memcpy_s(
 def bench_shared_transport(
     root: Path, device: str, gb: float, repeats: int, bucket_mbs: tuple[int, ...] = (512,)
 ) -> dict:
-    """The shared-tensor transport into a `verst serve` process on this host (and GPU)."""
+    """The colocated transport into a `verst serve` process on this host (and GPU)."""
     import asyncio
     import statistics
 
     from verst.fleet import HttpEngineClient, launch_local_engines
-    from verst.sync.ipc import SharedTensorTransport
+    from verst.sync.colocated import ColocatedTransport
     from verst.sync.protocol import WeightSync
 
     model_dir, dtype = random_model_dir(root, device, gb)
@@ -187,7 +188,8 @@ def bench_shared_transport(
             steps: dict[str, list[float]] = {}
             client = _Timed(HttpEngineClient(engine.url), steps)
             # two persistent buffers of bucket_mbs[0] MB (512 by default)
-            transport = SharedTensorTransport(bucket_bytes=bucket_mbs[0] << 20)
+            transport = ColocatedTransport(bucket_bytes=bucket_mbs[0] << 20)
+            sender = transport.ipc  # an engine process gets handles
             protocol = WeightSync([client], transport, pause_mode="retract")
             send_s, push_s = [], []
             first = await protocol.push(lambda: named.items(), version=1)  # maps the buffers
@@ -197,8 +199,8 @@ def bench_shared_transport(
                 start = time.perf_counter()
                 await transport.send([client], lambda: named.items(), version)
                 send_s.append(time.perf_counter() - start)
-                stage_s += transport.timings["stage"]
-                engines_s += transport.timings["engines"]
+                stage_s += sender.timings["stage"]
+                engines_s += sender.timings["engines"]
             steps.clear()
             for version in range(2 + repeats, 2 + 2 * repeats):
                 sync()
@@ -210,18 +212,18 @@ def bench_shared_transport(
                 status, values = await _get_weights(engine.url, name, 4)
                 expected = named[name].float().cpu()[:4].tolist()
                 checks[name] = status == 200 and values == expected
-            buckets = list(transport.buckets_sent)
+            buckets = list(sender.buckets_sent)
             transport.close()
             by_bucket = {}
             for mb in bucket_mbs[1:]:  # the send alone with other bucket sizes
-                other = SharedTensorTransport(bucket_bytes=mb << 20)
+                other = ColocatedTransport(bucket_bytes=mb << 20)
                 times = []
                 for version in range(2 + 2 * repeats, 3 + 3 * repeats):
                     sync()
                     start = time.perf_counter()
                     await other.send([client], lambda: named.items(), version)
                     times.append(time.perf_counter() - start)
-                by_bucket[mb] = {"best_s": min(times[1:]), "buckets": len(other.buckets_sent)}
+                by_bucket[mb] = {"best_s": min(times[1:]), "buckets": len(other.ipc.buckets_sent)}
                 other.close()
             await client.inner.close()
             return {
@@ -429,7 +431,9 @@ def main() -> None:
         "others for the send alone",
     )
     parser.add_argument(
-        "--no-shared", action="store_true", help="skip the shared-tensor transport (no engine)"
+        "--no-shared",
+        action="store_true",
+        help="skip colocated sync into an engine process (shared tensors; starts no engine)",
     )
     parser.add_argument(
         "--transport",

@@ -189,11 +189,10 @@ def test_config_reports_a_bad_plugin_under_its_field() -> None:
         ("verst.rollout.dynamic:has_reward_variance", SampleFilter),
         ("verst.fleet.client:InProcessEngineClient", EngineClient),
         ("verst.fleet.client:HttpEngineClient", EngineClient),
-        ("verst.sync.protocol:DiskTransport", WeightTransport),
-        ("verst.sync.protocol:InProcessTensorTransport", WeightTransport),
+        ("verst.sync.colocated:ColocatedTransport", WeightTransport),
         ("verst.sync.broadcast:BroadcastTransport", WeightTransport),
-        ("verst.sync.ipc:SharedTensorTransport", WeightTransport),
-        ("verst.sync.fleet_sync:SharedStorageTransport", WeightTransport),
+        ("verst.sync.disk:DiskTransport", WeightTransport),
+        ("verst.sync.ipc:IpcBucketSender", WeightTransport),  # WeightSync drives it alone too
     ],
 )
 def test_good_plugins_load(path: str, protocol: type) -> None:

@@ -1,5 +1,6 @@
-"""The shared-tensor transport on the CPU: a `verst serve` process receives the trainer's weights
-as /dev/shm handles through `/update_weights_from_tensor`, under the full version protocol."""
+"""Colocated sync across processes on the CPU: a `verst serve` process receives the trainer's
+weights as /dev/shm handles through `/update_weights_from_tensor` (`IpcBucketSender`), under the
+full version protocol with the `colocated` transport."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ import torch
 from safetensors.torch import load_file
 
 from verst.sync import ipc, shared_tensors
-from verst.sync.ipc import SharedTensorError, SharedTensorTransport, plan_shared_buckets
+from verst.sync.ipc import IpcBucketSender, SharedTensorError, plan_shared_buckets
 
 aiohttp = pytest.importorskip("aiohttp")
 
 from tests.servers import TINY, LoopThread, call, tiny_model  # noqa: E402
 from verst.engine.serving import ServingEngine  # noqa: E402
 from verst.fleet import HttpEngineClient, InProcessEngineClient, launch_local_engines  # noqa: E402
+from verst.sync.colocated import ColocatedTransport  # noqa: E402
 from verst.sync.protocol import WeightSync  # noqa: E402
 
 BUCKET = 16 << 10  # the tiny model takes several buckets; its largest tensor fits one
@@ -55,9 +57,9 @@ def test_a_payload_crosses_into_an_unrelated_process_bit_exact(
     load_format: str | None, tmp_path: Path
 ) -> None:
     named = _mixed()
-    transport = SharedTensorTransport(bucket_bytes=1 << 20, load_format=load_format)
-    (bucket,) = plan_shared_buckets(named, transport.bucket_bytes)
-    (body,) = transport._stage(0, bucket, 1)
+    sender = IpcBucketSender(bucket_bytes=1 << 20, load_format=load_format)
+    (bucket,) = plan_shared_buckets(named, sender.bucket_bytes)
+    (body,) = sender._stage(0, bucket, 1)
     assert body["load_format"] == load_format
     out = tmp_path / "got.pt"
     # A fresh interpreter, not a multiprocessing child: only the file_system strategy reaches it.
@@ -77,7 +79,7 @@ def test_a_payload_crosses_into_an_unrelated_process_bit_exact(
     assert list(got) == [n for n, _ in named]
     for name, tensor in named:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-    transport.close()
+    sender.close()
 
 
 def test_buckets_respect_the_bound_and_align() -> None:
@@ -162,14 +164,15 @@ def test_serve_process_receives_weights_through_shared_memory(
 
     async def scenario() -> None:
         client = HttpEngineClient(url)
-        transport = SharedTensorTransport(bucket_bytes=BUCKET)
+        transport = ColocatedTransport(bucket_bytes=BUCKET)
         sync = WeightSync([client], transport, pause_mode="retract")
+        sender = transport.ipc  # an engine process gets handles
         before = await client.generate(GREEDY)
         report = await sync.push(lambda: trainer.items(), version=1)
         assert report.calls == ["pause", "flush", "send", "set_version", "continue"]
         assert await client.get_weight_version() == "1"
-        assert len(transport.buckets_sent) > 1
-        assert all(size <= BUCKET for size in transport.buckets_sent)
+        assert len(sender.buckets_sent) > 1
+        assert all(size <= BUCKET for size in sender.buckets_sent)
         got = await _engine_weights(url, list(trainer))
         for name, tensor in trainer.items():
             assert torch.equal(got[name], tensor), name  # fp32 round-trips JSON exactly
@@ -181,10 +184,10 @@ def test_serve_process_receives_weights_through_shared_memory(
         assert after["meta_info"]["weight_version"] == "1"
 
         # A second update goes through the same shared buffers (nothing new in /dev/shm).
-        buffers = [b.untyped_storage().data_ptr() for b in transport._buffers if b is not None]
+        buffers = [b.untyped_storage().data_ptr() for b in sender._buffers if b is not None]
         doubled = {n: t * 2 for n, t in trainer.items()}
         await sync.push(lambda: doubled.items(), version=2)
-        assert [b.untyped_storage().data_ptr() for b in transport._buffers if b is not None] == (
+        assert [b.untyped_storage().data_ptr() for b in sender._buffers if b is not None] == (
             buffers
         )
         got = await _engine_weights(url, list(doubled))
@@ -203,9 +206,9 @@ def test_an_engine_that_cannot_open_the_memory_refuses_clearly(
     """As an engine on another host would: the shared-memory name does not exist there."""
     loop, url = served
     named = [("model.norm.weight", torch.full((TINY.hidden_size,), 7.0))]
-    transport = SharedTensorTransport(load_format=None)
-    (bucket,) = plan_shared_buckets(named, transport.bucket_bytes)
-    (body,) = transport._stage(0, bucket, 1)
+    sender = IpcBucketSender(load_format=None)
+    (bucket,) = plan_shared_buckets(named, sender.bucket_bytes)
+    (body,) = sender._stage(0, bucket, 1)
     raw = base64.b64decode(body["serialized_named_tensors"][0])
     name = next(n for n in os.listdir("/dev/shm") if n.encode() in raw)
     forged = raw.replace(name.encode(), b"x" * len(name))
@@ -215,7 +218,7 @@ def test_an_engine_that_cannot_open_the_memory_refuses_clearly(
         client = HttpEngineClient(url)
         version = await client.get_weight_version()
         with pytest.raises(SharedTensorError, match="same host|one host") as info:
-            await transport._post([client], [body])
+            await sender._post([client], [body])
         assert "engine 0 refused" in str(info.value) and "(400)" in str(info.value)
         assert await client.get_weight_version() == version
         (norm,) = (await _engine_weights(url, ["model.norm.weight"])).values()
@@ -225,24 +228,25 @@ def test_an_engine_that_cannot_open_the_memory_refuses_clearly(
         await client.close()
 
     loop.run(scenario())
-    transport.close()
+    sender.close()
 
 
 def test_an_in_process_engine_takes_the_same_payload(models: tuple[Path, Path]) -> None:
+    """The handles reach an engine in this process too (`ColocatedTransport` copies instead)."""
     trainer = _weights(models[1])
 
     async def scenario() -> None:
         serving = ServingEngine.from_model_dir(str(models[0]), kv_cache_bytes=8 << 20)
         await serving.start()
         client = InProcessEngineClient(serving, owns_serving=True)
-        transport = SharedTensorTransport(bucket_bytes=BUCKET, load_format=None)
-        await WeightSync([client], transport).push(lambda: trainer.items(), version=4)
+        sender = IpcBucketSender(bucket_bytes=BUCKET, load_format=None)
+        await WeightSync([client], sender).push(lambda: trainer.items(), version=4)
         params = dict(serving.scheduler.model.named_parameters(remove_duplicate=False))
         assert all(torch.equal(params[n].detach(), t) for n, t in trainer.items())
         assert await client.get_weight_version() == "4"
         with pytest.raises(SharedTensorError, match="unknown parameter name"):
-            await transport.send([client], lambda: [("no.such", torch.zeros(2))], 5)
-        transport.close()
+            await sender.send([client], lambda: [("no.such", torch.zeros(2))], 5)
+        sender.close()
         await client.close()
 
     asyncio.run(scenario())
@@ -263,15 +267,15 @@ def test_fsdp_shards_are_gathered_bucket_by_bucket(tmp_path: Path) -> None:
         gen = torch.Generator().manual_seed(3)
         full = {"w": torch.randn(64, 8, generator=gen), "b": torch.randn(8, generator=gen)}
         sharded = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
-        transport = SharedTensorTransport(bucket_bytes=1 << 20)
-        (bucket,) = plan_shared_buckets(sharded.items(), transport.bucket_bytes)
-        (body,) = transport._stage(0, bucket, 1)
+        sender = IpcBucketSender(bucket_bytes=1 << 20)
+        (bucket,) = plan_shared_buckets(sharded.items(), sender.bucket_bytes)
+        (body,) = sender._stage(0, bucket, 1)
         got = shared_tensors.named_tensors_from_payload(
             body["serialized_named_tensors"][0], body["load_format"]
         )
         assert [n for n, _ in got] == list(full)
         assert all(torch.equal(t, full[n]) for n, t in got)
-        transport.close()
+        sender.close()
     finally:
         if own_group:
             dist.destroy_process_group()

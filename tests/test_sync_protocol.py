@@ -11,7 +11,8 @@ import torch
 from verst.engine.serving import ServingEngine
 from verst.fleet.client import InProcessEngineClient
 from verst.models.tiny import TinyModelConfig, build_tiny_model, create_tiny
-from verst.sync.protocol import InProcessTensorTransport, WeightSync, WeightSyncError
+from verst.sync.colocated import ColocatedTransport
+from verst.sync.protocol import WeightSync, WeightSyncError
 
 TINY = TinyModelConfig(
     hidden_size=32,
@@ -72,7 +73,7 @@ def test_push_follows_the_protocol_and_is_exact(model_dir: Path) -> None:
     async def scenario() -> None:
         clients = await engines(model_dir, 2)
         log: list[str] = []
-        sync = WeightSync([Recording(clients[0], log), clients[1]], InProcessTensorTransport())
+        sync = WeightSync([Recording(clients[0], log), clients[1]], ColocatedTransport())
         weights = trainer_weights(seed=5)
         report = await sync.push(lambda: weights.items(), version=1)
         assert report.calls == ["pause", "flush", "send", "set_version", "continue"]
@@ -95,7 +96,7 @@ def test_push_follows_the_protocol_and_is_exact(model_dir: Path) -> None:
 def test_in_place_keeps_requests_running_across_the_update(model_dir: Path) -> None:
     async def scenario() -> dict:
         (client,) = await engines(model_dir, 1)
-        sync = WeightSync([client], InProcessTensorTransport(), pause_mode="in_place")
+        sync = WeightSync([client], ColocatedTransport(), pause_mode="in_place")
         request = asyncio.ensure_future(
             client.generate(
                 {
@@ -124,13 +125,13 @@ def test_an_engine_that_missed_the_version_is_sent_again(model_dir: Path) -> Non
         clients = await engines(model_dir, 2)
         log: list[str] = []
         flaky = Recording(clients[1], log, lose_first=True)
-        sync = WeightSync([clients[0], flaky], InProcessTensorTransport())
+        sync = WeightSync([clients[0], flaky], ColocatedTransport())
         report = await sync.push(lambda: trainer_weights(seed=8).items(), version=2)
         assert report.resent == [1]
         assert await clients[1].get_weight_version() == "2"
         hopeless = Recording(clients[0], [], lose_first=True)
         hopeless.lose = True
-        never = WeightSync([hopeless], InProcessTensorTransport(), max_resends=0)
+        never = WeightSync([hopeless], ColocatedTransport(), max_resends=0)
         with pytest.raises(WeightSyncError, match="report versions"):
             await never.push(lambda: trainer_weights(seed=8).items(), version=3)
         for client in clients:
@@ -139,10 +140,29 @@ def test_an_engine_that_missed_the_version_is_sent_again(model_dir: Path) -> Non
     asyncio.run(scenario())
 
 
+def test_colocated_sends_nothing_to_an_engine_that_shares_the_trainers_storage(
+    model_dir: Path,
+) -> None:
+    async def scenario() -> None:
+        shared, copied = await engines(model_dir, 2)
+        log: list[str] = []
+        recorded = Recording(shared, log)
+        sync = WeightSync([recorded, copied], ColocatedTransport(shared=[recorded]))
+        weights = trainer_weights(seed=4)
+        await sync.push(lambda: weights.items(), version=1)
+        assert "flush_cache" in log and "update_weights_from_tensors" not in log
+        assert_engine_has(copied, weights)
+        assert await shared.get_weight_version() == "1"
+        for client in (shared, copied):
+            await client.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_joining_engine_gets_a_full_push(model_dir: Path) -> None:
     async def scenario() -> None:
         first, late = await engines(model_dir, 2)
-        sync = WeightSync([first], InProcessTensorTransport())
+        sync = WeightSync([first], ColocatedTransport())
         weights = trainer_weights(seed=9)
         await sync.push(lambda: weights.items(), version=4)
         await sync.add_engine(late, lambda: weights.items(), version=4)
@@ -155,8 +175,7 @@ def test_a_joining_engine_gets_a_full_push(model_dir: Path) -> None:
 
 
 def test_disk_transport_full_then_deltas_stays_exact(model_dir: Path, tmp_path: Path) -> None:
-    from verst.sync.disk import DiskPublisher
-    from verst.sync.protocol import DiskTransport
+    from verst.sync.disk import DiskPublisher, DiskTransport
 
     source = build_tiny_model(TINY, vocab_size=100, seed=11)
 

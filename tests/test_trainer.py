@@ -9,7 +9,7 @@ import torch
 
 from verst.engine import GenerateRequest, SamplingParams, Scheduler
 from verst.models.tiny import TinyModelConfig, build_tiny_model
-from verst.sync.colocated import ColocatedSync
+from verst.sync.embedded import EmbeddedSync
 from verst.train.algorithms import LossConfig
 from verst.train.batching import TrainItem, balance_micro_batches, pack_micro_batches
 from verst.train.trainer import NonFiniteLossError, Trainer, TrainerConfig
@@ -133,11 +133,11 @@ def _engine_matches_trainer(engine: Scheduler, trainer: Trainer) -> None:
             assert torch.equal(target, tensor.to(target.dtype)), name
 
 
-def test_colocated_sync_shares_storage_and_stays_exact() -> None:
+def test_embedded_sync_shares_storage_and_stays_exact() -> None:
     model = tiny_model()
     engine = embedded_engine(copy.deepcopy(model).eval())
     trainer = make_trainer(model)
-    sync = ColocatedSync(trainer, engine)
+    sync = EmbeddedSync(trainer, engine)
     assert sync.zero_copy
     trainer.step(items(), step=1)
     sync.push(2)
@@ -150,7 +150,7 @@ def test_a_zero_copy_push_drops_the_prefix_cache() -> None:
     model = tiny_model()
     engine = embedded_engine(copy.deepcopy(model).eval())
     trainer = make_trainer(model)
-    sync = ColocatedSync(trainer, engine)
+    sync = EmbeddedSync(trainer, engine)
     prompt = [GenerateRequest(input_ids=list(range(5, 19)), sampling_params=SamplingParams(4))]
     engine.generate(prompt)
     assert engine.generate(prompt)[0].cached_tokens > 0
@@ -159,11 +159,11 @@ def test_a_zero_copy_push_drops_the_prefix_cache() -> None:
     assert engine.generate(prompt)[0].cached_tokens == 0
 
 
-def test_colocated_sync_copies_when_dtypes_differ() -> None:
+def test_embedded_sync_copies_when_dtypes_differ() -> None:
     model = tiny_model()
     engine = embedded_engine(copy.deepcopy(model).to(torch.bfloat16).eval())
     trainer = make_trainer(model)
-    sync = ColocatedSync(trainer, engine)
+    sync = EmbeddedSync(trainer, engine)
     assert not sync.zero_copy
     trainer.step(items(), step=1)
     sync.push(2)
@@ -176,7 +176,7 @@ def test_trainer_logprobs_match_the_engine() -> None:
     model = tiny_model(seed=3)
     engine = embedded_engine(copy.deepcopy(model).eval(), seed=1)
     trainer = make_trainer(model)
-    ColocatedSync(trainer, engine)
+    EmbeddedSync(trainer, engine)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     outputs = engine.generate(
         [

@@ -35,7 +35,7 @@ from verst.models.loading import eos_token_ids, load_model_and_tokenizer
 from verst.plugins import Generator
 from verst.rollout.rewards import RewardFn, load_reward_fn
 from verst.rollout.source import AgentRollout, AsyncRollout, EngineRollout, RolloutSource
-from verst.sync.colocated import ColocatedSync
+from verst.sync.embedded import EmbeddedSync
 from verst.sync.fleet_sync import FleetSync
 from verst.train.checkpoint import Checkpointer
 from verst.train.policy import PolicyModels
@@ -51,7 +51,7 @@ class Run:
     device: torch.device
     policy: PolicyModels
     engine: Generator  # what the rollout and the evaluator generate with
-    sync: ColocatedSync | FleetSync
+    sync: EmbeddedSync | FleetSync
     rollout: RolloutSource
     reward_fn: RewardFn
     checkpointer: Checkpointer
@@ -107,7 +107,7 @@ def wire(
     policy: PolicyModels,
     tokenizer: PreTrainedTokenizerBase,
     engine: Generator,
-    sync: ColocatedSync | FleetSync,
+    sync: EmbeddedSync | FleetSync,
     fleet: Fleet | None,
 ) -> Run:
     """The rollout source, rewards, evaluators and checkpointer around a built engine."""
@@ -180,7 +180,7 @@ def build_engine(
     engine_model: PreTrainedModel,
     policy: PolicyModels,
     tokenizer: PreTrainedTokenizerBase,
-) -> tuple[Generator, ColocatedSync | FleetSync, Fleet | None]:
+) -> tuple[Generator, EmbeddedSync | FleetSync, Fleet | None]:
     """The engine the rollout generates with, the weight sync that feeds it, and the fleet
     (rank 0's) when engines serve."""
     trainer = policy.trainer
@@ -195,7 +195,7 @@ def build_engine(
             max_running=cfg.placement.max_batch_size,
             seed=cfg.seed + distributed.rank(),
         )
-        return scheduler, ColocatedSync(trainer, scheduler), None
+        return scheduler, EmbeddedSync(trainer, scheduler), None
     fleet = None
     if distributed.rank() == 0:
         fleet = start_fleet(cfg, run_dir, engine_model, policy.shell, tokenizer, trainer.device)

@@ -1,5 +1,6 @@
-"""The shared-tensor transport on a GPU: CUDA IPC handles into a `verst serve` process on the
-trainer's GPU (and into an engine in the trainer's own process), bit-exact, under the protocol."""
+"""Colocated sync on a GPU: CUDA IPC handles (`IpcBucketSender`, the `colocated` transport's way
+to engine processes) into a `verst serve` process on the trainer's GPU (and into an engine in the
+trainer's own process), bit-exact, under the protocol."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ pytest.importorskip("aiohttp")
 from tests.servers import call, tiny_model  # noqa: E402
 from verst.engine.serving import ServingEngine  # noqa: E402
 from verst.fleet import HttpEngineClient, InProcessEngineClient, launch_local_engines  # noqa: E402
-from verst.sync.ipc import SharedTensorError, SharedTensorTransport  # noqa: E402
+from verst.sync.colocated import ColocatedTransport  # noqa: E402
+from verst.sync.ipc import IpcBucketSender, SharedTensorError  # noqa: E402
 from verst.sync.protocol import WeightSync  # noqa: E402
 
 BUCKET = 16 << 10
@@ -63,20 +65,20 @@ def test_cuda_ipc_into_a_serve_process_on_the_same_gpu(tmp_path: Path) -> None:
         before = await client.generate(GREEDY)
         for version, load_format in ((1, "flattened_bucket"), (2, None)):
             weights = {n: t * version for n, t in trainer.items()}
-            transport = SharedTensorTransport(bucket_bytes=BUCKET, load_format=load_format)
-            report = await WeightSync([client], transport).push(
+            sender = IpcBucketSender(bucket_bytes=BUCKET, load_format=load_format)
+            report = await WeightSync([client], sender).push(
                 lambda w=weights: w.items(), version=version
             )
             assert report.calls == ["pause", "flush", "send", "set_version", "continue"]
             assert await client.get_weight_version() == str(version)
-            assert len(transport.buckets_sent) > 1
-            assert all(size <= BUCKET for size in transport.buckets_sent)
+            assert len(sender.buckets_sent) > 1
+            assert all(size <= BUCKET for size in sender.buckets_sent)
             got = await _engine_weights(engine.url, list(weights))
             for name, tensor in weights.items():
                 assert torch.equal(got[name], tensor.cpu()), (load_format, name)
-            transport.close()
+            sender.close()
         # Back to the trainer's weights: outputs are those of model b.
-        transport = SharedTensorTransport(bucket_bytes=BUCKET)
+        transport = ColocatedTransport(bucket_bytes=BUCKET)  # what sync.transport=colocated runs
         await WeightSync([client], transport).push(lambda: trainer.items(), version=3)
         after, expected = await client.generate(GREEDY), await reference()
         assert after["output_ids"] == expected["output_ids"]
@@ -103,14 +105,14 @@ def test_cuda_ipc_into_an_engine_in_this_process(tmp_path: Path) -> None:
             await serving.start()
         on_gpu, on_cpu = InProcessEngineClient(gpu, owns_serving=True), InProcessEngineClient(cpu)
         for load_format in ("flattened_bucket", None):
-            transport = SharedTensorTransport(bucket_bytes=BUCKET, load_format=load_format)
-            await WeightSync([on_gpu], transport).push(lambda: trainer.items(), version=1)
+            sender = IpcBucketSender(bucket_bytes=BUCKET, load_format=load_format)
+            await WeightSync([on_gpu], sender).push(lambda: trainer.items(), version=1)
             params = dict(gpu.scheduler.model.named_parameters(remove_duplicate=False))
             assert all(torch.equal(params[n].detach(), t) for n, t in trainer.items())
             # An engine off the trainer's GPU is refused, by name, before anything is copied.
             with pytest.raises(SharedTensorError, match="engine on the trainer's GPU"):
-                await transport.send([on_cpu], lambda: trainer.items(), 2)
-            transport.close()
+                await sender.send([on_cpu], lambda: trainer.items(), 2)
+            sender.close()
         await on_gpu.close()
         await cpu.stop()
 

@@ -43,9 +43,9 @@ def test_loop_runs_on_cuda_in_bf16(tmp_path: Path) -> None:
 def test_engine_weights_equal_trainer_weights_after_sync() -> None:
     import copy
 
-    from verst.engine import Engine
+    from verst.engine import Scheduler
     from verst.models.tiny import TinyModelConfig, build_tiny_model
-    from verst.sync.colocated import ColocatedSync
+    from verst.sync.embedded import EmbeddedSync
     from verst.train.algorithms import LossConfig
     from verst.train.batching import TrainItem
     from verst.train.trainer import Trainer, TrainerConfig
@@ -58,8 +58,11 @@ def test_engine_weights_equal_trainer_weights_after_sync() -> None:
         vocab_size=40,
         seed=0,
     )
-    engine = Engine(
-        copy.deepcopy(model).to(device, torch.bfloat16).eval(), eos_token_ids=[0], pad_token_id=0
+    engine = Scheduler.for_model(
+        copy.deepcopy(model).to(device, torch.bfloat16).eval(),
+        eos_token_ids=[0],
+        pad_token_id=0,
+        kv_cache_bytes=64 << 20,
     )
     trainer = Trainer(
         model,
@@ -69,7 +72,7 @@ def test_engine_weights_equal_trainer_weights_after_sync() -> None:
         pad_token_id=0,
         device=device,
     )
-    sync = ColocatedSync(trainer, engine)
+    sync = EmbeddedSync(trainer, engine)
     assert not sync.zero_copy  # fp32 master weights, bf16 engine
     batch = [
         TrainItem(

@@ -1,21 +1,29 @@
-"""Colocated weight sync for the embedded engine: the trainer and a `Scheduler` it calls
-directly share a process and a device.
+"""The `colocated` transport: engines on the trainer's device, reached without a socket or a
+disk carrying the bytes.
 
-When a rank holds whole parameters (a world of one) in the engine's dtype, the engine's
-parameters are re-pointed at the trainer's storage once, and every later update is only a
-version bump: the optimiser writes the very tensors the engine reads. Otherwise each push
-gathers full tensors bucket by bucket and copies them into the engine. Either way the prefix
-cache, which holds KV of the old weights, is dropped. The loop is synchronous, so the engine is
-idle during a push: there is nothing to pause.
+`ColocatedTransport` serves every kind of serving engine the placement can put there:
+- an engine in the trainer's process whose parameters ARE the trainer's tensors (re-pointed by
+  `share_storage`: a world of one, same dtype) needs nothing sent: the optimiser wrote them;
+- another engine in the trainer's process gets an in-process copy, bucket by bucket;
+- an engine process on the trainer's device gets CUDA IPC handles (GPU) or shared-memory buffers
+  (CPU) and copies from them (`verst.sync.ipc.IpcBucketSender`).
+
+The embedded engine shares storage the same way, without the version protocol
+(`verst.sync.embedded`).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
+
 import torch
 
 from verst import distributed
-from verst.engine import Scheduler
-from verst.sync.buckets import bucketed, full_parameters
+from verst.fleet.client import InProcessEngineClient
+from verst.plugins import EngineClient, NamedTensors
+from verst.sync.buckets import bucketed
+from verst.sync.ipc import IpcBucketSender
 from verst.train.trainer import Trainer
 
 
@@ -41,21 +49,59 @@ def share_storage(trainer: Trainer, model: torch.nn.Module) -> bool:
     return True
 
 
-class ColocatedSync:
-    def __init__(
-        self, trainer: Trainer, engine: Scheduler, *, bucket_bytes: int = 512 << 20
-    ) -> None:
-        self.trainer = trainer
-        self.engine = engine
-        self.bucket_bytes = bucket_bytes
-        self.zero_copy = share_storage(trainer, engine.model)
+class ColocatedTransport:
+    """The `colocated` transport, for `WeightSync`. An engine that takes tensors in-process
+    (`update_weights_from_tensors`, as `InProcessEngineClient` does) gets a copy unless it is
+    one of `shared`; any other engine is an engine process on the trainer's device and gets
+    handles to staging buffers (`IpcBucketSender`, configured by `bucket_bytes` and `dtype`).
 
-    def push(self, version: int) -> dict[str, float]:
-        """Make the engine generate with the trainer's current weights, stamped `version`."""
-        if not self.zero_copy:
-            dtype = next(self.engine.model.parameters()).dtype
-            for bucket in bucketed(full_parameters(self.trainer.model, dtype), self.bucket_bytes):
-                self.engine.update_weights_from_tensors(bucket, version)
-        self.engine.set_weight_version(version)
-        self.engine.weights_changed()
-        return {}
+    A fleet's engines are all of one kind, so a push walks the tensors once (under FSDP each
+    walk is a collective gather that every rank joins).
+    """
+
+    def __init__(
+        self,
+        *,
+        bucket_bytes: int = 512 << 20,
+        dtype: torch.dtype | None = None,
+        shared: Iterable[EngineClient] = (),
+    ) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.shared = {id(e) for e in shared}  # engines whose weights are the trainer's tensors
+        self.ipc = IpcBucketSender(bucket_bytes=bucket_bytes, dtype=dtype)
+
+    @classmethod
+    def sharing_storage(
+        cls,
+        trainer: Trainer,
+        engines: Iterable[EngineClient],
+        *,
+        bucket_bytes: int = 512 << 20,
+        dtype: torch.dtype | None = None,
+    ) -> ColocatedTransport:
+        """Re-point each in-process engine's parameters at the trainer's storage where
+        `share_storage` can; those engines are then sent nothing."""
+        shared = [
+            e
+            for e in engines
+            if isinstance(e, InProcessEngineClient)
+            and share_storage(trainer, e.serving.scheduler.model)
+        ]
+        return cls(bucket_bytes=bucket_bytes, dtype=dtype, shared=shared)
+
+    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
+        copied, processes = [], []
+        for engine in engines:
+            if not hasattr(engine, "update_weights_from_tensors"):
+                processes.append(engine)
+            elif id(engine) not in self.shared:
+                copied.append(engine)
+        if copied:  # every engine from one pass over the tensors
+            for bucket in bucketed(tensors(), self.bucket_bytes):
+                await asyncio.gather(*(e.update_weights_from_tensors(bucket) for e in copied))
+        if processes:
+            await self.ipc.send(processes, tensors, version)
+
+    def close(self) -> None:
+        """Free the staging buffers of engine processes."""
+        self.ipc.close()

@@ -1,7 +1,9 @@
 """Disk weight sync: versioned snapshots and XOR / overwrite deltas, published atomically.
 
 The trainer's `DiskPublisher` writes `root/weight_v{version:06d}/`; engines (on any host that
-sees `root`) call `apply_published` to patch their weights in place. What this module promises:
+sees `root`) call `apply_published` to patch their weights in place. `DiskTransport` is the
+`disk` value of `sync.transport`: one publish per version, loaded by every engine under the
+version protocol (`verst.sync.protocol`). What this module promises:
 
 - A `weight_v*` directory is visible only once complete: it is written under a dot-prefixed
   temporary name in the same root, every file is fsynced, `.complete` is written last, and one
@@ -35,6 +37,7 @@ needs). `full_every` bounds that chain by publishing a full snapshot every so ma
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -49,6 +52,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from verst.plugins import EngineClient, NamedTensors
 from verst.sync.disk_format import (
     CHECKSUM_ALGORITHM,
     COMPLETE,
@@ -84,6 +88,7 @@ __all__ = [
     "ChecksumMismatch",
     "DiskPublisher",
     "DiskSyncError",
+    "DiskTransport",
     "IncompletePublish",
     "LayoutMismatch",
     "Manifest",
@@ -292,6 +297,17 @@ class DiskPublisher:
 
 
 # --------------------------------------------------------------------------- applying
+
+
+class DiskTransport:
+    """Publish a snapshot or delta once (`DiskPublisher`); every engine loads it from disk."""
+
+    def __init__(self, publisher: DiskPublisher) -> None:
+        self.publisher = publisher
+
+    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
+        path = await asyncio.to_thread(self.publisher.publish, tensors(), version)
+        await asyncio.gather(*(e.update_weights_from_disk(str(path)) for e in engines))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,15 @@
 """The trainer's side of weight sync to a `Fleet` of serving engines, chosen by config.
 
 `FleetSync.push(version)` runs the version protocol (`verst.sync.protocol.WeightSync`) over
-every engine of the fleet with the transport `sync.transport` names:
+every engine of the fleet with the transport `sync.transport` names, one class per value:
 
-- `colocated`, engines in the trainer's process: an engine whose parameters were re-pointed at
-  the trainer's storage (a world of one, same dtype) needs nothing sent; the others get an
-  in-process copy; engine processes on the trainer's device get CUDA IPC handles (GPU) or
-  shared-memory buffers (CPU) and copy from them (`verst.sync.ipc`);
-- `broadcast`: a process group of the trainer and every engine process (gloo / NCCL), bucketed;
-- `disk`: a safetensors snapshot or delta published once, loaded by every engine.
+- `colocated`: `verst.sync.colocated.ColocatedTransport` (engines on the trainer's device:
+  nothing sent to an in-process engine that shares the trainer's storage, an in-process copy to
+  another, CUDA IPC or shared-memory handles to an engine process);
+- `broadcast`: `verst.sync.broadcast.BroadcastTransport` (a process group of the trainer and
+  every engine process, gloo / NCCL, bucketed);
+- `disk`: `verst.sync.disk.DiskTransport` (a safetensors snapshot or delta published once,
+  loaded by every engine).
 
 The tensors sent are the trainer's full parameters, in the engines' dtype, gathered one at a
 time (FSDP2 shards become full tensors tensor by tensor, never the whole model at once).
@@ -26,23 +27,14 @@ from pydantic import Field
 
 from verst import distributed
 from verst.configbase import ConfigBase
-from verst.fleet.client import InProcessEngineClient
 from verst.fleet.fleet import Fleet, PlacementConfig
 from verst.fleet.launcher import free_port
-from verst.plugins import EngineClient, WeightTransport
+from verst.plugins import WeightTransport
 from verst.sync.broadcast import BroadcastTransport
 from verst.sync.buckets import full_parameters
-from verst.sync.colocated import share_storage
-from verst.sync.disk import DiskPublisher
-from verst.sync.ipc import SharedTensorTransport
-from verst.sync.protocol import (
-    DiskTransport,
-    InProcessTensorTransport,
-    NamedTensors,
-    PauseMode,
-    WeightSync,
-    WeightSyncError,
-)
+from verst.sync.colocated import ColocatedTransport
+from verst.sync.disk import DiskPublisher, DiskTransport
+from verst.sync.protocol import PauseMode, WeightSync, WeightSyncError
 from verst.train.trainer import Trainer
 
 TransportName = Literal["auto", "colocated", "broadcast", "disk"]
@@ -69,20 +61,6 @@ class SyncConfig(ConfigBase):
         if self.transport != "auto":
             return self.transport
         return "colocated" if placement.mode == "colocated" else "broadcast"
-
-
-class SharedStorageTransport:
-    """Colocated in one process: engines that share the trainer's storage need nothing sent
-    (the optimiser wrote their weights); the rest get an in-process copy."""
-
-    def __init__(self, shared: set[int], bucket_bytes: int = 512 << 20) -> None:
-        self.shared = shared  # ids of the clients whose weights are the trainer's tensors
-        self.copy = InProcessTensorTransport(bucket_bytes)
-
-    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
-        rest = [e for e in engines if id(e) not in self.shared]
-        if rest:
-            await self.copy.send(rest, tensors, version)
 
 
 class FleetSync:
@@ -138,10 +116,10 @@ class FleetSync:
         name = cfg.resolve(placement)
         bucket_bytes = cfg.bucket_mb << 20
         transport: WeightTransport
-        if name == "colocated" and fleet.processes:
-            transport = SharedTensorTransport(bucket_bytes=bucket_bytes, dtype=engine_dtype)
-        elif name == "colocated":
-            transport = SharedStorageTransport(_share_with_in_process(trainer, fleet), bucket_bytes)
+        if name == "colocated":
+            transport = ColocatedTransport.sharing_storage(
+                trainer, fleet.clients, bucket_bytes=bucket_bytes, dtype=engine_dtype
+            )
         elif name == "broadcast":
             on_cuda = trainer.device.type == "cuda"
             if on_cuda and _same_device(trainer.device, fleet.process_devices):
@@ -222,17 +200,3 @@ def _same_device(device: torch.device, others: list[str]) -> bool:
         torch.device(o).type == device.type and (torch.device(o).index or 0) == index
         for o in others
     )
-
-
-def _share_with_in_process(trainer: Trainer, fleet: Fleet) -> set[int]:
-    """Point in-process engines' parameters at the trainer's storage where possible."""
-    shared = set()
-    for client in fleet.clients:
-        if not isinstance(client, InProcessEngineClient):
-            raise ValueError(
-                "sync.transport=colocated reaches engines in the trainer's process only "
-                "(placement.engines=in_process); use broadcast or disk for engine processes"
-            )
-        if share_storage(trainer, client.serving.scheduler.model):
-            shared.add(id(client))
-    return shared

@@ -1,10 +1,11 @@
 """Colocated weight sync across processes: tensors travel as handles, never as bytes.
 
 The trainer and a `verst serve` engine (or an SGLang server) run as separate processes on one
-host. `SharedTensorTransport` stages each bucket of full tensors in a buffer the engine can map
-(CUDA memory, or CPU shared memory in /dev/shm) and sends only a handle to it through SGLang's
+host. `IpcBucketSender` stages each bucket of full tensors in a buffer the engine can map (CUDA
+memory, or CPU shared memory in /dev/shm) and sends only a handle to it through SGLang's
 `POST /update_weights_from_tensor`; the engine maps the buffer and copies the bytes into its
-parameters in place, then answers. Nothing is copied through a socket or a disk.
+parameters in place, then answers. Nothing is copied through a socket or a disk. The `colocated`
+transport (`verst.sync.colocated.ColocatedTransport`) sends to engine processes through it.
 
 The wire format and the engine's side (unpickling through an allow-list, checks, the copy's
 end) are in `verst.sync.shared_tensors`.
@@ -71,9 +72,10 @@ def _device_of(tensor: torch.Tensor) -> torch.device:
     return tensor.to_local().device if isinstance(tensor, DTensor) else tensor.device
 
 
-class SharedTensorTransport:
-    """The trainer's side of the colocated transport across processes (CUDA IPC on a GPU,
-    shared memory on the CPU), for `WeightSync`.
+class IpcBucketSender:
+    """The trainer's side of colocated sync across processes (CUDA IPC on a GPU, shared memory
+    on the CPU). Its `send` has the `WeightTransport` signature, so `WeightSync` can drive it
+    alone; `ColocatedTransport` uses it for engine processes.
 
     `send` walks the named tensors once, in buckets of at most `bucket_bytes`: each tensor
     (an FSDP2 DTensor is gathered with `full_tensor()`, one at a time) is copied, cast to

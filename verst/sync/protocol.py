@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from verst.plugins import EngineClient, NamedTensors, WeightTransport
-from verst.sync.buckets import bucketed
-from verst.sync.disk import DiskPublisher
 
 PauseMode = Literal["retract", "in_place", "abort"]
 
@@ -40,29 +38,6 @@ class PushReport:
     seconds: float
     resent: list[int] = field(default_factory=list)  # indices of engines sent twice or more
     calls: list[str] = field(default_factory=list)  # the protocol's steps, in order
-
-
-class InProcessTensorTransport:
-    """Engines in this process (`InProcessEngineClient`): tensors are copied straight in, bucket
-    by bucket, every engine from one pass over the tensors."""
-
-    def __init__(self, bucket_bytes: int = 512 << 20) -> None:
-        self.bucket_bytes = bucket_bytes
-
-    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
-        for bucket in bucketed(tensors(), self.bucket_bytes):
-            await asyncio.gather(*(e.update_weights_from_tensors(bucket) for e in engines))
-
-
-class DiskTransport:
-    """Publish a snapshot or delta once (`verst.sync.disk`); every engine loads it from disk."""
-
-    def __init__(self, publisher: DiskPublisher) -> None:
-        self.publisher = publisher
-
-    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
-        path = await asyncio.to_thread(self.publisher.publish, tensors(), version)
-        await asyncio.gather(*(e.update_weights_from_disk(str(path)) for e in engines))
 
 
 class WeightSync:

@@ -1,0 +1,38 @@
+"""Weight sync for the embedded engine: a `Scheduler` the trainer calls directly, in its own
+process and on its own device, whatever `sync.transport` says.
+
+When a rank holds whole parameters (a world of one) in the engine's dtype, the engine's
+parameters are re-pointed at the trainer's storage once (`verst.sync.colocated.share_storage`),
+and every later update is only a version bump: the optimiser writes the very tensors the engine
+reads. Otherwise each push gathers full tensors bucket by bucket and copies them into the
+engine. Either way the prefix cache, which holds KV of the old weights, is dropped. The loop is
+synchronous, so the engine is idle during a push: there is nothing to pause, and the version
+protocol of serving engines (`verst.sync.protocol`) is not needed.
+"""
+
+from __future__ import annotations
+
+from verst.engine import Scheduler
+from verst.sync.buckets import bucketed, full_parameters
+from verst.sync.colocated import share_storage
+from verst.train.trainer import Trainer
+
+
+class EmbeddedSync:
+    def __init__(
+        self, trainer: Trainer, engine: Scheduler, *, bucket_bytes: int = 512 << 20
+    ) -> None:
+        self.trainer = trainer
+        self.engine = engine
+        self.bucket_bytes = bucket_bytes
+        self.zero_copy = share_storage(trainer, engine.model)
+
+    def push(self, version: int) -> dict[str, float]:
+        """Make the engine generate with the trainer's current weights, stamped `version`."""
+        if not self.zero_copy:
+            dtype = next(self.engine.model.parameters()).dtype
+            for bucket in bucketed(full_parameters(self.trainer.model, dtype), self.bucket_bytes):
+                self.engine.update_weights_from_tensors(bucket, version)
+        self.engine.set_weight_version(version)
+        self.engine.weights_changed()
+        return {}
