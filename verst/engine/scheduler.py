@@ -286,7 +286,9 @@ class Scheduler:
         return finished
 
     def _admit(self) -> list[GenerateOutput]:
-        finished = []
+        finished: list[GenerateOutput] = []
+        if not self.waiting or len(self.running) >= self.max_running:
+            return finished
         prefilling = {self._prompt_key(r) for r in self.running if r.computed < r.prompt_length}
         leaders = {tuple(r.tokens): r for r in self.running if self._may_lead(r)}
         self._has_followers = False
