@@ -162,7 +162,11 @@ def _format_validation_error(error: ValidationError) -> str:
     lines = []
     for detail in error.errors():
         field = ".".join(str(part) for part in detail["loc"]) or "(root)"
-        lines.append(f"  {field}: {detail['msg']}")
+        message = detail["msg"].removeprefix("Value error, ")
+        # a plug-in's error already names its field (it is raised for any caller)
+        lines.append(
+            f"  {message}" if message.startswith(f"{field}: ") else f"  {field}: {message}"
+        )
     return "invalid config:\n" + "\n".join(lines)
 
 
