@@ -257,7 +257,7 @@ class WeightTransport(Protocol):
     ) -> None: ...
 
 
-# ---- loading ------------------------------------------------------------------------------------
+# ---- the algorithm -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -311,6 +311,9 @@ class PolicyLoss(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss_B_T to minimise, clipped_B_T: 1.0 where a clip stops the gradient)."""
         ...
+
+
+# ---- loading ------------------------------------------------------------------------------------
 
 
 class PluginError(ValueError):
