@@ -1,9 +1,8 @@
-"""One cached forward pass over a Hugging Face causal LM, for the engine and the trainer alike.
-
-Both call the model the same way — explicit position ids, a 2-D attention mask, a KV cache —
-so that the engine's log-probs and the trainer's agree. transformers renamed the cache
-argument (`past_key_values` → `cache`) and `DynamicCache`'s constructor changed across
-versions; this module hides which one is installed.
+"""One cached forward pass over a Hugging Face causal LM, as the trainer (and its critic) run it:
+explicit position ids, a 2-D attention mask and a KV cache, so a group's prompt runs once and
+its responses attend to its cache. transformers renamed the cache argument
+(`past_key_values` → `cache`) and `DynamicCache`'s constructor changed across versions; this
+module hides which one is installed.
 """
 
 from __future__ import annotations
