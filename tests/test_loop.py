@@ -61,6 +61,17 @@ def test_smoke_run_writes_metrics_checkpoints_and_config(tmp_path: Path) -> None
     # the warm start's two dev checks installed versions 1 and 2
     assert [r["weight_version"] for r in rows] == [3, 4, 5, 6, 7]
     assert all("eval/accuracy" in rows[i] for i in (2, 4))
+    # every phase of a step is timed; eval and checkpoint only on the steps that ran them
+    phases = ("rollout", "reward", "advantages", "train", "sync")
+    for row in rows[1:]:
+        times = {p: row[f"perf/{p}_time_s"] for p in phases}
+        assert all(t >= 0 for t in times.values())
+        assert row["perf/step_time_s"] == pytest.approx(sum(times.values()))
+        assert (
+            ("perf/eval_time_s" in row)
+            == ("perf/checkpoint_time_s" in row)
+            == (row["step"] % 2 == 0)
+        )
     assert (run_dir / "config.yaml").is_file()
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002", "step_000004"]
     # a checkpoint is an HF directory any loader reads
