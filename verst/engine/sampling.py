@@ -10,9 +10,12 @@ truncation), and `log_softmax(logits)[token]` for greedy rows (T == 0).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes [-2^63, 2^64); seeds are [0, 2^64)
 
 
 @dataclass
@@ -27,7 +30,15 @@ class SamplingParams:
     sampling_seed: int | None = None  # a request with a seed samples reproducibly on its own
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending field."""
+        """Raise ValueError naming the offending field (types too: a bool is not a number)."""
+        for name in ("max_new_tokens", "top_k"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -38,12 +49,23 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
+        seed = self.sampling_seed
+        if seed is not None and not (_is_int(seed) and 0 <= seed < SEED_LIMIT):
+            raise ValueError(f"sampling_seed must be an int in [0, 2^64), got {seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def sample_next_tokens(

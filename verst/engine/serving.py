@@ -20,6 +20,7 @@ Promises (SGLang's semantics):
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
 from verst.engine.sampling import SamplingParams
 from verst.engine.scheduler import Scheduler
 from verst.engine.weight_loading import checkpoint_files, checkpoint_tensors, load_published
+
+logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -59,6 +62,14 @@ def context_length(config: Any) -> int:
     return min(length, window) if length and window else length or window
 
 
+def vocab_size(model: Any) -> int:
+    """Rows of the input embedding (the ids a prompt may use); 0 when the model does not say."""
+    try:
+        return int(model.get_input_embeddings().weight.shape[0])
+    except (AttributeError, TypeError, IndexError):
+        return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+
+
 class ServingEngine:
     """A `Scheduler` behind an async queue; create and use it inside one event loop."""
 
@@ -78,6 +89,7 @@ class ServingEngine:
         self.model_path = model_path
         self.weight_version = str(scheduler.weight_version)
         self.context_len = context_length(getattr(scheduler.model, "config", None))
+        self.vocab_size = vocab_size(scheduler.model)
         self.num_batches = 0  # scheduler steps so far; batching is observable in tests/metrics
         self._queue: list[_Pending] = []
         self._running: dict[str, _Pending] = {}  # handed to the scheduler, by rid
@@ -203,11 +215,11 @@ class ServingEngine:
         """Queue one request and wait for its result (SGLang's `/generate` item shape)."""
         cond = self._started()
         submitted_s = time.perf_counter()
-        params.validate()
-        if not input_ids:
-            raise ValueError("input_ids must be non-empty")
+        self.check_request(input_ids, params)
         async with cond:
             await cond.wait_for(lambda: not self._paused and not self._updating)
+            if not self.rid_is_free(rid):
+                raise ValueError(f"Duplicate request ID detected: {rid}")
             pending = _Pending(
                 GenerateRequest(
                     list(input_ids),
@@ -232,58 +244,102 @@ class ServingEngine:
                     cond.notify_all()
             raise
 
+    def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request the engine cannot run (before it reaches a batch)."""
+        params.validate()
+        if not input_ids:
+            raise ValueError("input_ids must be non-empty")
+        if self.vocab_size and (min(input_ids) < 0 or max(input_ids) >= self.vocab_size):
+            bad = next(t for t in input_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def rid_is_free(self, rid: str) -> bool:
+        """No request with this rid is in flight (SGLang answers a second one with a 400)."""
+        return rid not in self._running and all(p.request.rid != rid for p in self._queue)
+
     async def _loop(self) -> None:
+        """Run steps until cancelled; no exception ends the loop (a dead loop would leave every
+        caller waiting and /health failing)."""
+        while True:
+            try:
+                await self._iteration()
+            except Exception:
+                logger.exception("serving loop: an iteration failed; serving goes on")
+                await asyncio.sleep(self.batch_wait_s)
+
+    async def _iteration(self) -> None:
         cond, lock = self._started(), self._engine_lock
         assert lock is not None
-        while True:
-            async with cond:
-                await cond.wait_for(
-                    lambda: (
-                        bool(self._control)
-                        or ((bool(self._queue) or self.scheduler.has_work()) and not self._paused)
-                    )
+        async with cond:
+            await cond.wait_for(
+                lambda: (
+                    bool(self._control)
+                    or ((bool(self._queue) or self.scheduler.has_work()) and not self._paused)
                 )
-                idle = not self._running and not self._control
-            if idle:  # an idle engine waits a moment so a burst of requests starts together
-                await asyncio.sleep(self.batch_wait_s)
-            async with cond:
-                for p in self._queue:
-                    self.scheduler.submit(p.request)
-                    self._running[p.request.rid] = p
-                self._queue.clear()
-            try:
-                async with lock:
-                    self._apply_control()
-                    if self._paused:
-                        continue
-                    version = self.weight_version
-                    self.num_batches += 1
-                    finished = await asyncio.to_thread(self.scheduler.step)
-            except Exception as error:  # the engine failed: every request in it fails
+            )
+            idle = not self._running and not self._control
+        if idle:  # an idle engine waits a moment so a burst of requests starts together
+            await asyncio.sleep(self.batch_wait_s)
+        try:
+            async with lock:
                 async with cond:
-                    for p in self._running.values():
-                        if not p.future.done():
-                            p.future.set_exception(error)
-                    self._running.clear()
-                    self.scheduler.abort(abort_all=True)
-                    cond.notify_all()
-                continue
+                    # Aborts and pauses asked for so far reach the scheduler before the new
+                    # arrivals do: an abort must only touch the requests it has answered.
+                    self._apply_control()
+                    self._submit_queue()
+                if self._paused:
+                    return
+                version = self.weight_version
+                self.num_batches += 1
+                finished = await asyncio.to_thread(self.scheduler.step)
+        except Exception as error:  # the engine failed: every request in it fails
+            logger.exception("serving loop: a step failed; failing the requests running in it")
             async with cond:
-                self._resolve(finished, version)
+                for p in self._running.values():
+                    if not p.future.done():
+                        p.future.set_exception(error)
+                self._running.clear()
+                self.scheduler.abort(abort_all=True)
                 cond.notify_all()
+            return
+        async with cond:
+            self._resolve(finished, version)
+            cond.notify_all()
+
+    def _submit_queue(self) -> None:
+        """Hand the queued requests to the scheduler; one it refuses fails alone."""
+        for p in self._queue:
+            try:
+                self.scheduler.submit(p.request)
+            except Exception as error:
+                logger.warning("request %s refused by the scheduler: %r", p.request.rid, error)
+                if not p.future.done():
+                    p.future.set_exception(error)
+                continue
+            self._running[p.request.rid] = p
+        self._queue.clear()
 
     def _apply_control(self) -> None:
-        """Aborts and pauses reach the scheduler between two steps (call with the lock)."""
+        """Aborts and pauses reach the scheduler between two steps (call with the lock). A
+        request the scheduler drops that a caller still waits for is answered here, so every
+        request ends exactly once."""
         while self._control:
-            self._control.pop(0)()
+            dropped = self._control.pop(0)()
+            if isinstance(dropped, list):
+                self._resolve(dropped, self.weight_version)
 
     def _resolve(self, outputs: list[GenerateOutput], version: str) -> None:
         for out in outputs:
             p = self._running.pop(out.rid, None)
-            if p is not None and not p.future.done():
-                p.future.set_result(
-                    self.results.finished(p.request, p.detokenize, p.submitted_s, out, version)
-                )
+            if p is None or p.future.done():
+                continue
+            try:
+                result = self.results.finished(p.request, p.detokenize, p.submitted_s, out, version)
+            except Exception as error:  # shaping one result failed: that request fails alone
+                logger.exception("request %s: shaping its result failed", out.rid)
+                p.future.set_exception(error)
+            else:
+                p.future.set_result(result)
 
     def _started(self) -> asyncio.Condition:
         if self._cond is None:
