@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from verst.engine.sampling import SamplingParams
 from verst.engine.server.openai_api import openai_stream_chunks, run_openai
@@ -55,16 +59,47 @@ def json_response(body: Any, status: int = 200) -> web.Response:
 
 
 async def read_json(request: web.Request, *, optional: bool = False) -> Any:
-    """The request's JSON body; an empty body is None when `optional`, else a 400."""
-    raw = await request.read()
+    """The request's JSON body; an empty body is None when `optional`, else a 400. A body that
+    cannot be decoded (a bad Content-Encoding, nesting past the parser's depth, a lone
+    surrogate that no tokenizer or UTF-8 writer accepts) is a 400 too."""
+    try:
+        raw = await request.read()
+    except (RequestPayloadError, HttpProcessingError, zlib.error) as error:
+        raise validation_error(f"the request body cannot be decoded: {error}") from error
     if not raw.strip():
         if optional:
             return None
         raise validation_error("the request body is empty; expected a JSON object")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+    except RecursionError as error:
+        raise validation_error("JSON decode error: nested too deeply") from error
     except ValueError as error:
         raise validation_error(f"JSON decode error: {error}") from error
+    if LONE_SURROGATE.search(raw) and _has_lone_surrogate(body):
+        raise validation_error("JSON decode error: a string holds a lone UTF-16 surrogate")
+    return body
+
+
+# `\ud800`-`\udfff` escapes: only a body holding one can decode to a lone surrogate.
+LONE_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 async def stream(request: web.Request, events: list[Any]) -> web.StreamResponse:

@@ -39,39 +39,67 @@ OPENAI_OFF: dict[str, Any] = {
 }
 
 
-def _openai_prompts(payload: dict[str, Any], tokenizer: Any, chat: bool) -> list[list[int]]:
-    if chat:
-        if isinstance(payload.get("input_ids"), list):
-            return [list(payload["input_ids"])]
-        messages = payload.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise openai_error("messages must be a non-empty list")
-        normalized = []
-        for message in messages:
-            if not isinstance(message, dict) or "role" not in message:
-                raise openai_error("each message needs a role")
-            content = message.get("content")
-            if isinstance(content, list):  # content parts: only text is supported
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            normalized.append({**message, "content": content})
-        continue_final = bool(payload.get("continue_final_message"))
+def _token_list(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _content(message: Any) -> Any:
+    """A message's content as text (content parts: only text is supported)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise openai_error("each message needs a role (a string)")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        if not all(isinstance(p, str) for p in parts):
+            raise openai_error("a content part's text must be a string")
+        return "".join(parts)
+    if content is not None and not isinstance(content, str):
+        raise openai_error("a message's content must be a string or a list of content parts")
+    return content
+
+
+def _chat_prompt(payload: dict[str, Any], tokenizer: Any) -> list[int]:
+    if payload.get("input_ids") is not None:
+        if not _token_list(payload["input_ids"]):
+            raise openai_error("input_ids must be a non-empty list of token ids")
+        return list(payload["input_ids"])
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise openai_error("messages must be a non-empty list")
+    normalized = [{**message, "content": _content(message)} for message in messages]
+    kwargs = payload.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise openai_error("chat_template_kwargs must be an object")
+    continue_final = bool(payload.get("continue_final_message"))
+    try:
         text = tokenizer.apply_chat_template(
             normalized,
             tokenize=False,
             add_generation_prompt=not continue_final,
             continue_final_message=continue_final,
-            **(payload.get("chat_template_kwargs") or {}),
+            **kwargs,
         )
-        return [tokenizer.encode(text, add_special_tokens=False)]
+    except Exception as error:  # the template rejects these messages: the request's fault
+        raise openai_error(f"the chat template cannot render these messages: {error}") from error
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _openai_prompts(payload: dict[str, Any], tokenizer: Any, chat: bool) -> list[list[int]]:
+    if chat:
+        return [_chat_prompt(payload, tokenizer)]
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt)]
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) for t in prompt):
+        if _token_list(prompt):
             return [list(prompt)]
         if all(isinstance(p, str) for p in prompt):
             return [tokenizer.encode(p) for p in prompt]
-        if all(isinstance(p, list) and p for p in prompt):
+        if all(_token_list(p) for p in prompt):
             return [list(p) for p in prompt]
     raise openai_error("prompt must be a string, a list of strings or a list of token ids")
 
@@ -84,6 +112,10 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
         value = payload.get(key)
         if value is not None and value != off and value != []:
             raise openai_error(f"{key} is not supported by the verst engine yet")
+    if not isinstance(payload.get("stream", False) or False, bool):
+        raise openai_error("stream must be a boolean")
+    if not isinstance(payload.get("stream_options") or {}, dict):
+        raise openai_error("stream_options must be an object")
     response_format = payload.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
         raise openai_error("response_format other than text is not supported yet")

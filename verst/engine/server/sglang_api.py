@@ -14,13 +14,14 @@ dicts cannot drift. Nothing here imports aiohttp, so the in-process path works w
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
 from verst.engine.results import DetokenizeParams
-from verst.engine.sampling import SamplingParams
+from verst.engine.sampling import SEED_LIMIT, SamplingParams
 from verst.engine.serving import PAUSE_MODES, ServingEngine
 
 SGLANG_TOP_K_ALL = 1 << 30
@@ -133,15 +134,33 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def _number(d: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    """A finite number of `kind` (an int may be written 3.0, as JSON allows), else a 400."""
     value = d.get(key)
     if value is None:
         return default
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and float(value).is_integer()
+    if isinstance(value, float):
+        ok = math.isfinite(value) and (kind is float or value.is_integer())
+    if ok and kind is float and isinstance(value, int):
+        ok = abs(value) < 1 << 1000  # float() of a huge int overflows
     if not ok:
-        raise contract_error(f"sampling_params.{key} must be {kind.__name__}, got {value!r}")
+        what = "a finite number" if kind is float else "an int"
+        raise contract_error(f"sampling_params.{key} must be {what}, got {value!r}")
     return kind(value)
+
+
+def _flag(d: dict[str, Any], key: str, default: bool, where: str = "") -> bool:
+    """A JSON boolean (or null for the default); "yes" or 1 is a 400, not a truthy value."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise contract_error(f"{where}{key} must be a boolean, got {value!r}")
+    return value
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_sampling_params(
@@ -161,6 +180,8 @@ def parse_sampling_params(
             raise value_error(f"sampling_params.{key} is not supported by the verst engine yet")
     max_new = _number(raw, "max_new_tokens", 128, int)
     temperature = _number(raw, "temperature", 1.0, float)
+    if temperature < 0:  # checked before small temperatures become greedy
+        raise value_error(f"sampling_params.temperature must be >= 0, got {temperature}")
     top_k = _number(raw, "top_k", SGLANG_TOP_K_ALL, int)
     n = _number(raw, "n", 1, int)
     if n < 1:
@@ -170,7 +191,7 @@ def parse_sampling_params(
     if not all(isinstance(s, str) for s in stop_list) or len(stop_list) > 32:
         raise contract_error("sampling_params.stop must be a string or a list of <= 32 strings")
     stop_ids = raw.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(_is_token(t) for t in stop_ids):
         raise contract_error("sampling_params.stop_token_ids must be a list of ints")
     if context_len and prompt_len >= context_len:
         raise value_error(
@@ -187,8 +208,8 @@ def parse_sampling_params(
         top_k=-1 if top_k == -1 or top_k >= SGLANG_TOP_K_ALL else top_k,
         min_p=_number(raw, "min_p", 0.0, float),
         stop_token_ids=list(stop_ids),
-        ignore_eos=bool(raw.get("ignore_eos") or False),
-        sampling_seed=raw.get("sampling_seed"),
+        ignore_eos=_flag(raw, "ignore_eos", False, "sampling_params."),
+        sampling_seed=_number(raw, "sampling_seed", None, int),
     )
     try:
         params.validate()
@@ -196,9 +217,11 @@ def parse_sampling_params(
         raise value_error(str(error)) from error
     detok = DetokenizeParams(
         stop=tuple(stop_list),
-        no_stop_trim=bool(raw.get("no_stop_trim") or False),
-        skip_special_tokens=raw.get("skip_special_tokens", True) is not False,
-        spaces_between_special_tokens=raw.get("spaces_between_special_tokens", True) is not False,
+        no_stop_trim=_flag(raw, "no_stop_trim", False, "sampling_params."),
+        skip_special_tokens=_flag(raw, "skip_special_tokens", True, "sampling_params."),
+        spaces_between_special_tokens=_flag(
+            raw, "spaces_between_special_tokens", True, "sampling_params."
+        ),
     )
     return params, detok, n
 
@@ -213,19 +236,42 @@ def _prompts(payload: dict[str, Any], tokenizer: Any) -> tuple[list[list[int]], 
         raise contract_error("text must be a string or a non-empty list of strings")
     if input_ids is None:
         raise value_error("Either text, input_ids or input_embeds should be provided.")
-    if isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids):
+    if isinstance(input_ids, list) and all(_is_token(t) for t in input_ids):
         if not input_ids:
             raise value_error("input_ids cannot be empty.")
         return [list(input_ids)], False
     if (
         isinstance(input_ids, list)
         and input_ids
-        and all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in input_ids)
+        and all(isinstance(p, list) and all(_is_token(t) for t in p) for p in input_ids)
     ):
         if any(not p for p in input_ids):
             raise value_error("input_ids cannot be empty.")
         return [list(p) for p in input_ids], True
     raise contract_error("input_ids must be a list of ints or a list of lists of ints")
+
+
+def _per_prompt_fields(payload: dict[str, Any], n_prompts: int) -> tuple[Any, Any]:
+    """`return_logprob` (a bool, or one per prompt) and `rid` (a string, or one per prompt),
+    type-checked; `stream` too, though only the transport reads it."""
+    _flag(payload, "stream", False)
+    return_logprob = payload.get("return_logprob")
+    if isinstance(return_logprob, list):
+        if len(return_logprob) != n_prompts:
+            raise contract_error("return_logprob list must have one entry per prompt")
+        if not all(isinstance(b, bool) for b in return_logprob):
+            raise contract_error("return_logprob must be a boolean or a list of booleans")
+    else:
+        return_logprob = _flag(payload, "return_logprob", False)
+    rid = payload.get("rid")
+    if isinstance(rid, list):
+        if not all(isinstance(r, str) for r in rid):
+            raise contract_error("rid must be a string or a list of strings")
+        if len(rid) != n_prompts or len(set(rid)) != len(rid):
+            raise value_error("The rid list must match the batch size and have no duplicates.")
+    elif rid is not None and not isinstance(rid, str):
+        raise contract_error(f"rid must be a string or a list of strings, got {rid!r}")
+    return return_logprob, rid
 
 
 def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJob:
@@ -250,15 +296,8 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
     params_list = _as_list(raw_params) if isinstance(raw_params, list) else None
     if params_list is not None and len(params_list) != len(prompts):
         raise contract_error("sampling_params list must have one entry per prompt")
-    return_logprob = payload.get("return_logprob") or False
-    if isinstance(return_logprob, list):
-        if len(return_logprob) != len(prompts):
-            raise contract_error("return_logprob list must have one entry per prompt")
-    rid = payload.get("rid")
-    if isinstance(rid, list):
-        if len(rid) != len(prompts) or len(set(rid)) != len(rid):
-            raise value_error("The rid list must match the batch size and have no duplicates.")
-    text_in_logprobs = bool(payload.get("return_text_in_logprobs") or False)
+    return_logprob, rid = _per_prompt_fields(payload, len(prompts))
+    text_in_logprobs = _flag(payload, "return_text_in_logprobs", False)
 
     parsed = []
     for i, prompt in enumerate(prompts):
@@ -289,7 +328,9 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
                 GenerateItem(
                     input_ids=prompt,
                     # the j-th of n samples with a seed draws from seed + j, so they differ
-                    params=params if seed is None else replace(params, sampling_seed=seed + j),
+                    params=params
+                    if seed is None
+                    else replace(params, sampling_seed=(seed + j) % SEED_LIMIT),
                     detokenize=detok,
                     rid=prompt_rid if n == 1 else f"{prompt_rid}_{j}",
                     return_logprob=bool(logprob),
@@ -299,13 +340,27 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
     return GenerateJob(
         items=items,
         is_list=is_batch or n > 1,
-        return_prompt_token_ids=bool(payload.get("return_prompt_token_ids") or False),
+        return_prompt_token_ids=_flag(payload, "return_prompt_token_ids", False),
         n=n,
     )
 
 
+def check_job(serving: ServingEngine, job: GenerateJob) -> None:
+    """Refuse the whole job before any item is queued: a bad token id or a rid already in
+    flight is a 400, and the good items batched with it never start."""
+    for item in job.items:
+        try:
+            serving.check_request(item.input_ids, item.params)
+        except ValueError as error:
+            raise value_error(str(error)) from error
+        if not serving.rid_is_free(item.rid):
+            raise value_error(f"Duplicate request ID detected: {item.rid}")
+
+
 async def run_job(serving: ServingEngine, job: GenerateJob) -> list[dict[str, Any]]:
     """Submit every item at once (so they batch together); results in item order."""
+
+    check_job(serving, job)
 
     async def one(item: GenerateItem) -> dict[str, Any]:
         try:
