@@ -70,7 +70,10 @@ def _chat_prompt(payload: dict[str, Any], tokenizer: Any) -> list[int]:
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise openai_error("messages must be a non-empty list")
-    normalized = [{**message, "content": _content(message)} for message in messages]
+    normalized = []
+    for message in messages:
+        content = _content(message)  # checks the message is an object first
+        normalized.append({**message, "content": content})
     kwargs = payload.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise openai_error("chat_template_kwargs must be an object")
