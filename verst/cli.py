@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from verst.config import ConfigError, help_text, load_config
+from verst.http_limits import add_limit_flags, limits_from_args
 
 TRAIN_EPILOG = """overrides: section.field=value, e.g. trainer.lr=1e-5 rollout.temperature=0.8
 
@@ -79,6 +80,10 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--parent-pid", type=int, help="stop when this process (the launcher) is gone"
     )
+    parser.add_argument(
+        "--max-n", type=int, default=1024, help="largest n (samples per prompt) accepted (400)"
+    )
+    add_limit_flags(parser)
 
 
 def _route_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -102,6 +107,7 @@ def _route_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--health-failures", type=int, default=3, help="failed health checks before removal"
     )
+    add_limit_flags(parser)
 
 
 def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -121,6 +127,19 @@ def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=30200)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--served-model-name", help="the model name the API reports")
+    parser.add_argument(
+        "--session-ttl-s",
+        type=float,
+        default=3600.0,
+        help="a session unused this long is dropped (default 3600)",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=10000,
+        help="most live sessions; creating one more answers 429 (default 10000)",
+    )
+    add_limit_flags(parser)
 
 
 def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -189,6 +208,8 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_batch_size=args.max_batch_size,
         parent_pid=args.parent_pid,
+        limits=limits_from_args(args),
+        max_n=args.max_n,
     )
     return 0
 
@@ -206,6 +227,7 @@ def _route(args: argparse.Namespace) -> int:
         sessions=args.sessions,
         health_interval_s=args.health_interval_s,
         health_failures=args.health_failures,
+        limits=limits_from_args(args),
     )
     return 0
 
@@ -219,6 +241,9 @@ def _sessions(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         model_name=args.served_model_name,
+        limits=limits_from_args(args),
+        ttl_s=args.session_ttl_s,
+        max_sessions=args.max_sessions,
     )
     return 0
 

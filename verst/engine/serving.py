@@ -226,10 +226,14 @@ class ServingEngine:
             # shield: a cancelled caller must not cancel the future the batch loop resolves.
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
+            # The caller left (its client disconnected): the request stops generating.
             async with cond:
                 if pending in self._queue:
                     self._queue.remove(pending)
-                    cond.notify_all()
+                elif self._running.get(rid) is pending:
+                    del self._running[rid]
+                    self._control.append(lambda: self.scheduler.abort(rid, exact=True))
+                cond.notify_all()
             raise
 
     async def _loop(self) -> None:

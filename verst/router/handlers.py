@@ -129,6 +129,7 @@ class RouterHandlers:
         self.checker = checker
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._aborts: set[asyncio.Task[None]] = set()  # aborts sent for clients that left
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -144,6 +145,8 @@ class RouterHandlers:
         )
         polling = asyncio.create_task(self.checker.run(self._session), name="verst-router-health")
         yield
+        if self._aborts:
+            await asyncio.wait(self._aborts, timeout=1.0)
         polling.cancel()
         try:
             await polling
@@ -173,8 +176,33 @@ class RouterHandlers:
         self.router.begin(target)
         try:
             return await self._forward(request, base, body, headers)
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client left: closing the upstream connection already aborts the request in
+            # a verst engine; an abort by rid also reaches engines that do not watch for it.
+            self._abort_upstream(base, body, headers)
+            raise
         finally:
             self.router.end(target)
+
+    def _abort_upstream(self, base: str, body: bytes, headers: dict[str, str]) -> None:
+        rids = _rids(body)
+        if not rids:
+            return
+        abort_headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+
+        async def abort() -> None:
+            for rid in rids:
+                answer = await self._call(
+                    "POST",
+                    base + "/abort_request",
+                    json.dumps({"rid": rid}).encode(),
+                    {**abort_headers, "Content-Type": "application/json"},
+                )
+                log.info("client left: aborted rid %s on %s (%s)", rid, base, answer["status"])
+
+        task = asyncio.get_running_loop().create_task(abort(), name="verst-router-abort")
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def _forward(
         self, request: web.Request, base: str, body: bytes, headers: dict[str, str]
@@ -300,6 +328,17 @@ class RouterHandlers:
             message = 'the body must be {"key": "<routing key>"}'
             return json_error(400, message, "bad_key", "invalid_request_error")
         return web.json_response({"key": key, "released": self.router.release(key)})
+
+
+def _rids(body: bytes) -> list[str]:
+    """The request ids a `/generate` (or OpenAI) body names: its `rid`, a string or a list."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return []
+    rid = payload.get("rid") if isinstance(payload, dict) else None
+    rids = rid if isinstance(rid, list) else [rid]
+    return [r for r in rids if isinstance(r, str) and r]
 
 
 def _url_param(request: web.Request) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from verst.http_limits import HttpLimits, body_limits
 from verst.router.policy import Router
 
 if TYPE_CHECKING:
@@ -39,8 +40,10 @@ def make_router_app(
     health_failures: int = 3,
     health_timeout_s: float = 5.0,
     connect_timeout_s: float = 5.0,
+    limits: HttpLimits | None = None,
 ) -> web.Application:
-    """The proxy app over `router`; its health checker runs while the app runs."""
+    """The proxy app over `router`; its health checker runs while the app runs. Serve it with
+    `verst.http_limits.runner_kwargs` so a client that disconnects aborts its request."""
     try:
         from aiohttp import web
     except ImportError as error:
@@ -51,7 +54,8 @@ def make_router_app(
         router, interval_s=health_interval_s, failures=health_failures, timeout_s=health_timeout_s
     )
     handlers = RouterHandlers(router, checker, connect_timeout_s=connect_timeout_s)
-    app = web.Application(client_max_size=1 << 30)
+    limits = limits or HttpLimits()
+    app = web.Application(middlewares=[body_limits(limits)], client_max_size=limits.max_body_bytes)
     for path in BROADCAST_PATHS:
         app.router.add_post(path, handlers.broadcast)
     app.router.add_get("/flush_cache", handlers.broadcast)
@@ -75,17 +79,22 @@ def run_router(
     sessions: bool = False,
     health_interval_s: float = 5.0,
     health_failures: int = 3,
+    limits: HttpLimits | None = None,
 ) -> None:
     """Serve the router until interrupted (SIGINT / SIGTERM)."""
-    from aiohttp import web
+    from verst.http_limits import run_app
 
     router = Router(engines, sessions=sessions)
+    limits = limits or HttpLimits()
     app = make_router_app(
-        router, health_interval_s=health_interval_s, health_failures=health_failures
+        router,
+        health_interval_s=health_interval_s,
+        health_failures=health_failures,
+        limits=limits,
     )
     mode = "sessions (key required)" if sessions else "least active requests"
     print(
         f"verst route: {len(router.engines)} engine(s) on http://{host}:{port}, {mode}",
         flush=True,
     )
-    web.run_app(app, host=host, port=port, print=None, access_log=None)
+    run_app(app, host=host, port=port, limits=limits)

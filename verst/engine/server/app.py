@@ -13,11 +13,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from verst.engine.serving import ServingEngine
+from verst.http_limits import HttpLimits, body_limits
 
 if TYPE_CHECKING:
     from aiohttp import web
 
 HEALTH_TIMEOUT_S = 20.0
+MAX_N = 1024  # upper bound on sampling_params.n (and OpenAI's n): n samples cost n requests
 
 
 def make_app(
@@ -28,8 +30,11 @@ def make_app(
     host: str = "",
     port: int = 0,
     health_timeout_s: float = HEALTH_TIMEOUT_S,
+    limits: HttpLimits | None = None,
+    max_n: int = MAX_N,
 ) -> web.Application:
-    """The SGLang-compatible app; starts and stops `serving` with the app."""
+    """The SGLang-compatible app; starts and stops `serving` with the app. Serve it with
+    `verst.http_limits.runner_kwargs` so a client that disconnects aborts its request."""
     try:
         from aiohttp import web
     except ImportError as error:
@@ -45,8 +50,12 @@ def make_app(
         host=host,
         port=port,
         health_timeout_s=health_timeout_s,
+        max_n=max_n,
     )
-    app = web.Application(middlewares=[protocol_errors], client_max_size=1 << 30)
+    limits = limits or HttpLimits()
+    app = web.Application(
+        middlewares=[body_limits(limits), protocol_errors], client_max_size=limits.max_body_bytes
+    )
     routes = app.router
     routes.add_route("POST", "/generate", h.generate)
     routes.add_route("PUT", "/generate", h.generate)
@@ -90,11 +99,14 @@ def run_server(
     served_model_name: str | None = None,
     max_batch_size: int = 256,
     parent_pid: int | None = None,
+    limits: HttpLimits | None = None,
+    max_n: int = MAX_N,
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
     import torch
-    from aiohttp import web
+
+    from verst.http_limits import run_app
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,11 +125,13 @@ def run_server(
         served_model_name=served_model_name or model_path,
         host=host,
         port=port,
+        limits=limits,
+        max_n=max_n,
     )
     if parent_pid is not None:
         app.cleanup_ctx.append(_exit_with_parent(parent_pid))
     print(f"verst serve: {model_path} on http://{host}:{port} ({device}, {dtype})", flush=True)
-    web.run_app(app, host=host, port=port, print=None, access_log=None)
+    run_app(app, host=host, port=port, limits=limits or HttpLimits())
 
 
 def _exit_with_parent(parent_pid: int, poll_s: float = 1.0):  # type: ignore[no-untyped-def]
