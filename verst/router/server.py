@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from verst.http_limits import HttpLimits, body_limits
+from verst.http_limits import HttpLimits, limited_app
 from verst.router.policy import Router
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def make_router_app(
     """The proxy app over `router`; its health checker runs while the app runs. Serve it with
     `verst.http_limits.runner_kwargs` so a client that disconnects aborts its request."""
     try:
-        from aiohttp import web
+        import aiohttp  # noqa: F401  (the import error names the extra)
     except ImportError as error:
         raise ImportError("the verst router needs aiohttp: pip install 'verst[serve]'") from error
     from verst.router.handlers import HealthChecker, RouterHandlers
@@ -55,7 +55,7 @@ def make_router_app(
     )
     handlers = RouterHandlers(router, checker, connect_timeout_s=connect_timeout_s)
     limits = limits or HttpLimits()
-    app = web.Application(middlewares=[body_limits(limits)], client_max_size=limits.max_body_bytes)
+    app = limited_app(limits)
     for path in BROADCAST_PATHS:
         app.router.add_post(path, handlers.broadcast)
     app.router.add_get("/flush_cache", handlers.broadcast)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from verst.http_limits import HttpLimits, body_limits
+from verst.http_limits import HttpLimits, limited_app
 from verst.sessions.store import MAX_SESSIONS, SESSION_TTL_S, SessionStore
 from verst.sessions.templates import ChatTokenizer
 
@@ -46,7 +46,7 @@ def make_session_app(
     Pass `store` to share the sessions with in-process code (e.g. to assemble directly); its
     `ttl_s` and `max_sessions` bound the sessions kept."""
     try:
-        from aiohttp import web
+        import aiohttp  # noqa: F401  (the import error names the extra)
     except ImportError as error:
         raise ImportError("the session server needs aiohttp: pip install 'verst[serve]'") from error
     from verst.sessions.handlers import SessionHandlers, UpstreamClient, session_errors
@@ -55,9 +55,7 @@ def make_session_app(
     store = store or SessionStore(chat_tokenizer)
     h = SessionHandlers(store, chat_tokenizer, upstream, model_name=model_name)
     limits = limits or HttpLimits()
-    app = web.Application(
-        middlewares=[body_limits(limits), session_errors], client_max_size=limits.max_body_bytes
-    )
+    app = limited_app(limits, session_errors)
     app.router.add_post("/sessions", h.create)
     app.router.add_get("/sessions/{sid}", h.get)
     app.router.add_delete("/sessions/{sid}", h.delete)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from verst.engine.serving import ServingEngine
-from verst.http_limits import HttpLimits, body_limits
+from verst.http_limits import HttpLimits, limited_app
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -36,7 +36,7 @@ def make_app(
     """The SGLang-compatible app; starts and stops `serving` with the app. Serve it with
     `verst.http_limits.runner_kwargs` so a client that disconnects aborts its request."""
     try:
-        from aiohttp import web
+        import aiohttp  # noqa: F401  (the import error names the extra)
     except ImportError as error:
         raise ImportError(
             "the verst HTTP server needs aiohttp: pip install 'verst[serve]'"
@@ -53,9 +53,7 @@ def make_app(
         max_n=max_n,
     )
     limits = limits or HttpLimits()
-    app = web.Application(
-        middlewares=[body_limits(limits), protocol_errors], client_max_size=limits.max_body_bytes
-    )
+    app = limited_app(limits, protocol_errors)
     routes = app.router
     routes.add_route("POST", "/generate", h.generate)
     routes.add_route("PUT", "/generate", h.generate)
