@@ -120,12 +120,23 @@ def body_limits(limits: HttpLimits, handlers: set[asyncio.Task[Any]]) -> Any:
                 response = error_json(408, message, "request_timeout")
                 response.force_close()  # the rest of the body is not waited for
                 return response
-            except web.HTTPException:
-                raise  # 413: too large
+            except web.HTTPException as error:  # 413: too large
+                response = error_json(error.status, error.text or error.reason, "body_too_large")
+                response.force_close()
+                return response
             except Exception as error:  # a body aiohttp cannot decode (fake gzip, bad chunks)
                 message = f"the request body cannot be read: {type(error).__name__}: {error}"
-                return error_json(400, message, "bad_body")
-        return await handler(request)
+                response = error_json(400, message, "bad_body")
+                response.force_close()  # draining the rest would fail the same way
+                return response
+        try:
+            return await handler(request)
+        except web.HTTPException as error:
+            if error.status < 400 or error.content_type == "application/json":
+                raise
+            # aiohttp's own refusals (unknown route, wrong method) in the JSON envelope too
+            code = (error.reason or "error").lower().replace(" ", "_")
+            return error_json(error.status, error.text or error.reason, code)
 
     return middleware
 

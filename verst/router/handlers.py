@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from verst.http_limits import loads_json
 from verst.router.policy import (
     ROUTING_KEY_HEADER,
     MissingRoutingKey,
@@ -270,10 +271,13 @@ class RouterHandlers:
             status = 502
         else:
             status = next((s for s in statuses if not 200 <= s < 300), 200)
-        return web.json_response(
-            {"success": status == 200 and bool(bases), "engines": by_engine},
-            status=status if bases else 503,
-        )
+        body: dict[str, Any] = {"success": status == 200 and bool(bases), "engines": by_engine}
+        if status != 200 or not bases:
+            failed = [b for b, a in by_engine.items() if a["status"] != 200]
+            message = f"engines that did not answer 200: {failed}" if bases else "no engines"
+            kind = "invalid_request_error" if 400 <= status < 500 else "bad_gateway"
+            body.update(error_body(message, code="broadcast_failed", kind=kind))
+        return web.json_response(body, status=status if bases else 503)
 
     async def _call(
         self, method: str, url: str, body: bytes, headers: dict[str, str]
@@ -320,7 +324,7 @@ class RouterHandlers:
 
     async def release_key(self, request: web.Request) -> web.Response:
         try:
-            payload = json.loads(await request.read() or b"{}")
+            payload = loads_json(await request.read() or b"{}")
         except ValueError:
             payload = None
         key = payload.get("key") if isinstance(payload, dict) else None
