@@ -365,7 +365,10 @@ def prompt_key(input_ids: list[int]) -> str:
 async def _serve_app(app: Any) -> tuple[Any, str]:
     from aiohttp import web
 
-    runner = web.AppRunner(app, access_log=None)
+    from verst.http_limits import HttpLimits, runner_kwargs
+
+    # as the verst commands serve: a client that disconnects aborts its request
+    runner = web.AppRunner(app, access_log=None, **runner_kwargs(HttpLimits()))
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
