@@ -214,6 +214,11 @@ def test_body_size_read_and_idle_timeouts(
     answer = _raw(url, (head + "Content-Length: 100\r\n\r\n{").encode())
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert time.monotonic() - started < 2.5
+    # Headers that never end, and a connection that never says anything, are closed.
+    for silent in (b"GET /health HTTP/1.1\r\nHo", b""):
+        started = time.monotonic()
+        assert _raw(url, silent, wait_s=5.0) == b""
+        assert time.monotonic() - started < 2.5
     # An idle keep-alive connection is closed.
     started = time.monotonic()
     answer = _raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", wait_s=5.0)

@@ -4,7 +4,8 @@ to its clients, their CLI flags, and `run_app`, which serves an app under them.
 - body size: `client_max_size`; a larger body is answered 413 before it is read whole;
 - read timeout: the whole body must arrive within `read_timeout_s` (408 otherwise), so slow
   clients cannot hold sockets and handlers open;
-- idle timeout: a keep-alive connection with no request for `idle_timeout_s` is closed;
+- idle timeout: a connection with no request for `idle_timeout_s` is closed, and so is one
+  whose request headers do not arrive whole within it (aiohttp's keep-alive timer);
 - a body aiohttp cannot decode (a fake gzip, an unknown encoding) is a 400, not a 500;
 - a client that disconnects cancels its handler (aiohttp's `handler_cancellation`), which is
   how the engine aborts the request and the router forwards the abort;
@@ -32,8 +33,8 @@ class HttpLimits:
     """What one verst server accepts from a client."""
 
     max_body_mb: float = 64.0
-    read_timeout_s: float = 60.0
-    idle_timeout_s: float = 75.0
+    read_timeout_s: float = 30.0
+    idle_timeout_s: float = 30.0  # above aiohttp clients' 15 s keep-alive, so they close first
 
     @property
     def max_body_bytes(self) -> int:
