@@ -99,6 +99,26 @@ def test_a_client_that_disconnects_aborts_its_request(
     loop.run(scenario())
 
 
+def test_a_weight_update_runs_to_its_end_when_its_client_leaves(
+    loop: LoopThread, engine: Any, model_dir: Path
+) -> None:
+    """Only generation is cancelled by a disconnect: a weight update waiting for a running
+    request must not be cut off half-way (that left the engine refusing every request)."""
+
+    async def scenario() -> None:
+        body = {"input_ids": [7, 8, 9], "sampling_params": {**LONG, "max_new_tokens": 1000}}
+        running = asyncio.create_task(call(engine.url, "/generate", body))
+        await asyncio.sleep(0.2)
+        update = {"model_path": str(model_dir), "weight_version": "after-leave"}
+        await _leave_after(engine.url + "/update_weights_from_disk", update, 0.2)
+        assert (await running)[0] == 200
+        ok = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        status, answer = await asyncio.wait_for(call(engine.url, "/generate", ok), 10.0)
+        assert status == 200 and answer["meta_info"]["weight_version"] == "after-leave"
+
+    loop.run(scenario())
+
+
 def test_the_router_aborts_when_its_client_disconnects(loop: LoopThread, engine: Any) -> None:
     async def scenario() -> None:
         router = Router([engine.url])

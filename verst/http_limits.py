@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,9 +77,14 @@ def error_json(status: int, message: str, code: str) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def limited_app(limits: HttpLimits, *middlewares: Any) -> web.Application:
+def limited_app(
+    limits: HttpLimits, *middlewares: Any, cancellable: Callable[[str], bool] | None = None
+) -> web.Application:
     """An aiohttp app under `limits`, its `middlewares` inside the limits' own; on shutdown it
-    cancels the handlers still running, so SIGTERM does not wait for a long generation."""
+    cancels the handlers still running, so SIGTERM does not wait for a long generation.
+
+    A client that disconnects cancels its handler only where `cancellable(path)` (default:
+    everywhere): control routes such as a weight update run to the end whoever left."""
     from aiohttp import web
 
     handlers: set[asyncio.Task[Any]] = set()
@@ -86,6 +92,8 @@ def limited_app(limits: HttpLimits, *middlewares: Any) -> web.Application:
         middlewares=[body_limits(limits, handlers), *middlewares],
         client_max_size=limits.max_body_bytes,
     )
+    if cancellable is not None:
+        app.middlewares.insert(0, _shielded_unless(cancellable))
 
     async def cancel_handlers(app: web.Application) -> None:
         for task in list(handlers):
@@ -93,6 +101,18 @@ def limited_app(limits: HttpLimits, *middlewares: Any) -> web.Application:
 
     app.on_shutdown.append(cancel_handlers)
     return app
+
+
+def _shielded_unless(cancellable: Callable[[str], bool]) -> Any:
+    from aiohttp import web
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        if cancellable(request.path):
+            return await handler(request)
+        return await asyncio.shield(asyncio.ensure_future(handler(request)))
+
+    return middleware
 
 
 def body_limits(limits: HttpLimits, handlers: set[asyncio.Task[Any]]) -> Any:

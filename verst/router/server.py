@@ -33,6 +33,15 @@ BROADCAST_PATHS = (
 )
 
 
+CONTROL_PATHS = frozenset({*BROADCAST_PATHS, "/add_worker", "/remove_worker", "/release_key"})
+
+
+def _proxied(path: str) -> bool:
+    """A proxied request is cancelled (and aborted upstream) when its client leaves; the
+    router's own and fleet-wide routes run to their end."""
+    return path not in CONTROL_PATHS
+
+
 def make_router_app(
     router: Router,
     *,
@@ -55,7 +64,7 @@ def make_router_app(
     )
     handlers = RouterHandlers(router, checker, connect_timeout_s=connect_timeout_s)
     limits = limits or HttpLimits()
-    app = limited_app(limits)
+    app = limited_app(limits, cancellable=_proxied)
     for path in BROADCAST_PATHS:
         app.router.add_post(path, handlers.broadcast)
     app.router.add_get("/flush_cache", handlers.broadcast)

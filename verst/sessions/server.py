@@ -55,7 +55,9 @@ def make_session_app(
     store = store or SessionStore(chat_tokenizer)
     h = SessionHandlers(store, chat_tokenizer, upstream, model_name=model_name)
     limits = limits or HttpLimits()
-    app = limited_app(limits, session_errors)
+    # A chat whose client left is cancelled (its upstream request closed, so aborted); a
+    # DELETE still releases the routing key.
+    app = limited_app(limits, session_errors, cancellable=lambda p: p.endswith("/completions"))
     app.router.add_post("/sessions", h.create)
     app.router.add_get("/sessions/{sid}", h.get)
     app.router.add_delete("/sessions/{sid}", h.delete)

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from aiohttp import web
 
 HEALTH_TIMEOUT_S = 20.0
+# A client that leaves these aborts its request; every other route runs to its end.
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 MAX_N = 1024  # upper bound on sampling_params.n (and OpenAI's n): n samples cost n requests
 
 
@@ -53,7 +55,7 @@ def make_app(
         max_n=max_n,
     )
     limits = limits or HttpLimits()
-    app = limited_app(limits, protocol_errors)
+    app = limited_app(limits, protocol_errors, cancellable=GENERATION_PATHS.__contains__)
     routes = app.router
     routes.add_route("POST", "/generate", h.generate)
     routes.add_route("PUT", "/generate", h.generate)
