@@ -135,7 +135,10 @@ def body_limits(limits: HttpLimits, handlers: set[asyncio.Task[Any]]) -> Any:
     async def read_then(request: web.Request, handler: Any) -> web.StreamResponse:
         if request.can_read_body:
             try:
-                await asyncio.wait_for(request.read(), limits.read_timeout_s)
+                if request.content.is_eof():  # all here already: no timer to arm
+                    await request.read()
+                else:
+                    await asyncio.wait_for(request.read(), limits.read_timeout_s)
             except asyncio.TimeoutError:
                 message = f"the request body did not arrive within {limits.read_timeout_s:g} s"
                 response = error_json(408, message, "request_timeout")
