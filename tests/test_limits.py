@@ -134,11 +134,20 @@ def test_the_router_aborts_when_its_client_disconnects(loop: LoopThread, engine:
     loop.run(scenario())
 
 
-def test_the_router_forwards_the_abort_by_rid(loop: LoopThread) -> None:
-    """An engine that does not watch its connections still gets `/abort_request` for the rid."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_router_forwards_the_abort_by_rid(loop: LoopThread, stream: bool) -> None:
+    """An engine that does not watch its connections still gets `/abort_request` for the rid,
+    whether the client left while waiting or in the middle of a stream."""
     aborted: list[Any] = []
 
-    async def slow_generate(request: web.Request) -> web.Response:
+    async def slow_generate(request: web.Request) -> web.StreamResponse:
+        if (await request.json()).get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for _ in range(300):
+                await response.write(b'data: {"text": ""}\n\n')
+                await asyncio.sleep(0.1)
+            return response
         await asyncio.sleep(30)
         return web.json_response({})
 
@@ -158,7 +167,7 @@ def test_the_router_forwards_the_abort_by_rid(loop: LoopThread) -> None:
         fake_url = f"http://127.0.0.1:{fake_runner.addresses[0][1]}"
         runner, url = await start_app(make_router_app(Router([fake_url]), health_interval_s=30))
         try:
-            body = {"text": "hi", "rid": ["a-1", "a-2"]}
+            body = {"text": "hi", "rid": ["a-1", "a-2"], "stream": stream}
             await _leave_after(url + "/generate", body, 0.3)
             for _ in range(40):
                 if len(aborted) == 2:
