@@ -75,11 +75,14 @@ async def _idle(serving: ServingEngine, within_s: float) -> bool:
 
 async def _leave_after(url: str, body: dict[str, Any], after_s: float) -> None:
     """Send `body` to `url` and close the connection after `after_s`, unanswered."""
+
+    async def ask(client: aiohttp.ClientSession) -> None:
+        async with client.post(url, json=body) as r:
+            await r.read()
+
     async with aiohttp.ClientSession() as client:
         with pytest.raises(asyncio.TimeoutError):
-            async with asyncio.timeout(after_s):
-                async with client.post(url, json=body) as r:
-                    await r.read()
+            await asyncio.wait_for(ask(client), after_s)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("aiohttp")
+pytestmark = pytest.mark.slow  # real subprocesses: about 35 s on two cores
 
 from aiohttp import web  # noqa: E402
 

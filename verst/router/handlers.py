@@ -193,12 +193,15 @@ class RouterHandlers:
 
         async def abort() -> None:
             for rid in rids:
-                answer = await self._call(
-                    "POST",
-                    base + "/abort_request",
-                    json.dumps({"rid": rid}).encode(),
-                    {**abort_headers, "Content-Type": "application/json"},
-                )
+                try:
+                    answer = await self._call(
+                        "POST",
+                        base + "/abort_request",
+                        json.dumps({"rid": rid}).encode(),
+                        {**abort_headers, "Content-Type": "application/json"},
+                    )
+                except aiohttp.ClientError as error:
+                    answer = {"status": f"failed: {type(error).__name__}"}
                 log.info("client left: aborted rid %s on %s (%s)", rid, base, answer["status"])
 
         task = asyncio.get_running_loop().create_task(abort(), name="verst-router-abort")
