@@ -52,6 +52,19 @@ def _model_parser(subparsers: argparse._SubParsersAction) -> None:
     tiny.add_argument("--seed", type=int, default=0)
 
 
+def _add_key_flags(parser: argparse.ArgumentParser, *, admin: bool = True) -> None:
+    parser.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on every route but /health "
+        "(default: $VERST_API_KEY; none = open)",
+    )
+    if admin:
+        parser.add_argument(
+            "--admin-api-key",
+            help="the key control routes need instead (default: $VERST_ADMIN_API_KEY)",
+        )
+
+
 def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -79,6 +92,7 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--parent-pid", type=int, help="stop when this process (the launcher) is gone"
     )
+    _add_key_flags(parser)
 
 
 def _route_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -102,6 +116,7 @@ def _route_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--health-failures", type=int, default=3, help="failed health checks before removal"
     )
+    _add_key_flags(parser)
 
 
 def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -121,6 +136,7 @@ def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=30200)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--served-model-name", help="the model name the API reports")
+    _add_key_flags(parser, admin=False)
 
 
 def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -171,6 +187,7 @@ def _create_tiny(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
+    from verst.auth import ApiKeys
     from verst.engine.server.app import run_server
 
     if args.num_threads is not None:
@@ -189,11 +206,13 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_batch_size=args.max_batch_size,
         parent_pid=args.parent_pid,
+        api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
     )
     return 0
 
 
 def _route(args: argparse.Namespace) -> int:
+    from verst.auth import ApiKeys
     from verst.router.server import run_router
 
     engines = [url.strip() for url in args.engines.split(",") if url.strip()]
@@ -206,11 +225,13 @@ def _route(args: argparse.Namespace) -> int:
         sessions=args.sessions,
         health_interval_s=args.health_interval_s,
         health_failures=args.health_failures,
+        api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
     )
     return 0
 
 
 def _sessions(args: argparse.Namespace) -> int:
+    from verst.auth import ApiKeys
     from verst.sessions.server import run_session_server
 
     run_session_server(
@@ -219,6 +240,7 @@ def _sessions(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         model_name=args.served_model_name,
+        api_keys=ApiKeys.resolve(args.api_key),
     )
     return 0
 

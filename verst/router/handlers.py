@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from verst.auth import ApiKeys
+from verst.engine.server.app import is_control_request
 from verst.router.policy import (
     ROUTING_KEY_HEADER,
     MissingRoutingKey,
@@ -124,11 +126,28 @@ class RouterHandlers:
     """One method per route of the router app, over the `Router`, the health checker and the
     client session the app's lifecycle opens."""
 
-    def __init__(self, router: Router, checker: HealthChecker, *, connect_timeout_s: float) -> None:
+    def __init__(
+        self,
+        router: Router,
+        checker: HealthChecker,
+        *,
+        connect_timeout_s: float,
+        engine_keys: ApiKeys | None = None,
+    ) -> None:
         self.router = router
         self.checker = checker
         self.connect_timeout_s = connect_timeout_s
+        self.engine_keys = engine_keys or ApiKeys()
         self._session: aiohttp.ClientSession | None = None
+
+    async def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        """The request's end-to-end headers, its `Authorization` replaced by the engines' key
+        when the router has one (a client's key for the router is no key for the engines)."""
+        headers = _kept_headers(request.headers)
+        if self.engine_keys.enabled:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers.update(self.engine_keys.headers(admin=await is_control_request(request)))
+        return headers
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -169,7 +188,7 @@ class RouterHandlers:
         body = await request.read()
         if rank is not None and request.path == "/generate":
             body = _with_dp_rank(body, rank)
-        headers = _kept_headers(request.headers)
+        headers = await self._upstream_headers(request)
         self.router.begin(target)
         try:
             return await self._forward(request, base, body, headers)
@@ -228,7 +247,7 @@ class RouterHandlers:
 
     async def broadcast(self, request: web.Request) -> web.Response:
         body = await request.read()
-        headers = _kept_headers(request.headers)
+        headers = await self._upstream_headers(request)
         # Every registered engine, healthy or not: a weight update that skipped a sick engine
         # would let it serve stale weights once it recovers; better to fail loudly here.
         bases = self.router.base_urls()

@@ -15,8 +15,10 @@ aiohttp when an app is built, so importing this module does not need the `serve`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from verst.auth import ApiKeys, auth_middleware, warn_if_open
+from verst.engine.server.app import is_control_request
 from verst.router.policy import Router
 
 if TYPE_CHECKING:
@@ -30,6 +32,12 @@ BROADCAST_PATHS = (
     "/update_weight_version",
     "/abort_request",
 )
+# Routes that steer the router or the whole fleet: the admin key's, when one is set.
+WORKER_PATHS = ("/add_worker", "/remove_worker")
+
+
+async def is_router_control(request: Any) -> bool:
+    return request.path in WORKER_PATHS or await is_control_request(request)
 
 
 def make_router_app(
@@ -39,8 +47,12 @@ def make_router_app(
     health_failures: int = 3,
     health_timeout_s: float = 5.0,
     connect_timeout_s: float = 5.0,
+    api_keys: ApiKeys | None = None,
+    engine_keys: ApiKeys | None = None,
 ) -> web.Application:
-    """The proxy app over `router`; its health checker runs while the app runs."""
+    """The proxy app over `router`; its health checker runs while the app runs. `api_keys`
+    guard the router's own routes; `engine_keys` (default: the same) go to the engines in place
+    of the client's `Authorization`."""
     try:
         from aiohttp import web
     except ImportError as error:
@@ -50,8 +62,15 @@ def make_router_app(
     checker = HealthChecker(
         router, interval_s=health_interval_s, failures=health_failures, timeout_s=health_timeout_s
     )
-    handlers = RouterHandlers(router, checker, connect_timeout_s=connect_timeout_s)
-    app = web.Application(client_max_size=1 << 30)
+    api_keys = api_keys or ApiKeys()
+    handlers = RouterHandlers(
+        router,
+        checker,
+        connect_timeout_s=connect_timeout_s,
+        engine_keys=engine_keys if engine_keys is not None else api_keys,
+    )
+    middlewares = [auth_middleware(api_keys, is_router_control)] if api_keys.enabled else []
+    app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
     for path in BROADCAST_PATHS:
         app.router.add_post(path, handlers.broadcast)
     app.router.add_get("/flush_cache", handlers.broadcast)
@@ -75,14 +94,19 @@ def run_router(
     sessions: bool = False,
     health_interval_s: float = 5.0,
     health_failures: int = 3,
+    api_keys: ApiKeys | None = None,
 ) -> None:
     """Serve the router until interrupted (SIGINT / SIGTERM)."""
     from aiohttp import web
 
     router = Router(engines, sessions=sessions)
     app = make_router_app(
-        router, health_interval_s=health_interval_s, health_failures=health_failures
+        router,
+        health_interval_s=health_interval_s,
+        health_failures=health_failures,
+        api_keys=api_keys,
     )
+    warn_if_open("verst route", host, api_keys or ApiKeys())
     mode = "sessions (key required)" if sessions else "least active requests"
     print(
         f"verst route: {len(router.engines)} engine(s) on http://{host}:{port}, {mode}",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from verst.auth import ApiKeys, auth_middleware, warn_if_open
 from verst.sessions.store import SessionStore
 from verst.sessions.templates import ChatTokenizer
 
@@ -38,19 +39,31 @@ def make_session_app(
     model_name: str,
     store: SessionStore | None = None,
     connect_timeout_s: float = 5.0,
+    api_keys: ApiKeys | None = None,
+    upstream_keys: ApiKeys | None = None,
 ) -> web.Application:
     """The session server over a router or engine at `upstream_url` (SGLang's `/generate`).
-    Pass `store` to share the sessions with in-process code (e.g. to assemble directly)."""
+    Pass `store` to share the sessions with in-process code (e.g. to assemble directly).
+    `api_keys` guard every route but `/health`; `upstream_keys` (default: the same) are sent
+    upstream."""
     try:
         from aiohttp import web
     except ImportError as error:
         raise ImportError("the session server needs aiohttp: pip install 'verst[serve]'") from error
     from verst.sessions.handlers import SessionHandlers, UpstreamClient, session_errors
 
-    upstream = UpstreamClient(upstream_url, connect_timeout_s=connect_timeout_s)
+    api_keys = api_keys or ApiKeys()
+    upstream = UpstreamClient(
+        upstream_url,
+        connect_timeout_s=connect_timeout_s,
+        headers=(upstream_keys if upstream_keys is not None else api_keys).headers(),
+    )
     store = store or SessionStore(chat_tokenizer)
     h = SessionHandlers(store, chat_tokenizer, upstream, model_name=model_name)
-    app = web.Application(middlewares=[session_errors], client_max_size=1 << 28)
+    middlewares: list = [session_errors]
+    if api_keys.enabled:
+        middlewares.insert(0, auth_middleware(api_keys, lambda request: False))
+    app = web.Application(middlewares=middlewares, client_max_size=1 << 28)
     app.router.add_post("/sessions", h.create)
     app.router.add_get("/sessions/{sid}", h.get)
     app.router.add_delete("/sessions/{sid}", h.delete)
@@ -68,6 +81,7 @@ def run_session_server(
     host: str = "127.0.0.1",
     port: int = 30200,
     model_name: str | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> None:
     """Serve sessions until interrupted, with the chat template of the model in `model_dir`."""
     from aiohttp import web
@@ -75,6 +89,10 @@ def run_session_server(
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     app = make_session_app(
-        upstream_url, ChatTokenizer(tokenizer), model_name=model_name or model_dir
+        upstream_url,
+        ChatTokenizer(tokenizer),
+        model_name=model_name or model_dir,
+        api_keys=api_keys,
     )
+    warn_if_open("verst sessions", host, api_keys or ApiKeys())
     web.run_app(app, host=host, port=port, print=lambda *_: None)

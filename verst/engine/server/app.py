@@ -12,12 +12,46 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from verst.auth import ApiKeys, auth_middleware, warn_if_open
 from verst.engine.serving import ServingEngine
 
 if TYPE_CHECKING:
     from aiohttp import web
 
 HEALTH_TIMEOUT_S = 20.0
+
+# Routes that steer the engine rather than ask it for tokens: with `--admin-api-key` set they
+# need that key (SGLang's admin routes); `/abort_request` only with `abort_all`.
+CONTROL_PATHS = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
+        "/update_weight_version",
+        "/get_weights_by_name",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+    }
+)
+
+
+async def is_control_request(request: Any) -> bool:
+    if request.path in CONTROL_PATHS:
+        return True
+    if request.path != "/abort_request":
+        return False
+    import json
+
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        return False  # the handler answers the malformed body
+    return isinstance(body, dict) and bool(body.get("abort_all"))
 
 
 def make_app(
@@ -28,8 +62,10 @@ def make_app(
     host: str = "",
     port: int = 0,
     health_timeout_s: float = HEALTH_TIMEOUT_S,
+    api_keys: ApiKeys | None = None,
 ) -> web.Application:
-    """The SGLang-compatible app; starts and stops `serving` with the app."""
+    """The SGLang-compatible app; starts and stops `serving` with the app. With `api_keys`,
+    every route but `/health...` needs the key (control routes the admin key, when set)."""
     try:
         from aiohttp import web
     except ImportError as error:
@@ -46,7 +82,10 @@ def make_app(
         port=port,
         health_timeout_s=health_timeout_s,
     )
-    app = web.Application(middlewares=[protocol_errors], client_max_size=1 << 30)
+    middlewares = [protocol_errors]
+    if api_keys is not None and api_keys.enabled:
+        middlewares.insert(0, auth_middleware(api_keys, is_control_request))
+    app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
     routes = app.router
     routes.add_route("POST", "/generate", h.generate)
     routes.add_route("PUT", "/generate", h.generate)
@@ -90,6 +129,7 @@ def run_server(
     served_model_name: str | None = None,
     max_batch_size: int = 256,
     parent_pid: int | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
@@ -113,7 +153,9 @@ def run_server(
         served_model_name=served_model_name or model_path,
         host=host,
         port=port,
+        api_keys=api_keys,
     )
+    warn_if_open("verst serve", host, api_keys or ApiKeys())
     if parent_pid is not None:
         app.cleanup_ctx.append(_exit_with_parent(parent_pid))
     print(f"verst serve: {model_path} on http://{host}:{port} ({device}, {dtype})", flush=True)
