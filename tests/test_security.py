@@ -5,9 +5,11 @@ weight-update-group calls, and a router that admits only healthy workers serving
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 
@@ -210,3 +212,88 @@ def test_launched_engines_get_the_key_through_the_environment(model_dir: Path) -
             assert ok == 200
         finally:
             thread.close()
+
+
+# ---- 12: the router admits only valid, healthy workers of the same model -----------------------
+
+
+@pytest.fixture(scope="module")
+def open_engines(loop: LoopThread, model_dir: Path) -> Iterator[dict[str, str]]:
+    """Three open engines: two alike, one serving another model name, one at another version."""
+    urls, runners = {}, []
+    for name, served, version in [
+        ("a", "tiny", None),
+        ("b", "tiny", None),
+        ("other_model", "other", None),
+        ("other_version", "tiny", "7"),
+    ]:
+        serving = new_serving(model_dir)
+        if version is not None:
+            serving.weight_version = version
+        runner, urls[name] = loop.run(
+            start_app(make_app(serving, serving.tokenizer, served_model_name=served))
+        )
+        runners.append(runner)
+    yield urls
+    for runner in runners:
+        loop.run(runner.cleanup())
+
+
+def test_add_worker_validates_checks_health_and_model(
+    loop: LoopThread, open_engines: dict[str, str]
+) -> None:
+    from verst.router import Router
+    from verst.router.server import make_router_app
+
+    async def scenario() -> None:
+        router = Router([open_engines["a"]])
+        runner, url = await start_app(make_router_app(router, health_interval_s=0.05))
+        try:
+            for bad in [
+                "ftp://127.0.0.1:1",
+                "http://",
+                "http://127.0.0.1:99999",
+                "http://127.0.0.1:abc",
+                "http://user:pw@127.0.0.1:1",
+                "http://127.0.0.1:1/path",
+                "http://" + "a" * 300 + ":1",
+                "not a url",
+            ]:
+                status = await status_of(url, "/add_worker?" + urlencode({"url": bad}))
+                assert status == 400, bad
+            dead = "http://127.0.0.1:9"
+            for rejected in (dead, open_engines["other_model"], open_engines["other_version"]):
+                status = await status_of(url, "/add_worker?" + urlencode({"url": rejected}))
+                assert status == 400, rejected
+            assert router.engines == [open_engines["a"]]
+            good = "/add_worker?" + urlencode({"url": open_engines["b"]})
+            assert await status_of(url, good) == 200
+            assert router.engines == [open_engines["a"], open_engines["b"]]
+        finally:
+            await runner.cleanup()
+
+    loop.run(scenario())
+
+
+def test_a_malformed_engine_url_never_stops_the_health_checker(
+    loop: LoopThread, open_engines: dict[str, str]
+) -> None:
+    from verst.router import Router
+    from verst.router.handlers import HealthChecker
+
+    async def scenario() -> None:
+        good = open_engines["a"]
+        router = Router(["http://" + "a" * 300 + ":1", good])
+        checker = HealthChecker(router, interval_s=0.01, failures=1, timeout_s=1.0)
+        router.set_healthy(good, False)
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(checker.run(session))
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if router.is_healthy(good):
+                    break
+            assert not task.done(), "the health checker died"
+            task.cancel()
+        assert router.is_healthy(good)
+
+    loop.run(scenario())

@@ -213,9 +213,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _route(args: argparse.Namespace) -> int:
     from verst.auth import ApiKeys
+    from verst.router.policy import validate_engine_url
     from verst.router.server import run_router
 
-    engines = [url.strip() for url in args.engines.split(",") if url.strip()]
+    engines = [validate_engine_url(url.strip()) for url in args.engines.split(",") if url.strip()]
     if not engines:
         raise ValueError("--engines: give at least one engine URL")
     run_router(
