@@ -210,6 +210,10 @@ def test_launched_engines_get_the_key_through_the_environment(model_dir: Path) -
             assert thread.run(status_of(engine.url, "/model_info", method="GET")) == 401
             ok = thread.run(status_of(engine.url, "/model_info", method="GET", key="launch-key"))
             assert ok == 200
+            # by default weights come only from under the model's parent directory
+            body = {"model_path": str(Path(__file__).parent)}
+            path = "/update_weights_from_disk"
+            assert thread.run(status_of(engine.url, path, body, key="launch-key")) == 400
         finally:
             thread.close()
 
@@ -295,5 +299,47 @@ def test_a_malformed_engine_url_never_stops_the_health_checker(
             assert not task.done(), "the health checker died"
             task.cancel()
         assert router.is_healthy(good)
+
+    loop.run(scenario())
+
+
+# ---- 10: weights from disk only under the allowed directories ---------------------------------
+
+
+def test_weights_from_disk_only_under_allowed_dirs(loop: LoopThread, tmp_path: Path) -> None:
+    root, outside = tmp_path / "allowed", tmp_path / "outside"
+    good = tiny_model(root, "good", seed=1)
+    elsewhere = tiny_model(outside, "elsewhere", seed=2)
+    (root / "link").symlink_to(elsewhere)  # a symlink out of the root
+    sneaky = root / "sneaky"
+    sneaky.mkdir()
+    (sneaky / "model.safetensors").symlink_to(next(elsewhere.glob("*.safetensors")))
+    junk = root / "junk"
+    junk.mkdir()
+    (junk / "model.safetensors").write_bytes(b"SECRET-BYTES " * 10)
+
+    async def scenario() -> None:
+        serving = new_serving(good)
+        serving.allowed_weight_dirs = (root,)
+        runner, url = await start_app(make_app(serving, serving.tokenizer, served_model_name="t"))
+
+        async def update(path: Path) -> tuple[int, str]:
+            async with aiohttp.ClientSession() as session:
+                body = {"model_path": str(path)}
+                async with session.post(url + "/update_weights_from_disk", json=body) as r:
+                    return r.status, (await r.json())["message"]
+
+        try:
+            refusals = []
+            for path in (elsewhere, outside / "missing", root / "missing", root / "link", sneaky):
+                status, message = await update(path)
+                assert status == 400, path
+                refusals.append(message.replace(str(path), "PATH"))
+            assert len(set(refusals)) == 1, refusals  # missing and forbidden look alike
+            status, message = await update(junk)
+            assert status == 400 and "SECRET" not in message
+            assert await update(good) == (200, "Succeeded to update model weights.")
+        finally:
+            await runner.cleanup()
 
     loop.run(scenario())

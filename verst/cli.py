@@ -93,6 +93,12 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--parent-pid", type=int, help="stop when this process (the launcher) is gone"
     )
     _add_key_flags(parser)
+    parser.add_argument(
+        "--allowed-weight-dirs",
+        default="",
+        help="comma-separated directories /update_weights_from_disk may read under, besides "
+        "the model's parent directory (symlinks out of them are refused)",
+    )
 
 
 def _route_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -207,6 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         parent_pid=args.parent_pid,
         api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
+        allowed_weight_dirs=[d.strip() for d in args.allowed_weight_dirs.split(",") if d.strip()],
     )
     return 0
 

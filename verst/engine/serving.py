@@ -33,6 +33,8 @@ from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
 from verst.engine.sampling import SamplingParams
 from verst.engine.scheduler import Scheduler
 from verst.engine.weight_loading import checkpoint_files, checkpoint_tensors, load_published
+from verst.engine.weight_paths import allowed_weight_path, load_quietly
+from verst.engine.weight_paths import refusal as weight_path_refusal
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -61,6 +63,9 @@ def context_length(config: Any) -> int:
 
 class ServingEngine:
     """A `Scheduler` behind an async queue; create and use it inside one event loop."""
+
+    # Roots `update_weights_from_disk` may read under (`verst.engine.weight_paths`); None: any.
+    allowed_weight_dirs: tuple[Path, ...] | None = None
 
     def __init__(
         self,
@@ -393,10 +398,14 @@ class ServingEngine:
         Names and shapes are all checked before the first copy, so a bad checkpoint leaves the
         weights and the version untouched.
         """
+        path = allowed_weight_path(model_path, self.allowed_weight_dirs)
+        if path is None:
+            return False, weight_path_refusal(model_path)
         if abort_all_requests:
             await self.abort(None, abort_all=True, message="Abort by update_weights_from_disk.")
         ok, message = await self._update_weights(
-            lambda: self._load_from_disk(model_path), weight_version
+            lambda: load_quietly(lambda: self._load_from_disk(str(path)), model_path),
+            weight_version,
         )
         if ok:
             self.model_path = model_path

@@ -10,6 +10,8 @@ built, so importing this module does not need the `serve` extra.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from verst.auth import ApiKeys, auth_middleware, warn_if_open
@@ -130,6 +132,7 @@ def run_server(
     max_batch_size: int = 256,
     parent_pid: int | None = None,
     api_keys: ApiKeys | None = None,
+    allowed_weight_dirs: Sequence[str] = (),
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
@@ -147,6 +150,9 @@ def run_server(
         dtype=getattr(torch, dtype),
         max_batch_size=max_batch_size,
     )
+    # Weights from disk only under the model's parent (a trainer's run directory) and these.
+    roots = [Path(model_path).expanduser().resolve().parent, *map(Path, allowed_weight_dirs)]
+    serving.allowed_weight_dirs = tuple(roots)
     app = make_app(
         serving,
         serving.tokenizer,
