@@ -343,3 +343,54 @@ def test_weights_from_disk_only_under_allowed_dirs(loop: LoopThread, tmp_path: P
             await runner.cleanup()
 
     loop.run(scenario())
+
+
+# ---- 11: weight-update groups: control route, bounded, quick to fail, bound to one address -----
+
+
+def test_group_joins_to_a_dead_port_never_starve_generation(
+    loop: LoopThread, model_dir: Path
+) -> None:
+    from verst.fleet.launcher import free_port
+
+    async def scenario() -> None:
+        serving = new_serving(model_dir)
+        serving.group_join_timeout_s = 1.0
+        runner, url = await start_app(make_app(serving, serving.tokenizer, served_model_name="t"))
+        dead = free_port()  # nothing listens there
+        group = {"master_address": "127.0.0.1", "master_port": dead, "world_size": 2}
+
+        async def join(i: int) -> tuple[int, Any]:
+            body = {**group, "rank_offset": 1, "group_name": f"g{i}", "backend": "gloo"}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url + "/init_weights_update_group", json=body) as r:
+                    return r.status, await r.json()
+
+        try:
+            joins = [asyncio.create_task(join(i)) for i in range(8)]
+            await asyncio.sleep(0.3)
+            started = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(status_of(url, "/generate", PROMPT), 10.0) == 200
+            assert asyncio.get_running_loop().time() - started < 5.0
+            answers = await asyncio.wait_for(asyncio.gather(*joins), 10.0)
+            assert all(status == 400 and not body["success"] for status, body in answers)
+        finally:
+            await runner.cleanup()
+
+    loop.run(scenario(), timeout_s=60.0)
+
+
+def test_trainer_store_listens_on_the_given_address_only() -> None:
+    import subprocess
+
+    from verst.fleet.launcher import free_port
+    from verst.sync.broadcast import create_group
+
+    port = free_port()
+    group = create_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=1)
+    try:
+        listening = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout
+        bound = [line.split()[3] for line in listening.splitlines()[1:] if f":{port}" in line]
+        assert bound == [f"127.0.0.1:{port}"], bound
+    finally:
+        del group

@@ -99,6 +99,12 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated directories /update_weights_from_disk may read under, besides "
         "the model's parent directory (symlinks out of them are refused)",
     )
+    parser.add_argument(
+        "--weight-group-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long /init_weights_update_group waits for the trainer's rendezvous",
+    )
 
 
 def _route_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -214,6 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
         parent_pid=args.parent_pid,
         api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
         allowed_weight_dirs=[d.strip() for d in args.allowed_weight_dirs.split(",") if d.strip()],
+        group_join_timeout_s=args.weight_group_timeout_s,
     )
     return 0
 

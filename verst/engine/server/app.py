@@ -133,6 +133,7 @@ def run_server(
     parent_pid: int | None = None,
     api_keys: ApiKeys | None = None,
     allowed_weight_dirs: Sequence[str] = (),
+    group_join_timeout_s: float = 30.0,
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
@@ -153,6 +154,7 @@ def run_server(
     # Weights from disk only under the model's parent (a trainer's run directory) and these.
     roots = [Path(model_path).expanduser().resolve().parent, *map(Path, allowed_weight_dirs)]
     serving.allowed_weight_dirs = tuple(roots)
+    serving.group_join_timeout_s = group_join_timeout_s
     app = make_app(
         serving,
         serving.tokenizer,
