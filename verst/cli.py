@@ -53,6 +53,19 @@ def _model_parser(subparsers: argparse._SubParsersAction) -> None:
     tiny.add_argument("--seed", type=int, default=0)
 
 
+def _add_key_flags(parser: argparse.ArgumentParser, *, admin: bool = True) -> None:
+    parser.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on every route but /health "
+        "(default: $VERST_API_KEY; none = open)",
+    )
+    if admin:
+        parser.add_argument(
+            "--admin-api-key",
+            help="the key control routes need instead (default: $VERST_ADMIN_API_KEY)",
+        )
+
+
 def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -84,6 +97,19 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-n", type=int, default=1024, help="largest n (samples per prompt) accepted (400)"
     )
     add_limit_flags(parser)
+    _add_key_flags(parser)
+    parser.add_argument(
+        "--allowed-weight-dirs",
+        default="",
+        help="comma-separated directories /update_weights_from_disk may read under, besides "
+        "the model's parent directory (symlinks out of them are refused)",
+    )
+    parser.add_argument(
+        "--weight-group-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long /init_weights_update_group waits for the trainer's rendezvous",
+    )
 
 
 def _route_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -108,6 +134,7 @@ def _route_parser(subparsers: argparse._SubParsersAction) -> None:
         "--health-failures", type=int, default=3, help="failed health checks before removal"
     )
     add_limit_flags(parser)
+    _add_key_flags(parser)
 
 
 def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -140,6 +167,7 @@ def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
         help="most live sessions; creating one more answers 429 (default 10000)",
     )
     add_limit_flags(parser)
+    _add_key_flags(parser, admin=False)
 
 
 def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -190,6 +218,7 @@ def _create_tiny(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
+    from verst.auth import ApiKeys
     from verst.engine.server.app import run_server
 
     if args.num_threads is not None:
@@ -210,14 +239,19 @@ def _serve(args: argparse.Namespace) -> int:
         parent_pid=args.parent_pid,
         limits=limits_from_args(args),
         max_n=args.max_n,
+        api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
+        allowed_weight_dirs=[d.strip() for d in args.allowed_weight_dirs.split(",") if d.strip()],
+        group_join_timeout_s=args.weight_group_timeout_s,
     )
     return 0
 
 
 def _route(args: argparse.Namespace) -> int:
+    from verst.auth import ApiKeys
+    from verst.router.policy import validate_engine_url
     from verst.router.server import run_router
 
-    engines = [url.strip() for url in args.engines.split(",") if url.strip()]
+    engines = [validate_engine_url(url.strip()) for url in args.engines.split(",") if url.strip()]
     if not engines:
         raise ValueError("--engines: give at least one engine URL")
     run_router(
@@ -228,11 +262,13 @@ def _route(args: argparse.Namespace) -> int:
         health_interval_s=args.health_interval_s,
         health_failures=args.health_failures,
         limits=limits_from_args(args),
+        api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
     )
     return 0
 
 
 def _sessions(args: argparse.Namespace) -> int:
+    from verst.auth import ApiKeys
     from verst.sessions.server import run_session_server
 
     run_session_server(
@@ -244,6 +280,7 @@ def _sessions(args: argparse.Namespace) -> int:
         limits=limits_from_args(args),
         ttl_s=args.session_ttl_s,
         max_sessions=args.max_sessions,
+        api_keys=ApiKeys.resolve(args.api_key),
     )
     return 0
 

@@ -69,9 +69,12 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 class UpstreamClient:
     """The engine or router behind the session server; its client session lives with the app."""
 
-    def __init__(self, upstream_url: str, *, connect_timeout_s: float) -> None:
+    def __init__(
+        self, upstream_url: str, *, connect_timeout_s: float, headers: dict[str, str] | None = None
+    ) -> None:
         self.url = upstream_url.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
+        self.headers = headers or {}  # the upstream's Authorization, when it wants one
         self._client: aiohttp.ClientSession | None = None
 
     @property
@@ -83,7 +86,7 @@ class UpstreamClient:
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         self._client = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=self.headers
         )
         yield
         await self._client.close()
