@@ -61,7 +61,8 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
         "--idle-timeout-s",
         type=float,
         default=d.idle_timeout_s,
-        help=f"idle keep-alive connections close after this (default {d.idle_timeout_s:g})",
+        help="a connection idle, or still sending its headers, this long is closed "
+        f"(default {d.idle_timeout_s:g})",
     )
 
 
