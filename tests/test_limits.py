@@ -109,9 +109,10 @@ def test_a_weight_update_runs_to_its_end_when_its_client_leaves(
     request must not be cut off half-way (that left the engine refusing every request)."""
 
     async def scenario() -> None:
-        body = {"input_ids": [7, 8, 9], "sampling_params": {**LONG, "max_new_tokens": 1000}}
+        body = {"input_ids": [7, 8, 9], "sampling_params": {**LONG, "max_new_tokens": 2000}}
         running = asyncio.create_task(call(engine.url, "/generate", body))
-        await asyncio.sleep(0.2)
+        while not engine.serving.load()["num_running_reqs"]:  # the update must wait for it
+            await asyncio.sleep(0.01)
         update = {"model_path": str(model_dir), "weight_version": "after-leave"}
         await _leave_after(engine.url + "/update_weights_from_disk", update, 0.2)
         assert (await running)[0] == 200
