@@ -19,6 +19,7 @@ from aiohttp import web
 from verst.engine.server.app import make_app
 from verst.engine.serving import ServingEngine
 from verst.fleet.fleet import LoopThread as FleetLoopThread
+from verst.http_limits import HttpLimits, runner_kwargs
 from verst.models.tiny import TinyModelConfig, create_tiny
 from verst.router import ROUTING_KEY_HEADER
 
@@ -58,9 +59,12 @@ class LoopThread(FleetLoopThread):
         return super().run(coro, timeout_s)
 
 
-async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
-    """Serve `app` on a free port of 127.0.0.1 (the OS picks it): (runner, base URL)."""
-    runner = web.AppRunner(app)
+async def start_app(
+    app: web.Application, limits: HttpLimits | None = None
+) -> tuple[web.AppRunner, str]:
+    """Serve `app` on a free port of 127.0.0.1 (the OS picks it) as the `verst` commands do
+    (`runner_kwargs`: a client that disconnects cancels its handler): (runner, base URL)."""
+    runner = web.AppRunner(app, **runner_kwargs(limits or HttpLimits()))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -346,10 +346,11 @@ def test_plain_engine_upstream_and_engine_down(stack: Stack) -> None:
     stack.run(scenario())
 
 
-def test_upstream_error_is_502_with_its_message(stack: Stack) -> None:
+def test_upstream_refusal_is_its_4xx_with_its_message(stack: Stack) -> None:
     sid = new_session(stack)
     status, body = chat(stack, sid, [{"role": "user", "content": "hi"}], top_k=0)
-    assert status == 502 and "answered 400" in body["error"]["message"]
+    assert status == 400 and "refused the request (400)" in body["error"]["message"]
+    assert "top_k" in body["error"]["message"]
     assert stack.store.get(sid).records == []
 
 

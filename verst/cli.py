@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from verst.config import ConfigError, help_text, load_config
+from verst.http_limits import add_limit_flags, limits_from_args
 
 TRAIN_EPILOG = """overrides: section.field=value, e.g. trainer.lr=1e-5 rollout.temperature=0.8
 
@@ -52,6 +53,19 @@ def _model_parser(subparsers: argparse._SubParsersAction) -> None:
     tiny.add_argument("--seed", type=int, default=0)
 
 
+def _add_key_flags(parser: argparse.ArgumentParser, *, admin: bool = True) -> None:
+    parser.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on every route but /health "
+        "(default: $VERST_API_KEY; none = open)",
+    )
+    if admin:
+        parser.add_argument(
+            "--admin-api-key",
+            help="the key control routes need instead (default: $VERST_ADMIN_API_KEY)",
+        )
+
+
 def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -79,6 +93,23 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--parent-pid", type=int, help="stop when this process (the launcher) is gone"
     )
+    parser.add_argument(
+        "--max-n", type=int, default=1024, help="largest n (samples per prompt) accepted (400)"
+    )
+    add_limit_flags(parser)
+    _add_key_flags(parser)
+    parser.add_argument(
+        "--allowed-weight-dirs",
+        default="",
+        help="comma-separated directories /update_weights_from_disk may read under, besides "
+        "the model's parent directory (symlinks out of them are refused)",
+    )
+    parser.add_argument(
+        "--weight-group-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long /init_weights_update_group waits for the trainer's rendezvous",
+    )
 
 
 def _route_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -102,6 +133,8 @@ def _route_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--health-failures", type=int, default=3, help="failed health checks before removal"
     )
+    add_limit_flags(parser)
+    _add_key_flags(parser)
 
 
 def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -121,6 +154,20 @@ def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=30200)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--served-model-name", help="the model name the API reports")
+    parser.add_argument(
+        "--session-ttl-s",
+        type=float,
+        default=3600.0,
+        help="a session unused this long is dropped (default 3600)",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=10000,
+        help="most live sessions; creating one more answers 429 (default 10000)",
+    )
+    add_limit_flags(parser)
+    _add_key_flags(parser, admin=False)
 
 
 def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -171,6 +218,7 @@ def _create_tiny(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
+    from verst.auth import ApiKeys
     from verst.engine.server.app import run_server
 
     if args.num_threads is not None:
@@ -189,14 +237,21 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_batch_size=args.max_batch_size,
         parent_pid=args.parent_pid,
+        limits=limits_from_args(args),
+        max_n=args.max_n,
+        api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
+        allowed_weight_dirs=[d.strip() for d in args.allowed_weight_dirs.split(",") if d.strip()],
+        group_join_timeout_s=args.weight_group_timeout_s,
     )
     return 0
 
 
 def _route(args: argparse.Namespace) -> int:
+    from verst.auth import ApiKeys
+    from verst.router.policy import validate_engine_url
     from verst.router.server import run_router
 
-    engines = [url.strip() for url in args.engines.split(",") if url.strip()]
+    engines = [validate_engine_url(url.strip()) for url in args.engines.split(",") if url.strip()]
     if not engines:
         raise ValueError("--engines: give at least one engine URL")
     run_router(
@@ -206,11 +261,14 @@ def _route(args: argparse.Namespace) -> int:
         sessions=args.sessions,
         health_interval_s=args.health_interval_s,
         health_failures=args.health_failures,
+        limits=limits_from_args(args),
+        api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
     )
     return 0
 
 
 def _sessions(args: argparse.Namespace) -> int:
+    from verst.auth import ApiKeys
     from verst.sessions.server import run_session_server
 
     run_session_server(
@@ -219,6 +277,10 @@ def _sessions(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         model_name=args.served_model_name,
+        limits=limits_from_args(args),
+        ttl_s=args.session_ttl_s,
+        max_sessions=args.max_sessions,
+        api_keys=ApiKeys.resolve(args.api_key),
     )
     return 0
 

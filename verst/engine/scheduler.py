@@ -169,10 +169,15 @@ class Scheduler:
 
     # --- control --------------------------------------------------------------------------------
 
-    def abort(self, rid: str | None = None, *, abort_all: bool = False) -> list[GenerateOutput]:
-        """Abort requests whose rid starts with `rid` (SGLang's prefix rule), or all."""
+    def abort(
+        self, rid: str | None = None, *, abort_all: bool = False, exact: bool = False
+    ) -> list[GenerateOutput]:
+        """Abort requests whose rid starts with `rid` (SGLang's prefix rule; only that rid when
+        `exact`), or all."""
 
         def hit(r: _Running) -> bool:
+            if exact:
+                return r.request.rid == rid
             return abort_all or (bool(rid) and r.request.rid.startswith(rid))
 
         aborted = [r for r in [*self.running, *self.waiting] if hit(r)]

@@ -20,6 +20,8 @@ Promises (SGLang's semantics):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -34,6 +36,8 @@ from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
 from verst.engine.sampling import SamplingParams
 from verst.engine.scheduler import Scheduler
 from verst.engine.weight_loading import checkpoint_files, checkpoint_tensors, load_published
+from verst.engine.weight_paths import allowed_weight_path, load_quietly
+from verst.engine.weight_paths import refusal as weight_path_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +74,38 @@ def vocab_size(model: Any) -> int:
         return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
 
 
+GROUP_JOIN_TIMEOUT_S = 30.0
+
+
+class BoundedJoins:
+    """A one-thread executor for blocking rendezvous calls, busy while one runs (a call that
+    timed out keeps it busy until its own store timeout ends the thread)."""
+
+    def __init__(self) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "verst-group-join")
+        self._running: concurrent.futures.Future | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None and not self._running.done()
+
+    async def run(self, call: Callable[[], Any], timeout_s: float) -> Any:
+        self._running = self._executor.submit(call)
+        return await asyncio.wait_for(asyncio.wrap_future(self._running), timeout_s)
+
+
 class ServingEngine:
     """A `Scheduler` behind an async queue; create and use it inside one event loop."""
+
+    # Roots `update_weights_from_disk` may read under (`verst.engine.weight_paths`); None: any.
+    allowed_weight_dirs: tuple[Path, ...] | None = None
+    group_join_timeout_s: float = GROUP_JOIN_TIMEOUT_S  # `init_weights_update_group`'s limit
+    _joins: BoundedJoins | None = None
+
+    def _group_joins(self) -> BoundedJoins:
+        if self._joins is None:
+            self._joins = BoundedJoins()
+        return self._joins
 
     def __init__(
         self,
@@ -238,10 +272,14 @@ class ServingEngine:
             # shield: a cancelled caller must not cancel the future the batch loop resolves.
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
+            # The caller left (its client disconnected): the request stops generating.
             async with cond:
                 if pending in self._queue:
                     self._queue.remove(pending)
-                    cond.notify_all()
+                elif self._running.get(rid) is pending:
+                    del self._running[rid]
+                    self._control.append(lambda: self.scheduler.abort(rid, exact=True))
+                cond.notify_all()
             raise
 
     def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
@@ -449,10 +487,14 @@ class ServingEngine:
         Names and shapes are all checked before the first copy, so a bad checkpoint leaves the
         weights and the version untouched.
         """
+        path = allowed_weight_path(model_path, self.allowed_weight_dirs)
+        if path is None:
+            return False, weight_path_refusal(model_path)
         if abort_all_requests:
             await self.abort(None, abort_all=True, message="Abort by update_weights_from_disk.")
         ok, message = await self._update_weights(
-            lambda: self._load_from_disk(model_path), weight_version
+            lambda: load_quietly(lambda: self._load_from_disk(str(path)), model_path),
+            weight_version,
         )
         if ok:
             self.model_path = model_path
@@ -525,15 +567,27 @@ class ServingEngine:
         """Join the trainer's weight-update group as rank `rank_offset` (blocks until all join)."""
         from verst.sync.broadcast import create_group
 
+        # One join at a time, on a thread of its own: joins that hang on a dead address must
+        # never take the threads the serving loop steps the scheduler on.
+        joins = self._group_joins()
+        if joins.busy:
+            return False, "another weights update group join is in progress"
+        join = functools.partial(
+            create_group,
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank_offset,
+            world_size=world_size,
+            backend=backend,
+            group_name=group_name,
+            connect_timeout_s=self.group_join_timeout_s,
+        )
         try:
-            self._groups[group_name] = await asyncio.to_thread(
-                create_group,
-                master_address=master_address,
-                master_port=master_port,
-                rank=rank_offset,
-                world_size=world_size,
-                backend=backend,
-                group_name=group_name,
+            self._groups[group_name] = await joins.run(join, self.group_join_timeout_s)
+        except TimeoutError:
+            return False, (
+                f"Failed to init weights update group {group_name!r}: no rendezvous within "
+                f"{self.group_join_timeout_s:g} s"
             )
         except (RuntimeError, ValueError) as error:
             return False, f"Failed to init weights update group {group_name!r}: {error}"

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from verst.auth import ApiKeys
 from verst.engine.server import sglang_api as protocol
+from verst.engine.server.app import CONTROL_PATHS
 from verst.engine.serving import ServingEngine
 
 
@@ -123,11 +125,15 @@ class InProcessEngineClient:
 
 
 class HttpEngineClient:
-    """An `EngineClient` over HTTP to a verst (`verst serve`) or SGLang server."""
+    """An `EngineClient` over HTTP to a verst (`verst serve`) or SGLang server; with `api_keys`
+    it sends `Authorization: Bearer` (the admin key on control routes, when set)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, base_url: str, *, timeout_s: float | None = None, api_keys: ApiKeys | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.api_keys = api_keys or ApiKeys()
         self._session: Any = None
 
     def _client(self) -> Any:
@@ -150,7 +156,11 @@ class HttpEngineClient:
         self, method: str, path: str, payload: Any = None, *, ok: tuple[int, ...] = (200,)
     ) -> tuple[int, Any]:
         url = self.base_url + path
-        async with self._client().request(method, url, json=payload) as response:
+        admin = path in CONTROL_PATHS or (
+            path == "/abort_request" and bool(payload and payload.get("abort_all"))
+        )
+        headers = self.api_keys.headers(admin=admin)
+        async with self._client().request(method, url, json=payload, headers=headers) as response:
             raw = await response.read()
             try:
                 body = await response.json(content_type=None) if raw.strip() else None

@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from pydantic import Field
 
+from verst.auth import ApiKeys, generate_key
 from verst.configbase import ConfigBase
 from verst.engine import GenerateOutput, GenerateRequest
 from verst.engine.serving import ServingEngine
@@ -198,8 +199,10 @@ class Fleet:
         processes: list[LocalEngine] | None = None,
         process_devices: list[str] | None = None,
         runners: list[Any] | None = None,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.loop = loop
+        self.api_keys = api_keys or ApiKeys()  # what the fleet's engines and router want
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self._clients = clients  # by URL, in registration order
@@ -237,15 +240,22 @@ class Fleet:
         if not cfg.serving:
             raise ValueError("Fleet.start needs placement.engines = in_process or processes")
         loop = LoopThread()
+        # One key per run: the engines' HTTP ports, even on loopback, answer only the trainer.
+        keys = ApiKeys(api_key=generate_key())
         try:
             if cfg.engines == "in_process":
-                clients, runners = loop.run(_start_in_process(cfg, model, tokenizer, seed))
-                return cls(loop, clients, tokenizer=tokenizer, runners=runners)
+                clients, runners = loop.run(_start_in_process(cfg, model, tokenizer, seed, keys))
+                return cls(loop, clients, tokenizer=tokenizer, runners=runners, api_keys=keys)
             devices = engine_devices(cfg, trainer_device)
-            processes = _start_processes(cfg, model_dir, devices, dtype, seed)
-            clients = {p.url: HttpEngineClient(p.url) for p in processes}
+            processes = _start_processes(cfg, model_dir, devices, dtype, seed, keys)
+            clients = {p.url: HttpEngineClient(p.url, api_keys=keys) for p in processes}
             return cls(
-                loop, clients, tokenizer=tokenizer, processes=processes, process_devices=devices
+                loop,
+                clients,
+                tokenizer=tokenizer,
+                processes=processes,
+                process_devices=devices,
+                api_keys=keys,
             )
         except BaseException:
             loop.close()
@@ -347,9 +357,11 @@ class Fleet:
         from verst.sessions.templates import ChatTokenizer
 
         self.router.sessions = True
-        router_url = await self._serve(make_router_app(self.router))
+        router_url = await self._serve(make_router_app(self.router, api_keys=self.api_keys))
         chat = ChatTokenizer(self.tokenizer)
-        return await self._serve(make_session_app(router_url, chat, model_name="policy"))
+        # The session server stays open (on loopback): agents are user code given a base_url.
+        app = make_session_app(router_url, chat, model_name="policy", upstream_keys=self.api_keys)
+        return await self._serve(app)
 
     async def _serve(self, app: Any) -> str:
         runner, url = await _serve_app(app)
@@ -365,7 +377,10 @@ def prompt_key(input_ids: list[int]) -> str:
 async def _serve_app(app: Any) -> tuple[Any, str]:
     from aiohttp import web
 
-    runner = web.AppRunner(app, access_log=None)
+    from verst.http_limits import HttpLimits, runner_kwargs
+
+    # as the verst commands serve: a client that disconnects aborts its request
+    runner = web.AppRunner(app, access_log=None, **runner_kwargs(HttpLimits()))
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -373,7 +388,7 @@ async def _serve_app(app: Any) -> tuple[Any, str]:
 
 
 async def _start_in_process(
-    cfg: PlacementConfig, model: torch.nn.Module, tokenizer: Any, seed: int
+    cfg: PlacementConfig, model: torch.nn.Module, tokenizer: Any, seed: int, keys: ApiKeys
 ) -> tuple[dict[str, EngineClient], list[Any]]:
     """Engines on the trainer's device; the first uses `model` itself, the others copies."""
     import copy
@@ -388,7 +403,8 @@ async def _start_in_process(
             engine_model, tokenizer, seed=seed + i, max_batch_size=cfg.max_batch_size
         )
         await serving.start()
-        runner, url = await _serve_app(make_app(serving, tokenizer, served_model_name="policy"))
+        app = make_app(serving, tokenizer, served_model_name="policy", api_keys=keys)
+        runner, url = await _serve_app(app)
         runners.append(runner)
         clients[url] = InProcessEngineClient(serving)
     return clients, runners
@@ -400,6 +416,7 @@ def _start_processes(
     devices: list[str],
     dtype: torch.dtype,
     seed: int,
+    keys: ApiKeys,
 ) -> list[LocalEngine]:
     """`verst serve` processes, one per device, started together and waited on together."""
     common = ["--dtype", str(dtype).removeprefix("torch."), "--max-batch-size"]
@@ -412,4 +429,5 @@ def _start_processes(
         extra_args=common,
         engine_args=[["--device", d, "--seed", str(seed + i)] for i, d in enumerate(devices)],
         timeout_s=cfg.startup_timeout_s,
+        env=keys.env(),
     )

@@ -123,12 +123,15 @@ def launch_local_engines(
     extra_args: Sequence[str] = (),
     engine_args: Sequence[Sequence[str]] = (),
     timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
 ) -> list[LocalEngine]:
     """Start `n` `verst serve` processes (ports base_port + i, or free ones); wait for health.
 
     Every process gets `extra_args`; process i also gets `engine_args[i]` when given (its
-    device, its seed).
+    device, its seed). `env` is added to this process's environment: secrets such as
+    `VERST_API_KEY` go there, not on the command line, where `ps` would show them.
     """
+    child_env = {**os.environ, **env} if env else None
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if engine_args and len(engine_args) != n:
@@ -141,7 +144,7 @@ def launch_local_engines(
             cmd += ["--port", str(port), "--host", host, "--parent-pid", str(os.getpid())]
             cmd += list(extra_args)
             cmd += list(engine_args[i]) if engine_args else []
-            engines.append(_start(cmd, port, host, "verst-serve"))
+            engines.append(_start(cmd, port, host, "verst-serve", env=child_env))
         for engine in engines:  # started together, so their start-up times overlap
             wait_healthy(engine, timeout_s, "verst serve")
     except BaseException:

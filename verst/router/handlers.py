@@ -16,12 +16,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from verst.auth import ApiKeys
+from verst.engine.server.app import is_control_request
+from verst.http_limits import loads_json
 from verst.router.policy import (
     ROUTING_KEY_HEADER,
     MissingRoutingKey,
     NoEngineAvailable,
     Router,
     split_rank,
+    validate_engine_url,
 )
 
 # One logger for the whole router app, named after the module that builds it.
@@ -99,7 +103,7 @@ class HealthChecker:
             timeout = aiohttp.ClientTimeout(total=self.timeout_s)
             async with session.get(base + "/health", timeout=timeout) as r:
                 ok = 200 <= r.status < 300
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except Exception:  # any URL or answer at all: one bad engine never stops the checker
             ok = False
         router = self.router
         if ok:
@@ -116,7 +120,10 @@ class HealthChecker:
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
-            await asyncio.gather(*(self.poll(session, base) for base in self.router.base_urls()))
+            polls = (self.poll(session, base) for base in self.router.base_urls())
+            for outcome in await asyncio.gather(*polls, return_exceptions=True):
+                if isinstance(outcome, Exception):
+                    log.warning("health check failed: %s: %s", type(outcome).__name__, outcome)
             await asyncio.sleep(self.interval_s)
 
 
@@ -124,11 +131,29 @@ class RouterHandlers:
     """One method per route of the router app, over the `Router`, the health checker and the
     client session the app's lifecycle opens."""
 
-    def __init__(self, router: Router, checker: HealthChecker, *, connect_timeout_s: float) -> None:
+    def __init__(
+        self,
+        router: Router,
+        checker: HealthChecker,
+        *,
+        connect_timeout_s: float,
+        engine_keys: ApiKeys | None = None,
+    ) -> None:
         self.router = router
         self.checker = checker
         self.connect_timeout_s = connect_timeout_s
+        self.engine_keys = engine_keys or ApiKeys()
         self._session: aiohttp.ClientSession | None = None
+        self._aborts: set[asyncio.Task[None]] = set()  # aborts sent for clients that left
+
+    async def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        """The request's end-to-end headers, its `Authorization` replaced by the engines' key
+        when the router has one (a client's key for the router is no key for the engines)."""
+        headers = _kept_headers(request.headers)
+        if self.engine_keys.enabled:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers.update(self.engine_keys.headers(admin=await is_control_request(request)))
+        return headers
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -144,6 +169,8 @@ class RouterHandlers:
         )
         polling = asyncio.create_task(self.checker.run(self._session), name="verst-router-health")
         yield
+        if self._aborts:
+            await asyncio.wait(self._aborts, timeout=1.0)
         polling.cancel()
         try:
             await polling
@@ -169,12 +196,40 @@ class RouterHandlers:
         body = await request.read()
         if rank is not None and request.path == "/generate":
             body = _with_dp_rank(body, rank)
-        headers = _kept_headers(request.headers)
+        headers = await self._upstream_headers(request)
         self.router.begin(target)
         try:
             return await self._forward(request, base, body, headers)
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client left: closing the upstream connection already aborts the request in
+            # a verst engine; an abort by rid also reaches engines that do not watch for it.
+            self._abort_upstream(base, body, headers)
+            raise
         finally:
             self.router.end(target)
+
+    def _abort_upstream(self, base: str, body: bytes, headers: dict[str, str]) -> None:
+        rids = _rids(body)
+        if not rids:
+            return
+        abort_headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+
+        async def abort() -> None:
+            for rid in rids:
+                try:
+                    answer = await self._call(
+                        "POST",
+                        base + "/abort_request",
+                        json.dumps({"rid": rid}).encode(),
+                        {**abort_headers, "Content-Type": "application/json"},
+                    )
+                except aiohttp.ClientError as error:
+                    answer = {"status": f"failed: {type(error).__name__}"}
+                log.info("client left: aborted rid %s on %s (%s)", rid, base, answer["status"])
+
+        task = asyncio.get_running_loop().create_task(abort(), name="verst-router-abort")
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def _forward(
         self, request: web.Request, base: str, body: bytes, headers: dict[str, str]
@@ -228,7 +283,7 @@ class RouterHandlers:
 
     async def broadcast(self, request: web.Request) -> web.Response:
         body = await request.read()
-        headers = _kept_headers(request.headers)
+        headers = await self._upstream_headers(request)
         # Every registered engine, healthy or not: a weight update that skipped a sick engine
         # would let it serve stale weights once it recovers; better to fail loudly here.
         bases = self.router.base_urls()
@@ -242,10 +297,13 @@ class RouterHandlers:
             status = 502
         else:
             status = next((s for s in statuses if not 200 <= s < 300), 200)
-        return web.json_response(
-            {"success": status == 200 and bool(bases), "engines": by_engine},
-            status=status if bases else 503,
-        )
+        body: dict[str, Any] = {"success": status == 200 and bool(bases), "engines": by_engine}
+        if status != 200 or not bases:
+            failed = [b for b, a in by_engine.items() if a["status"] != 200]
+            message = f"engines that did not answer 200: {failed}" if bases else "no engines"
+            kind = "invalid_request_error" if 400 <= status < 500 else "bad_gateway"
+            body.update(error_body(message, code="broadcast_failed", kind=kind))
+        return web.json_response(body, status=status if bases else 503)
 
     async def _call(
         self, method: str, url: str, body: bytes, headers: dict[str, str]
@@ -264,10 +322,51 @@ class RouterHandlers:
     # ---- router control --------------------------------------------------------------------
 
     async def add_worker(self, request: web.Request) -> web.Response:
-        url = _url_param(request)
+        """A worker joins only with a valid URL, a healthy answer and the same served model and
+        weight version as the engines already routed to (SGLang polls before it registers)."""
+        try:
+            url = validate_engine_url(_url_param(request))
+        except ValueError as error:
+            return json_error(400, str(error), "bad_url", "invalid_request_error")
+        problem = await self._admission_problem(split_rank(url)[0])
+        if problem is not None:
+            return json_error(400, problem, "worker_rejected", "invalid_request_error")
         added = self.router.add_engine(url)
         self.checker.forget(split_rank(url)[0])
         return web.json_response({"status": "ok", "url": url, "added": added})
+
+    async def _model_info(self, base: str) -> dict[str, Any] | None:
+        timeout = aiohttp.ClientTimeout(total=self.checker.timeout_s)
+        headers = self.engine_keys.headers()
+        try:
+            async with self.session.get(base + "/health", timeout=timeout) as r:
+                if r.status != 200:
+                    return None
+            async with self.session.get(
+                base + "/model_info", timeout=timeout, headers=headers
+            ) as r:
+                info = await r.json(content_type=None) if r.status == 200 else None
+        except Exception:  # unreachable, not JSON, not an engine: not admitted
+            return None
+        return info if isinstance(info, dict) else None
+
+    async def _admission_problem(self, base: str) -> str | None:
+        info = await self._model_info(base)
+        if info is None:
+            return f"worker {base} did not pass its health check (/health, then /model_info)"
+        peers = {split_rank(t)[0] for t in self.router.live_engines} - {base}
+        for peer in sorted(peers):
+            reference = await self._model_info(peer)
+            if reference is None:
+                continue
+            for field in ("served_model_name", "weight_version"):
+                if str(info.get(field)) != str(reference.get(field)):
+                    return (
+                        f"worker {base} serves {field} {info.get(field)!r}, the fleet "
+                        f"{reference.get(field)!r}"
+                    )
+            break
+        return None
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         url = _url_param(request)
@@ -292,7 +391,7 @@ class RouterHandlers:
 
     async def release_key(self, request: web.Request) -> web.Response:
         try:
-            payload = json.loads(await request.read() or b"{}")
+            payload = loads_json(await request.read() or b"{}")
         except ValueError:
             payload = None
         key = payload.get("key") if isinstance(payload, dict) else None
@@ -300,6 +399,17 @@ class RouterHandlers:
             message = 'the body must be {"key": "<routing key>"}'
             return json_error(400, message, "bad_key", "invalid_request_error")
         return web.json_response({"key": key, "released": self.router.release(key)})
+
+
+def _rids(body: bytes) -> list[str]:
+    """The request ids a `/generate` (or OpenAI) body names: its `rid`, a string or a list."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return []
+    rid = payload.get("rid") if isinstance(payload, dict) else None
+    rids = rid if isinstance(rid, list) else [rid]
+    return [r for r in rids if isinstance(r, str) and r]
 
 
 def _url_param(request: web.Request) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
@@ -44,6 +45,29 @@ def split_rank(target: str) -> tuple[str, int | None]:
     if match is None:
         return target.rstrip("/"), None
     return match["base"].rstrip("/"), int(match["rank"])
+
+
+def validate_engine_url(url: str) -> str:
+    """`url` normalised if it is `http(s)://host[:port][@rank]` and nothing else; ValueError
+    (with the reason) otherwise."""
+    if not url.isprintable() or any(c.isspace() for c in url):
+        raise ValueError(f"engine URL {url!r} holds spaces or control characters")
+    base, _ = split_rank(url)
+    parts = urlsplit(base)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"engine URL {url!r}: the scheme must be http or https")
+    try:
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError as error:
+        raise ValueError(f"engine URL {url!r}: the port must be a number in 0-65535") from error
+    host = parts.hostname
+    if not host or len(host) > 253 or any(len(label) > 63 for label in host.split(".")):
+        raise ValueError(f"engine URL {url!r} has no valid host")
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise ValueError(f"engine URL {url!r}: give only scheme://host:port")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"engine URL {url!r}: give only scheme://host:port, without a path")
+    return normalize(url)
 
 
 def normalize(target: str) -> str:

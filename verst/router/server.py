@@ -15,8 +15,11 @@ aiohttp when an app is built, so importing this module does not need the `serve`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from verst.auth import ApiKeys, auth_middleware, warn_if_open
+from verst.engine.server.app import is_control_request
+from verst.http_limits import HttpLimits, limited_app
 from verst.router.policy import Router
 
 if TYPE_CHECKING:
@@ -30,6 +33,21 @@ BROADCAST_PATHS = (
     "/update_weight_version",
     "/abort_request",
 )
+# Routes that steer the router or the whole fleet: the admin key's, when one is set.
+WORKER_PATHS = ("/add_worker", "/remove_worker")
+
+
+async def is_router_control(request: Any) -> bool:
+    return request.path in WORKER_PATHS or await is_control_request(request)
+
+
+_RUN_TO_END = frozenset({*BROADCAST_PATHS, *WORKER_PATHS, "/release_key"})
+
+
+def _proxied(path: str) -> bool:
+    """A proxied request is cancelled (and aborted upstream) when its client leaves; the
+    router's own and fleet-wide routes run to their end."""
+    return path not in _RUN_TO_END
 
 
 def make_router_app(
@@ -39,10 +57,16 @@ def make_router_app(
     health_failures: int = 3,
     health_timeout_s: float = 5.0,
     connect_timeout_s: float = 5.0,
+    api_keys: ApiKeys | None = None,
+    engine_keys: ApiKeys | None = None,
+    limits: HttpLimits | None = None,
 ) -> web.Application:
-    """The proxy app over `router`; its health checker runs while the app runs."""
+    """The proxy app over `router`; its health checker runs while the app runs. `api_keys`
+    guard the router's own routes; `engine_keys` (default: the same) go to the engines in place
+    of the client's `Authorization`. Serve it with `verst.http_limits.runner_kwargs` so a
+    client that disconnects aborts its request."""
     try:
-        from aiohttp import web
+        import aiohttp  # noqa: F401  (the import error names the extra)
     except ImportError as error:
         raise ImportError("the verst router needs aiohttp: pip install 'verst[serve]'") from error
     from verst.router.handlers import HealthChecker, RouterHandlers
@@ -50,8 +74,16 @@ def make_router_app(
     checker = HealthChecker(
         router, interval_s=health_interval_s, failures=health_failures, timeout_s=health_timeout_s
     )
-    handlers = RouterHandlers(router, checker, connect_timeout_s=connect_timeout_s)
-    app = web.Application(client_max_size=1 << 30)
+    api_keys = api_keys or ApiKeys()
+    handlers = RouterHandlers(
+        router,
+        checker,
+        connect_timeout_s=connect_timeout_s,
+        engine_keys=engine_keys if engine_keys is not None else api_keys,
+    )
+    middlewares = [auth_middleware(api_keys, is_router_control)] if api_keys.enabled else []
+    limits = limits or HttpLimits()
+    app = limited_app(limits, *middlewares, cancellable=_proxied)
     for path in BROADCAST_PATHS:
         app.router.add_post(path, handlers.broadcast)
     app.router.add_get("/flush_cache", handlers.broadcast)
@@ -75,17 +107,25 @@ def run_router(
     sessions: bool = False,
     health_interval_s: float = 5.0,
     health_failures: int = 3,
+    limits: HttpLimits | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> None:
     """Serve the router until interrupted (SIGINT / SIGTERM)."""
-    from aiohttp import web
+    from verst.http_limits import run_app
 
     router = Router(engines, sessions=sessions)
+    limits = limits or HttpLimits()
     app = make_router_app(
-        router, health_interval_s=health_interval_s, health_failures=health_failures
+        router,
+        health_interval_s=health_interval_s,
+        health_failures=health_failures,
+        limits=limits,
+        api_keys=api_keys,
     )
+    warn_if_open("verst route", host, api_keys or ApiKeys())
     mode = "sessions (key required)" if sessions else "least active requests"
     print(
         f"verst route: {len(router.engines)} engine(s) on http://{host}:{port}, {mode}",
         flush=True,
     )
-    web.run_app(app, host=host, port=port, print=None, access_log=None)
+    run_app(app, host=host, port=port, limits=limits)

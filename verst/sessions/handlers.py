@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from verst.http_limits import loads_json
 from verst.router.policy import ROUTING_KEY_HEADER
 from verst.sessions.assembly import AssemblyError
 from verst.sessions.openai_chat import (
@@ -57,7 +58,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if not raw.strip():
         return {}
     try:
-        body = json.loads(raw)
+        body = loads_json(raw)
     except ValueError as error:
         raise SessionError(400, f"the body is not JSON: {error}", "bad_json") from error
     if not isinstance(body, dict):
@@ -68,9 +69,12 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 class UpstreamClient:
     """The engine or router behind the session server; its client session lives with the app."""
 
-    def __init__(self, upstream_url: str, *, connect_timeout_s: float) -> None:
+    def __init__(
+        self, upstream_url: str, *, connect_timeout_s: float, headers: dict[str, str] | None = None
+    ) -> None:
         self.url = upstream_url.rstrip("/")
         self.connect_timeout_s = connect_timeout_s
+        self.headers = headers or {}  # the upstream's Authorization, when it wants one
         self._client: aiohttp.ClientSession | None = None
 
     @property
@@ -82,7 +86,7 @@ class UpstreamClient:
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         self._client = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=self.headers
         )
         yield
         await self._client.close()
@@ -100,14 +104,18 @@ class UpstreamClient:
             return False
 
     async def generate(self, sid: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """`/generate` with the session id as routing key; any failure is a 502."""
+        """`/generate` with the session id as routing key. The upstream's 4xx (the request was
+        bad) is passed through with its message; any other failure is a 502."""
         url = self.url + "/generate"
         try:
             async with self.client.post(url, json=payload, headers={ROUTING_KEY_HEADER: sid}) as r:
                 text = await r.text()
+                if 400 <= r.status < 500:
+                    message = f"upstream refused the request ({r.status}): {text[:2000]}"
+                    raise SessionError(r.status, message, "upstream_rejected")
                 if not 200 <= r.status < 300:
                     raise SessionError(
-                        502, f"upstream {url} answered {r.status}: {text}", "bad_upstream"
+                        502, f"upstream {url} answered {r.status}: {text[:2000]}", "bad_upstream"
                     )
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
             message = f"upstream {url} is unreachable: {type(error).__name__}: {error}"
@@ -187,7 +195,8 @@ class SessionHandlers:
         params: dict[str, Any],
     ) -> ChatTurn:
         """Plan the turn, generate it upstream and commit it; the caller holds the lock."""
-        plan = self.store.plan_turn(session, messages, tools)
+        # Rendering and tokenizing a long history takes seconds: never on the event loop.
+        plan = await asyncio.to_thread(self.store.plan_turn, session, messages, tools)
         payload = {"input_ids": plan.input_ids, "sampling_params": params}
         result = await self.upstream.generate(sid, {**payload, "return_logprob": True})
         record = turn_record(plan.input_ids, result)

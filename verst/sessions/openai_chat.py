@@ -7,6 +7,7 @@ Every refusal is a `SessionError` carrying its HTTP status and code.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -48,6 +49,47 @@ def sample_to_json(sample: Sample) -> dict[str, Any]:
     }
 
 
+def _bad(key: str, expected: str, value: Any) -> SessionError:
+    return SessionError(400, f"{key} must be {expected}, got {value!r:.80}", "bad_param")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_chat_body(body: dict[str, Any]) -> None:
+    """A 400 with a message for a chat body whose fields have the wrong JSON types (the engine
+    checks the values themselves)."""
+    for key in _SAMPLING_KEYS:
+        value = body.get(key)
+        if value is None:
+            continue
+        integral = key in ("max_tokens", "max_completion_tokens", "top_k", "seed")
+        if not (_is_int(value) if integral else _is_number(value)):
+            raise _bad(key, "an integer" if integral else "a finite number", value)
+    for key in ("stream", "logprobs"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise _bad(key, "a boolean", body[key])
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _bad("stop", "a string or a list of strings", stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
+        raise _bad("stop_token_ids", "a list of integers", ids)
+    tools = body.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise _bad("tools", "a list of objects", tools)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise _bad("model", "a string", body["model"])
+
+
 def sampling_params(body: dict[str, Any], end_of_turn_id: int) -> dict[str, Any]:
     """OpenAI chat parameters → SGLang sampling_params; the end-of-turn id always stops."""
     if body.get("n", 1) != 1:
@@ -55,6 +97,7 @@ def sampling_params(body: dict[str, Any], end_of_turn_id: int) -> dict[str, Any]
     for key in _UNSUPPORTED_KEYS:
         if body.get(key) not in (None, 0, 0.0):
             raise SessionError(400, f"{key} is not supported by the session server", "bad_param")
+    check_chat_body(body)
     params: dict[str, Any] = {}
     for key, name in _SAMPLING_KEYS.items():
         if body.get(key) is not None:

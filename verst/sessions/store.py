@@ -22,6 +22,9 @@ from verst.sessions.assembly import TurnRecord, assemble
 from verst.sessions.templates import ChatTokenizer, Message
 from verst.types import Sample
 
+SESSION_TTL_S = 3600.0  # a session unused this long is dropped
+MAX_SESSIONS = 10_000  # live sessions at once; one more is a 429
+
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
@@ -34,7 +37,8 @@ class SessionError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        kind = {404: "not_found", 502: "bad_gateway"}.get(self.status, "invalid_request_error")
+        kinds = {404: "not_found", 429: "rate_limit_error", 502: "bad_gateway"}
+        kind = kinds.get(self.status, "invalid_request_error")
         return {"error": {"message": str(self), "type": kind, "code": self.code, "param": None}}
 
 
@@ -49,6 +53,7 @@ class Session:
     message_ends: list[int] = field(default_factory=list)  # len(messages) after each answer
     cached_tokens: list[int] = field(default_factory=list)
     created_s: float = field(default_factory=time.time)
+    used_s: float = field(default_factory=time.monotonic)  # last request that named it
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     deleted: bool = False
 
@@ -87,7 +92,10 @@ def normalize_message(message: Any) -> Message:
         raise SessionError(400, "each message must be an object with a role", "bad_message")
     content = message.get("content")
     if isinstance(content, list):  # OpenAI content parts: only text can be tokenised here
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        if not all(isinstance(t, str) for t in texts):
+            raise SessionError(400, "a content part's text must be a string", "bad_message")
+        content = "".join(texts)
     if content is None and message["role"] != "assistant":
         content = ""
     if content is not None and not isinstance(content, str):
@@ -154,21 +162,54 @@ def _same_tools(a: list[dict[str, Any]] | None, b: list[dict[str, Any]] | None) 
 
 
 class SessionStore:
-    """Sessions in memory, the append-only history rule, and assembly into Samples."""
+    """Sessions in memory, the append-only history rule, and assembly into Samples.
 
-    def __init__(self, chat_tokenizer: ChatTokenizer) -> None:
+    A session unused for `ttl_s` is dropped (found missing: 404); at most `max_sessions` live
+    at once, and creating one more is a 429."""
+
+    def __init__(
+        self,
+        chat_tokenizer: ChatTokenizer,
+        *,
+        ttl_s: float = SESSION_TTL_S,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
         self.chat_tokenizer = chat_tokenizer
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
 
     def create(self) -> Session:
+        self.drop_expired()
+        if len(self.sessions) >= self.max_sessions:
+            raise SessionError(
+                429,
+                f"{len(self.sessions)} sessions are open, the server's most (--max-sessions): "
+                "delete finished ones or retry later",
+                "too_many_sessions",
+            )
         session = Session(session_id=uuid.uuid4().hex)
         self.sessions[session.session_id] = session
         return session
 
+    def drop_expired(self) -> list[str]:
+        """Drop the sessions unused for `ttl_s` (none with a request in flight)."""
+        cutoff = time.monotonic() - self.ttl_s
+        expired = [
+            sid for sid, s in self.sessions.items() if s.used_s < cutoff and not s.lock.locked()
+        ]
+        for sid in expired:
+            self.sessions.pop(sid).deleted = True
+        return expired
+
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
+        if session is not None and not session.lock.locked():
+            if time.monotonic() - session.used_s > self.ttl_s:
+                self.sessions.pop(session_id).deleted = True
         if session is None or session.deleted:
             raise SessionError(404, f"no session {session_id!r}", "session_not_found")
+        session.used_s = time.monotonic()
         return session
 
     def delete(self, session_id: str) -> Session:
@@ -226,6 +267,9 @@ class SessionStore:
                 input_ids = prev + ct.extend(prev, messages[ends[kept - 1] :], tools)
         except ValueError as error:
             raise SessionError(400, str(error), "bad_turn") from error
+        except Exception as error:  # the chat template choked on the messages or tools
+            message = f"the chat template cannot render these messages: {error}"
+            raise SessionError(400, message, "bad_turn") from error
         return TurnPlan(input_ids, messages, tools, kept)
 
     @staticmethod

@@ -13,6 +13,7 @@ at most `bucket_bytes` (a single larger tensor travels alone).
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,6 +47,20 @@ class TensorSpec:
         return numel * torch.empty((), dtype=self.torch_dtype).element_size()
 
 
+def _listen(address: str, port: int) -> socket.socket:
+    """A listening socket bound to `address` (IPv4 or IPv6) and `port`."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def create_group(
     *,
     master_address: str,
@@ -55,15 +70,26 @@ def create_group(
     backend: str = "gloo",
     group_name: str = "weight_update_group",
     timeout_s: float = 300.0,
+    connect_timeout_s: float | None = None,
 ) -> dist.Backend:
-    """A standalone process group (every member calls this; rank 0 hosts the store)."""
-    store = dist.TCPStore(
-        master_address,
-        master_port,
-        world_size,
-        is_master=rank == 0,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    """A standalone process group (every member calls this; rank 0 hosts the store).
+
+    Rank 0's store listens on `master_address` only (TCPStore alone would listen on every
+    interface); the store's rendezvous gives up after `connect_timeout_s` (default
+    `timeout_s`), the group's collectives after `timeout_s`."""
+    connect = timedelta(seconds=connect_timeout_s if connect_timeout_s else timeout_s)
+    if rank == 0:
+        listener = _listen(master_address, master_port)
+        store = dist.TCPStore(
+            master_address,
+            master_port,
+            world_size,
+            is_master=True,
+            timeout=connect,
+            master_listen_fd=listener.detach(),
+        )
+    else:
+        store = dist.TCPStore(master_address, master_port, world_size, timeout=connect)
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout_s))

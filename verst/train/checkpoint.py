@@ -9,6 +9,7 @@ checkpoint that `--resume` would pick up.
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import shutil
 from collections.abc import Callable
@@ -77,9 +78,23 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def load_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's resume state, read with `weights_only=True`: the file holds only tensors
+    and plain data (Python's RNG state is tuples of ints), so a crafted pickle that would run
+    code on `--resume` is refused instead of executed."""
+    try:
+        return torch.load(path / STATE_FILE, weights_only=True)
+    except pickle.UnpicklingError as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(
+            f"{path / STATE_FILE}: refusing to load it: it holds more than tensors and plain "
+            f"data ({first_line})"
+        ) from error
+
+
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The full fp32 weights and the resume state."""
-    return load_weights(path), torch.load(path / STATE_FILE, weights_only=False)
+    return load_weights(path), load_state(path)
 
 
 class Checkpointer:

@@ -10,14 +10,54 @@ built, so importing this module does not need the `serve` extra.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from verst.auth import ApiKeys, auth_middleware, warn_if_open
 from verst.engine.serving import ServingEngine
+from verst.http_limits import HttpLimits, limited_app
 
 if TYPE_CHECKING:
     from aiohttp import web
 
 HEALTH_TIMEOUT_S = 20.0
+# A client that leaves these aborts its request; every other route runs to its end.
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+MAX_N = 1024  # upper bound on sampling_params.n (and OpenAI's n): n samples cost n requests
+
+# Routes that steer the engine rather than ask it for tokens: with `--admin-api-key` set they
+# need that key (SGLang's admin routes); `/abort_request` only with `abort_all`.
+CONTROL_PATHS = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
+        "/update_weight_version",
+        "/get_weights_by_name",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+    }
+)
+
+
+async def is_control_request(request: Any) -> bool:
+    if request.path in CONTROL_PATHS:
+        return True
+    if request.path != "/abort_request":
+        return False
+    import json
+
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False  # the handler answers the malformed body
+    return isinstance(body, dict) and bool(body.get("abort_all"))
 
 
 def make_app(
@@ -28,10 +68,15 @@ def make_app(
     host: str = "",
     port: int = 0,
     health_timeout_s: float = HEALTH_TIMEOUT_S,
+    api_keys: ApiKeys | None = None,
+    limits: HttpLimits | None = None,
+    max_n: int = MAX_N,
 ) -> web.Application:
-    """The SGLang-compatible app; starts and stops `serving` with the app."""
+    """The SGLang-compatible app; starts and stops `serving` with the app. With `api_keys`,
+    every route but `/health...` needs the key (control routes the admin key, when set). Serve
+    it with `verst.http_limits.runner_kwargs` so a client that disconnects aborts its request."""
     try:
-        from aiohttp import web
+        import aiohttp  # noqa: F401  (the import error names the extra)
     except ImportError as error:
         raise ImportError(
             "the verst HTTP server needs aiohttp: pip install 'verst[serve]'"
@@ -45,8 +90,13 @@ def make_app(
         host=host,
         port=port,
         health_timeout_s=health_timeout_s,
+        max_n=max_n,
     )
-    app = web.Application(middlewares=[protocol_errors], client_max_size=1 << 30)
+    middlewares: list[Any] = [protocol_errors]
+    if api_keys is not None and api_keys.enabled:
+        middlewares.insert(0, auth_middleware(api_keys, is_control_request))
+    limits = limits or HttpLimits()
+    app = limited_app(limits, *middlewares, cancellable=GENERATION_PATHS.__contains__)
     routes = app.router
     routes.add_route("POST", "/generate", h.generate)
     routes.add_route("PUT", "/generate", h.generate)
@@ -90,11 +140,17 @@ def run_server(
     served_model_name: str | None = None,
     max_batch_size: int = 256,
     parent_pid: int | None = None,
+    limits: HttpLimits | None = None,
+    max_n: int = MAX_N,
+    api_keys: ApiKeys | None = None,
+    allowed_weight_dirs: Sequence[str] = (),
+    group_join_timeout_s: float = 30.0,
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
     import torch
-    from aiohttp import web
+
+    from verst.http_limits import run_app
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,17 +163,25 @@ def run_server(
         dtype=getattr(torch, dtype),
         max_batch_size=max_batch_size,
     )
+    # Weights from disk only under the model's parent (a trainer's run directory) and these.
+    roots = [Path(model_path).expanduser().resolve().parent, *map(Path, allowed_weight_dirs)]
+    serving.allowed_weight_dirs = tuple(roots)
+    serving.group_join_timeout_s = group_join_timeout_s
     app = make_app(
         serving,
         serving.tokenizer,
         served_model_name=served_model_name or model_path,
         host=host,
         port=port,
+        limits=limits,
+        max_n=max_n,
+        api_keys=api_keys,
     )
+    warn_if_open("verst serve", host, api_keys or ApiKeys())
     if parent_pid is not None:
         app.cleanup_ctx.append(_exit_with_parent(parent_pid))
     print(f"verst serve: {model_path} on http://{host}:{port} ({device}, {dtype})", flush=True)
-    web.run_app(app, host=host, port=port, print=None, access_log=None)
+    run_app(app, host=host, port=port, limits=limits or HttpLimits())
 
 
 def _exit_with_parent(parent_pid: int, poll_s: float = 1.0):  # type: ignore[no-untyped-def]

@@ -43,6 +43,7 @@ from verst.engine.server.sglang_api import (
     run_update_weights_from_tensor,
     server_info_body,
     validation_error,
+    value_error,
 )
 from verst.engine.serving import ServingEngine
 
@@ -115,6 +116,20 @@ async def stream(request: web.Request, events: list[Any]) -> web.StreamResponse:
     return response
 
 
+def check_n(payload: Any, max_n: int) -> None:
+    """A 400 for `n` (SGLang's `sampling_params.n`, OpenAI's `n`) above `max_n`, checked before
+    parsing builds one item per sample."""
+    if not isinstance(payload, dict):
+        return
+    raw = payload.get("sampling_params")
+    candidates = [payload.get("n")] + [
+        p.get("n") for p in (raw if isinstance(raw, list) else [raw]) if isinstance(p, dict)
+    ]
+    for n in candidates:
+        if isinstance(n, (int, float)) and not isinstance(n, bool) and n > max_n:
+            raise value_error(f"n must be <= {max_n} (the server's --max-n), got {n}")
+
+
 @web.middleware
 async def protocol_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
@@ -139,6 +154,7 @@ class EngineHandlers:
         host: str,
         port: int,
         health_timeout_s: float,
+        max_n: int,
     ) -> None:
         self.serving = serving
         self.tokenizer = tokenizer
@@ -146,6 +162,7 @@ class EngineHandlers:
         self.host = host
         self.port = port
         self.health_timeout_s = health_timeout_s
+        self.max_n = max_n
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         await self.serving.start()
@@ -156,7 +173,14 @@ class EngineHandlers:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         payload = await read_json(request)
-        job = parse_generate(payload, self.tokenizer, self.serving.context_len)
+        check_n(payload, self.max_n)
+        if isinstance(payload, dict) and payload.get("text") is not None:
+            # Tokenizing a long prompt takes seconds: never on the event loop.
+            job = await asyncio.to_thread(
+                parse_generate, payload, self.tokenizer, self.serving.context_len
+            )
+        else:
+            job = parse_generate(payload, self.tokenizer, self.serving.context_len)
         results = await run_job(self.serving, job)
         if isinstance(payload, dict) and payload.get("stream"):
             # Cumulative chunks (S14+ default); the engine finishes a batch at once, so each
@@ -174,6 +198,7 @@ class EngineHandlers:
 
     async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
         payload = await read_json(request)
+        check_n(payload, self.max_n)
         body = await run_openai(
             self.serving, self.tokenizer, payload, self.served_model_name, chat=chat
         )

@@ -6,6 +6,7 @@ OpenAI's response and streaming-chunk shapes, with OpenAI's error envelope.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -189,7 +190,8 @@ async def run_openai(
     chat: bool,
 ) -> dict[str, Any]:
     """An OpenAI completions / chat body → its (non-streamed) response body."""
-    job = parse_openai(payload, tokenizer, serving.context_len, chat=chat)
+    # Rendering and tokenizing a long prompt takes seconds: never on the event loop.
+    job = await asyncio.to_thread(parse_openai, payload, tokenizer, serving.context_len, chat=chat)
     results = await run_job(serving, job)
     choices = []
     for index, result in enumerate(results):

@@ -1,0 +1,44 @@
+"""`--resume` loads `trainer_state.pt` with `weights_only=True`: a crafted pickle is refused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from verst.cli import main
+from verst.train.checkpoint import list_checkpoints
+
+TINY = [
+    "num_steps=1",
+    "trainer.device=cpu",
+    "num_threads=1",
+    "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
+    "intermediate_size: 64, max_position_embeddings: 32}",
+    "rollout.prompts_per_step=2",
+    "rollout.n_samples_per_prompt=2",
+    "rollout.max_new_tokens=2",
+    "eval.interval_steps=0",
+    "eval.data.max_prompts=2",
+    "eval.max_new_tokens=2",
+]
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_resume_refuses_a_crafted_trainer_state(tmp_path: Path, capsys) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", *TINY, "--run-dir", str(run_dir)]) == 0
+    state_file = list_checkpoints(run_dir)[-1] / "trainer_state.pt"
+    marker = tmp_path / "pwned"
+    torch.save({"step": 1, "payload": _Payload(marker)}, state_file)
+    assert main(["train", *TINY, "--run-dir", str(run_dir), "--resume"]) == 2
+    assert not marker.exists(), "the pickle's payload ran"
+    assert "trainer_state.pt" in capsys.readouterr().err
