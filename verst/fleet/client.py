@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from verst.auth import ApiKeys
+from verst.engine.server import control_api as control
 from verst.engine.server import sglang_api as protocol
 from verst.engine.server.app import CONTROL_PATHS
 from verst.engine.serving import ServingEngine
@@ -59,7 +60,7 @@ class InProcessEngineClient:
 
     async def pause_generation(self, mode: str = "abort") -> None:
         try:
-            await protocol.run_pause(self.serving, {"mode": mode})
+            await control.run_pause(self.serving, {"mode": mode})
         except protocol.ProtocolError as error:
             raise EngineError(error.status, error.body) from error
 
@@ -70,13 +71,13 @@ class InProcessEngineClient:
         return await self.serving.flush_cache()
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        await protocol.run_abort(self.serving, {"rid": rid, "abort_all": abort_all})
+        await control.run_abort(self.serving, {"rid": rid, "abort_all": abort_all})
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None
     ) -> dict[str, Any]:
         payload = {"model_path": model_path, "weight_version": weight_version}
-        status, body = await protocol.run_update_weights_from_disk(self.serving, payload)
+        status, body = await control.run_update_weights_from_disk(self.serving, payload)
         if status != 200:
             raise EngineError(status, body)
         return body
@@ -93,18 +94,18 @@ class InProcessEngineClient:
             raise EngineError(400, {"success": False, "message": message})
 
     async def init_weights_update_group(self, **body: Any) -> None:
-        status, reply = await protocol.run_init_weights_update_group(self.serving, body)
+        status, reply = await control.run_init_weights_update_group(self.serving, body)
         if status != 200:
             raise EngineError(status, reply)
 
     async def update_weights_from_distributed(self, body: dict[str, Any]) -> None:
-        status, reply = await protocol.run_update_weights_from_distributed(self.serving, body)
+        status, reply = await control.run_update_weights_from_distributed(self.serving, body)
         if status != 200:
             raise EngineError(status, reply)
 
     async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            status, reply = await protocol.run_update_weights_from_tensor(self.serving, body)
+            status, reply = await control.run_update_weights_from_tensor(self.serving, body)
         except protocol.ProtocolError as error:
             raise EngineError(error.status, error.body) from error
         if status != 200:
@@ -112,12 +113,12 @@ class InProcessEngineClient:
         return reply
 
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
-        await protocol.run_update_weight_version(
+        await control.run_update_weight_version(
             self.serving, {"new_version": version, "abort_all_requests": abort_all}
         )
 
     async def get_load(self) -> dict[str, Any]:
-        return protocol.loads_body(self.serving)
+        return control.loads_body(self.serving)
 
     async def close(self) -> None:
         if self.owns_serving:

@@ -23,25 +23,27 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from verst.engine.sampling import SamplingParams
-from verst.engine.server.openai_api import openai_stream_chunks, run_openai
-from verst.engine.server.sglang_api import (
-    CONTINUE_OK,
-    FLUSH_CACHE_TEXT,
-    ProtocolError,
+from verst.engine.server.control_api import (
     loads_body,
     model_info_body,
-    parse_generate,
     run_abort,
     run_destroy_weights_update_group,
     run_get_weights_by_name,
     run_init_weights_update_group,
-    run_job,
     run_pause,
     run_update_weight_version,
     run_update_weights_from_disk,
     run_update_weights_from_distributed,
     run_update_weights_from_tensor,
     server_info_body,
+)
+from verst.engine.server.openai_api import openai_stream_chunks, run_openai
+from verst.engine.server.sglang_api import (
+    CONTINUE_OK,
+    FLUSH_CACHE_TEXT,
+    ProtocolError,
+    parse_generate,
+    run_job,
     validation_error,
     value_error,
 )

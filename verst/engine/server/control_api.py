@@ -1,0 +1,249 @@
+"""SGLang's control routes as plain functions over a `ServingEngine`: model, server and load
+information, pause / continue / abort, and every weight update (from disk, tensors, a
+torch.distributed group, the version alone), request body in, response body out. The request
+path (`/generate`) and the error envelopes are in `sglang_api`; the aiohttp app and the
+in-process client both call these, so their answers cannot drift.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from verst.engine.server.sglang_api import PAUSE_OK, validation_error, value_error
+from verst.engine.serving import PAUSE_MODES, ServingEngine
+
+# ---- control ---------------------------------------------------------------------------------
+
+
+def model_info_body(serving: ServingEngine, served_model_name: str) -> dict[str, Any]:
+    config = getattr(serving.scheduler.model, "config", None)
+    return {
+        "model_path": serving.model_path,
+        "tokenizer_path": serving.model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": serving.weight_version,
+        "served_model_name": served_model_name,
+        "load_format": "auto",
+        "model_type": getattr(config, "model_type", None),
+        "architectures": getattr(config, "architectures", None),
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
+
+
+def loads_body(serving: ServingEngine) -> dict[str, Any]:
+    """`/v1/loads`: one DP rank; token counts are 0 until the paged KV cache lands."""
+    load = serving.load()
+    return {
+        "timestamp": time.time(),
+        "version": _version(),
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_running_reqs": load["num_running_reqs"],
+                "num_waiting_reqs": load["num_waiting_reqs"],
+                "num_used_tokens": 0,
+                "num_total_tokens": 0,
+                "max_total_num_tokens": 0,
+                "token_usage": 0.0,
+                "gen_throughput": 0.0,
+                "cache_hit_rate": 0.0,
+            }
+        ],
+    }
+
+
+def server_info_body(
+    serving: ServingEngine, served_model_name: str, host: str = "", port: int = 0
+) -> dict[str, Any]:
+    load = serving.load()
+    return {
+        "model_path": serving.model_path,
+        "tokenizer_path": serving.model_path,
+        "served_model_name": served_model_name,
+        "host": host,
+        "port": port,
+        "tp_size": 1,
+        "dp_size": 1,
+        "context_length": serving.context_len,
+        "max_running_requests": serving.max_batch_size,
+        "random_seed": None,
+        "weight_version": serving.weight_version,
+        "num_running_reqs": load["num_running_reqs"],
+        "num_waiting_reqs": load["num_waiting_reqs"],
+        "internal_states": [{"last_gen_throughput": 0.0, "memory_usage": {}, **load}],
+        "version": _version(),
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"verst-{version('verst')}"
+    except PackageNotFoundError:
+        return "verst"
+
+
+def _body_dict(payload: Any) -> dict[str, Any]:
+    if payload is None:
+        return {}
+    if not isinstance(payload, dict):
+        raise validation_error("the request body must be a JSON object")
+    return payload
+
+
+async def run_pause(serving: ServingEngine, payload: Any) -> dict[str, Any]:
+    mode = _body_dict(payload).get("mode") or "abort"
+    if mode not in PAUSE_MODES:
+        raise validation_error(f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+    await serving.pause(mode)
+    return PAUSE_OK
+
+
+async def run_abort(serving: ServingEngine, payload: Any) -> None:
+    body = _body_dict(payload)
+    rid = body.get("rid") or None
+    await serving.abort(None if rid is None else str(rid), abort_all=bool(body.get("abort_all")))
+
+
+async def run_update_weights_from_disk(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    body = _body_dict(payload)
+    model_path = body.get("model_path")
+    if not isinstance(model_path, str) or not model_path:
+        raise validation_error("model_path: Field required")
+    version = body.get("weight_version")
+    ok, message = await serving.update_weights_from_disk(
+        model_path,
+        None if version is None else str(version),
+        abort_all_requests=bool(body.get("abort_all_requests")),
+    )
+    return (200 if ok else 400), {"success": ok, "message": message, "num_paused_requests": 0}
+
+
+async def run_init_weights_update_group(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    body = _body_dict(payload)
+    for key in ("master_address", "master_port", "rank_offset", "world_size"):
+        if body.get(key) is None:
+            raise validation_error(f"{key}: Field required")
+    ok, message = await serving.init_weights_update_group(
+        master_address=str(body["master_address"]),
+        master_port=int(body["master_port"]),
+        rank_offset=int(body["rank_offset"]),
+        world_size=int(body["world_size"]),
+        group_name=str(body.get("group_name") or "weight_update_group"),
+        backend=str(body.get("backend") or "nccl"),
+    )
+    return (200 if ok else 400), {"success": ok, "message": message}
+
+
+async def run_destroy_weights_update_group(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    body = _body_dict(payload)
+    ok, message = await serving.destroy_weights_update_group(
+        str(body.get("group_name") or "weight_update_group")
+    )
+    return (200 if ok else 400), {"success": ok, "message": message}
+
+
+async def run_update_weights_from_distributed(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    """SGLang's parallel lists `names`, `dtypes`, `shapes`; `load_format` null (tensor by tensor)
+    or "flattened_bucket" (one buffer)."""
+    from verst.sync.broadcast import TensorSpec
+
+    body = _body_dict(payload)
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+        raise validation_error("names, dtypes and shapes: Field required (lists)")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise validation_error("names, dtypes and shapes must have the same length")
+    load_format = body.get("load_format")
+    if load_format not in (None, "flattened_bucket"):
+        raise value_error(f"load_format {load_format!r} is not supported")
+    if body.get("abort_all_requests"):
+        await serving.abort(None, abort_all=True, message="Abort by weight update.")
+    specs = [
+        TensorSpec(str(n), str(d).removeprefix("torch."), tuple(int(x) for x in s))
+        for n, d, s in zip(names, dtypes, shapes, strict=True)
+    ]
+    version = body.get("weight_version")
+    ok, message = await serving.update_weights_from_distributed(
+        specs,
+        group_name=str(body.get("group_name") or "weight_update_group"),
+        flattened=load_format == "flattened_bucket",
+        weight_version=None if version is None else str(version),
+    )
+    return (200 if ok else 400), {"success": ok, "message": message}
+
+
+async def run_update_weights_from_tensor(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    """SGLang's `serialized_named_tensors` (one base64 pickle per TP rank; this engine has one
+    rank and reads the first), `load_format` (null, "direct" or "flattened_bucket"),
+    `flush_cache`, `abort_all_requests`, `weight_version`. The tensors arrive as handles to the
+    trainer's memory (`verst.sync.ipc`); the bytes are copied in place."""
+    body = _body_dict(payload)
+    entries = body.get("serialized_named_tensors")
+    if (
+        not isinstance(entries, list)
+        or not entries
+        or not all(isinstance(e, str) and e for e in entries)
+    ):
+        raise validation_error(
+            "serialized_named_tensors: Field required (a list of base64 strings, one per TP rank)"
+        )
+    load_format = body.get("load_format")
+    if load_format not in (None, "direct", "flattened_bucket"):
+        raise value_error(
+            f"load_format {load_format!r} is not supported (null, 'direct' or 'flattened_bucket')"
+        )
+    if body.get("abort_all_requests"):
+        await serving.abort(None, abort_all=True, message="Abort by weight update.")
+    version = body.get("weight_version")
+    ok, message = await serving.update_weights_from_shared(
+        entries[0],
+        load_format=load_format,
+        weight_version=None if version is None else str(version),
+    )
+    return (200 if ok else 400), {"success": ok, "message": message}
+
+
+async def run_get_weights_by_name(serving: ServingEngine, payload: Any) -> tuple[int, Any]:
+    """SGLang's `/get_weights_by_name`: `{"name", "truncate_size": 100}` → the parameter's first
+    `truncate_size` rows as float32 lists (a test helper, as in SGLang)."""
+    body = _body_dict(payload)
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise validation_error("name: Field required")
+    truncate = body.get("truncate_size", 100)
+    if not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < 0:
+        raise validation_error("truncate_size must be a non-negative int")
+    values = await serving.get_weights_by_name(name, truncate)
+    if values is None:
+        return 400, {"error": {"message": f"Get parameter by name failed: unknown name {name!r}"}}
+    return 200, values
+
+
+async def run_update_weight_version(serving: ServingEngine, payload: Any) -> dict[str, Any]:
+    body = _body_dict(payload)
+    new_version = body.get("new_version")
+    if new_version is None:
+        raise validation_error("new_version: Field required")
+    await serving.update_weight_version(
+        str(new_version), abort_all=body.get("abort_all_requests", True) is not False
+    )
+    return {
+        "success": True,
+        "message": f"Weight version updated to {new_version}",
+        "new_version": str(new_version),
+    }
