@@ -5,6 +5,8 @@ Runs, in one process and on one random-weight Qwen3-shaped model:
   the Triton paged decode kernel and decode CUDA graphs, captured untimed first);
 - `verst-scheduler-bf16` (opt-in, `--engines`): the same on a bf16 copy of the model, the
   dtype vLLM's CPU backend runs;
+- `verst-serve` (opt-in, `--engines`): the scheduler behind `verst serve`'s HTTP protocol, every
+  prompt a concurrent `/generate` (request validation, limits and result shaping included);
 - `hf-generate`: `model.generate(do_sample=True)` on the same prompts;
 for each batch size, plus a multi-turn shared-prefix workload (sessions whose every turn
 extends the previous one) that reports the scheduler's prefix-cache hit rate, and a staggered
@@ -131,8 +133,8 @@ def start_vllm(model, args, root: Path):
     return server, VllmEngineClient(server.url, model=str(root / "model"), timeout_s=3600)
 
 
-def vllm_generate(client, prompts: list[list[int]], new: int) -> None:
-    """Every prompt at once through vLLM's completions API, sampling, EOS ignored."""
+def http_generate(client, prompts: list[list[int]], new: int) -> None:
+    """Every prompt at once, each its own request to an HTTP server, sampling, EOS ignored."""
     import asyncio
 
     async def all_of() -> None:
@@ -145,25 +147,47 @@ def vllm_generate(client, prompts: list[list[int]], new: int) -> None:
     asyncio.run(all_of())
 
 
+def start_verst_serve(model, args, root: Path, dtype):
+    """`verst serve` on the bench's model (written to `root`), in the bench's dtype."""
+    from verst.fleet.client import HttpEngineClient
+    from verst.fleet.launcher import launch_local_engines
+
+    model.save_pretrained(root / "model")
+    extra = ["--dtype", str(dtype).removeprefix("torch."), "--num-threads", str(args.threads)]
+    extra += ["--max-batch-size", "256", "--device", str(next(model.parameters()).device)]
+    [server] = launch_local_engines(root / "model", 1, extra_args=extra, timeout_s=600)
+    return server, HttpEngineClient(server.url, timeout_s=3600)
+
+
+def time_server(name, start, model, args, preset, batches, seconds) -> None:
+    """An HTTP server's runs at every batch size, alone: it is stopped before anything else is
+    timed (its idle processes slow the others down on a CPU)."""
+    root = Path(tempfile.mkdtemp(prefix=f"verst-bench-{name}-"))
+    server, client = start(root)
+    try:
+        for batch in batches:
+            prompts = batch_prompts(model, preset, batch)
+            http_generate(client, prompts[:1], 4)
+            run = partial(http_generate, client, prompts, preset["new_tokens"])
+            seconds[batch][name] = min(timed(run) for _ in range(args.repeats))
+            print(f"batch {batch:4d}: {name} timed", flush=True)
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run_batches(model, args, preset, dtype, device) -> list[dict]:
-    """Every engine at every batch size. vLLM goes first and alone: its server is stopped
-    before the other engines are timed (its idle processes slow them down on a CPU)."""
+    """Every engine at every batch size; the HTTP servers (vLLM, `verst serve`) go first."""
     batches = args.batches or preset["batches"]
     seconds: dict[int, dict[str, float]] = {batch: {} for batch in batches}
-    if "vllm" in args.engines:
-        vllm_root = Path(tempfile.mkdtemp(prefix="verst-bench-vllm-"))
-        server, client = start_vllm(model, args, vllm_root)
-        try:
-            for batch in batches:
-                prompts = batch_prompts(model, preset, batch)
-                vllm_generate(client, prompts[:1], 4)
-                run = partial(vllm_generate, client, prompts, preset["new_tokens"])
-                seconds[batch]["vllm"] = min(timed(run) for _ in range(args.repeats))
-                print(f"batch {batch:4d}: vllm timed", flush=True)
-        finally:
-            server.stop()
-            shutil.rmtree(vllm_root, ignore_errors=True)
-    others = [name for name in args.engines if name != "vllm"]
+    servers = {
+        "vllm": lambda root: start_vllm(model, args, root),
+        "verst-serve": lambda root: start_verst_serve(model, args, root, dtype),
+    }
+    for name, start in servers.items():
+        if name in args.engines:
+            time_server(name, start, model, args, preset, batches, seconds)
+    others = [name for name in args.engines if name not in servers]
     bf16_model = (
         build_model(preset["model"], torch.bfloat16, device)
         if "verst-scheduler-bf16" in others
@@ -335,7 +359,7 @@ def main() -> None:
         "--engines",
         nargs="*",
         default=["verst-scheduler", "hf-generate"],
-        choices=["verst-scheduler", "verst-scheduler-bf16", "hf-generate", "vllm"],
+        choices=["verst-scheduler", "verst-scheduler-bf16", "verst-serve", "hf-generate", "vllm"],
     )
     parser.add_argument(
         "--vllm-python",
