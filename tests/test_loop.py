@@ -151,7 +151,7 @@ def torchrun_train(args: list[str], run_dir: Path, nproc: int = 2) -> None:
     cmd += ["--master-port", str(free_port()), "-m", "verst", "train", *args]
     cmd += ["--run-dir", str(run_dir)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"
 
 
 def test_torchrun_two_ranks_on_gloo(tmp_path: Path) -> None:
