@@ -145,3 +145,48 @@ def _draw(weights_B_V: torch.Tensor, generator: torch.Generator | None) -> torch
     # weight zero (truncated) are never drawn, u = 0 included
     index_B = torch.searchsorted(cdf_B_V, u_B_1 * cdf_B_V[:, -1:], right=True).squeeze(-1)
     return index_B.clamp(max=weights_B_V.shape[-1] - 1)
+
+
+def sample_rows(
+    logits_B_V: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row under that row's sampling parameters: `(tokens_B, logprobs_B)`.
+
+    Rows draw from `generator` together; a row with a generator of its own (a request with a
+    seed) draws from that one alone, so its tokens do not depend on which other requests
+    share the step."""
+    device = logits_B_V.device
+    temperature_B = torch.tensor([p.temperature for p in params], device=device)
+    top_p_B = top_k_B = min_p_B = None
+    if any(p.top_p < 1.0 for p in params):
+        top_p_B = torch.tensor([p.top_p for p in params], device=device)
+    if any(p.top_k > 0 for p in params):
+        top_k_B = torch.tensor([p.top_k for p in params], device=device)
+    if any(p.min_p > 0 for p in params):
+        min_p_B = torch.tensor([p.min_p for p in params], device=device)
+    tokens_B, logprobs_B = sample_next_tokens(
+        logits_B_V,
+        temperature_B,
+        top_p_B,
+        top_k_B,
+        generator,
+        any_sampled=any(p.temperature > 0 for p in params),
+        any_greedy=any(p.temperature <= 0 for p in params),
+        min_p_B=min_p_B,
+    )
+    for row, own in enumerate(generators):
+        if own is not None:
+            one = slice(row, row + 1)
+            token, logprob = sample_next_tokens(
+                logits_B_V[one],
+                temperature_B[one],
+                None if top_p_B is None else top_p_B[one],
+                None if top_k_B is None else top_k_B[one],
+                own,
+                min_p_B=None if min_p_B is None else min_p_B[one],
+            )
+            tokens_B[row], logprobs_B[row] = token[0], logprob[0]
+    return tokens_B, logprobs_B

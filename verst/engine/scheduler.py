@@ -30,7 +30,7 @@ from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.radix_cache import PrefixMatch, RadixCache
 from verst.engine.requests import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
-from verst.engine.sampling import sample_next_tokens
+from verst.engine.sampling import sample_rows
 
 FINISH_ABORT = "abort"
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -273,20 +273,18 @@ class Scheduler:
             self._share_prompt(r)
         forks = self._fork_followers(prefilled) if self._has_followers else {}
         ready = [i for i, (r, _) in enumerate(batch) if r.computed == len(r.tokens)]
-        scored = [i for i in ready if self._remaining(batch[i][0]) <= 0]  # max_new_tokens=0
-        for i in scored:
+        scored = {i for i in ready if self._remaining(batch[i][0]) <= 0}  # max_new_tokens=0
+        for i in sorted(scored):
             finished.append(self._finish(batch[i][0], FINISH_LENGTH))
-        rows, logit_rows = [], []
-        for i in ready:
-            if i not in scored:
-                rows.append(batch[i][0])
-                logit_rows.append(i)
-            for follower in forks.get(id(batch[i][0]), []):  # they sample from their leader's
+        logit_rows = [i for i in ready if i not in scored]
+        rows = [batch[i][0] for i in logit_rows]
+        for i in ready if forks else ():  # followers sample from their leader's logits
+            for follower in forks.get(id(batch[i][0]), ()):
                 rows.append(follower)
                 logit_rows.append(i)
         if rows:
             # every row samples in a decode step: no copy of the logits
-            whole = logit_rows == list(range(len(batch)))
+            whole = not forks and len(logit_rows) == len(batch)
             finished += self._sample(rows, logits_B_V if whole else logits_B_V[logit_rows])
         return finished
 
@@ -483,40 +481,12 @@ class Scheduler:
                 r.input_logprobs.append(float(logprobs_T_V[offset, r.tokens[target]]))
 
     def _sample(self, rows: list[_Running], logits_B_V: torch.Tensor) -> list[GenerateOutput]:
-        params = [r.request.sampling_params for r in rows]
-        device = self.device
-        temperature_B = torch.tensor([p.temperature for p in params], device=device)
-        top_p_B = top_k_B = min_p_B = None
-        if any(p.top_p < 1.0 for p in params):
-            top_p_B = torch.tensor([p.top_p for p in params], device=device)
-        if any(p.top_k > 0 for p in params):
-            top_k_B = torch.tensor([p.top_k for p in params], device=device)
-        if any(p.min_p > 0 for p in params):
-            min_p_B = torch.tensor([p.min_p for p in params], device=device)
-        tokens_B, logprobs_B = sample_next_tokens(
+        tokens_B, logprobs_B = sample_rows(
             logits_B_V,
-            temperature_B,
-            top_p_B,
-            top_k_B,
+            [r.request.sampling_params for r in rows],
+            [r.generator for r in rows],
             self.generator,
-            any_sampled=any(p.temperature > 0 for p in params),
-            any_greedy=any(p.temperature <= 0 for p in params),
-            min_p_B=min_p_B,
         )
-        # a seeded request draws from its own generator, so its tokens do not depend on
-        # which other requests happen to share the step
-        for row, r in enumerate(rows):
-            if r.generator is not None:
-                one = slice(row, row + 1)
-                token, logprob = sample_next_tokens(
-                    logits_B_V[one],
-                    temperature_B[one],
-                    None if top_p_B is None else top_p_B[one],
-                    None if top_k_B is None else top_k_B[one],
-                    r.generator,
-                    min_p_B=None if min_p_B is None else min_p_B[one],
-                )
-                tokens_B[row], logprobs_B[row] = token[0], logprob[0]
         finished = []
         for r, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
             r.tokens.append(token)

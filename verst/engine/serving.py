@@ -90,7 +90,7 @@ class ServingEngine(WeightUpdates):
         self.context_len = context_length(getattr(scheduler.model, "config", None))
         self.vocab_size = vocab_size(scheduler.model)
         self.num_batches = 0  # scheduler steps so far; batching is observable in tests/metrics
-        self._queue: list[_Pending] = []
+        self._queue: dict[str, _Pending] = {}  # by rid, in arrival order
         self._running: dict[str, _Pending] = {}  # handed to the scheduler, by rid
         self._paused = False
         self._updating = 0
@@ -231,7 +231,7 @@ class ServingEngine(WeightUpdates):
                 submitted_s,
                 asyncio.get_running_loop().create_future(),
             )
-            self._queue.append(pending)
+            self._queue[rid] = pending
             cond.notify_all()
         try:
             # shield: a cancelled caller must not cancel the future the batch loop resolves.
@@ -239,8 +239,8 @@ class ServingEngine(WeightUpdates):
         except asyncio.CancelledError:
             # The caller left (its client disconnected): the request stops generating.
             async with cond:
-                if pending in self._queue:
-                    self._queue.remove(pending)
+                if self._queue.get(rid) is pending:
+                    del self._queue[rid]
                 elif self._running.get(rid) is pending:
                     del self._running[rid]
                     self._control.append(lambda: self.scheduler.abort(rid, exact=True))
@@ -258,7 +258,7 @@ class ServingEngine(WeightUpdates):
 
     def rid_is_free(self, rid: str) -> bool:
         """No request with this rid is in flight (SGLang answers a second one with a 400)."""
-        return rid not in self._running and all(p.request.rid != rid for p in self._queue)
+        return rid not in self._running and rid not in self._queue
 
     async def _loop(self) -> None:
         """Run steps until cancelled; no exception ends the loop (a dead loop would leave every
@@ -311,7 +311,7 @@ class ServingEngine(WeightUpdates):
 
     def _submit_queue(self) -> None:
         """Hand the queued requests to the scheduler; one it refuses fails alone."""
-        for p in self._queue:
+        for p in self._queue.values():
             try:
                 self.scheduler.submit(p.request)
             except Exception as error:
@@ -369,8 +369,8 @@ class ServingEngine(WeightUpdates):
 
         count = 0
         async with cond:
-            for p in [p for p in self._queue if hit(p)]:
-                self._queue.remove(p)
+            for p in [p for p in self._queue.values() if hit(p)]:
+                del self._queue[p.request.rid]
                 if not p.future.done():
                     p.future.set_result(
                         self.results.aborted(

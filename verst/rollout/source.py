@@ -15,6 +15,7 @@ reward phase); a source scores groups itself only where it must filter on reward
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -63,7 +64,7 @@ class RolloutSource(Protocol):
     def close(self) -> None: ...
 
 
-class _StepRollout:
+class _StepRollout(ABC):
     """The synchronous rollouts: draw this rank's prompts, generate, and with dynamic sampling
     score and redraw until enough groups have reward variance."""
 
@@ -75,11 +76,13 @@ class _StepRollout:
         self.reward_fn = reward_fn
         self.device = device
 
-    def start(self) -> None:
-        pass
+    def start(self) -> None:  # noqa: B027 (a hook: a step rollout has nothing to start)
+        """Nothing runs ahead: each step draws its own groups."""
 
+    @abstractmethod
     def draw(self) -> list[Group]:
-        raise NotImplementedError
+        """This rank's share of one step's prompts, generated (`EngineRollout`) or played by
+        agents (`AgentRollout`)."""
 
     def prompts(self) -> list[Group]:
         """This rank's share of one step's prompts."""
@@ -108,8 +111,8 @@ class _StepRollout:
     def data_state(self) -> dict[str, Any]:
         return self.data.state_dict()
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 (a hook: only AgentRollout holds a loop)
+        """Nothing to stop unless a subclass holds a loop."""
 
 
 class EngineRollout(_StepRollout):
