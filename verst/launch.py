@@ -32,8 +32,8 @@ from verst.eval.evaluate import Evaluator
 from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
-from verst.plugins import Generator
-from verst.rollout.rewards import RewardFn, load_reward_fn
+from verst.plugins import Generator, RewardFunction
+from verst.rollout.rewards import load_reward_fn
 from verst.rollout.source import AgentRollout, AsyncRollout, EngineRollout, RolloutSource
 from verst.sync.embedded import EmbeddedSync
 from verst.sync.fleet_sync import FleetSync
@@ -53,7 +53,7 @@ class Run:
     engine: Generator  # what the rollout and the evaluator generate with
     sync: EmbeddedSync | FleetSync
     rollout: RolloutSource
-    reward_fn: RewardFn
+    reward_fn: RewardFunction
     checkpointer: Checkpointer
     evaluator: Evaluator | None
     warm_start_data: DataSource | None

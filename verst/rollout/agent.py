@@ -52,8 +52,6 @@ from verst.types import Group, Sample, Status
 
 log = logging.getLogger(__name__)
 
-AgentFn = AgentFunction
-
 
 class AgentError(Exception):
     """Why one trajectory was aborted (the message goes to `metadata["agent_error"]`)."""
@@ -87,7 +85,7 @@ class AgentConfig(ConfigBase):
         return value
 
 
-def load_agent_fn(path: str) -> AgentFn:
+def load_agent_fn(path: str) -> AgentFunction:
     """The coroutine function named by 'pkg.mod:fn'; `PluginError` when it is not one that
     takes (base_url, prompt, request_kwargs, metadata)."""
     return load_plugin(path, AgentFunction, field="rollout.agent_function")
@@ -172,7 +170,7 @@ async def run_agent_sample(
     client: Any | None,
     sessions_url: str,
     sample: Sample,
-    agent_fn: AgentFn,
+    agent_fn: AgentFunction,
     request_kwargs: dict[str, Any],
     *,
     timeout_s: float,
@@ -221,7 +219,7 @@ async def run_agent_sample(
 
 
 async def _call_agent(
-    agent_fn: AgentFn,
+    agent_fn: AgentFunction,
     url: str,
     sample: Sample,
     request_kwargs: dict[str, Any],
@@ -285,7 +283,7 @@ async def _delete(client: Any, base: str, sid: str) -> None:
 async def run_agent_groups(
     sessions_url: str,
     groups: list[Group],
-    agent_fn: AgentFn,
+    agent_fn: AgentFunction,
     request_kwargs: dict[str, Any],
     *,
     timeout_s: float,

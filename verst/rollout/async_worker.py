@@ -52,6 +52,7 @@ from typing import Any, Literal, Protocol
 from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
+from verst.plugins import RewardFunction
 from verst.rollout.buffer import (
     DEFAULT_BUFFER,
     Buffer,
@@ -61,7 +62,7 @@ from verst.rollout.buffer import (
     load_buffer_class,
     make_buffer,
 )
-from verst.rollout.rewards import RewardFn, compute_rewards
+from verst.rollout.rewards import compute_rewards
 from verst.rollout.slots import BEFORE_PUT, Replacement, Slots
 from verst.types import Group, Sample, Status
 
@@ -199,7 +200,7 @@ class RolloutWorker:
         source: PromptSource,
         buffer: Buffer,
         generate_sample: GenerateSample,
-        reward_fn: RewardFn | None,
+        reward_fn: RewardFunction | None,
         *,
         n_samples_per_prompt: int,
         max_inflight: int,
@@ -489,7 +490,7 @@ def build_rollout_worker(
     cfg: AsyncConfig,
     source: Any,
     generate_sample: GenerateSample,
-    reward_fn: RewardFn | None,
+    reward_fn: RewardFunction | None,
     *,
     prompts_per_step: int,
     n_samples_per_prompt: int,

@@ -19,8 +19,6 @@ from typing import Any
 from verst.plugins import PluginError, RewardFunction, load_plugin
 from verst.types import Group, Sample, Status
 
-RewardFn = RewardFunction
-
 # Thousands separators only in well-formed groups ("1,234,567"), so "3,4" reads as 3 then 4;
 # a minus right after a word character is an operator ("8-3" ends in 3, not -3).
 _NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
@@ -57,13 +55,13 @@ def numeric_match(sample: Sample) -> float:
     return float(abs(got - want) <= 1e-6)
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {
+BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
 }
 
 
-def load_reward_fn(path: str, *, field: str = "rollout.reward") -> RewardFn:
+def load_reward_fn(path: str, *, field: str = "rollout.reward") -> RewardFunction:
     """A built-in by bare name ("exact_match", "numeric_match"), or any 'pkg.mod:fn' that takes
     a Sample; `PluginError` naming `field` and `path` otherwise."""
     if ":" not in path and "." not in path:
@@ -100,7 +98,7 @@ def _set(sample: Sample, value: Any) -> None:
     sample.reward = value
 
 
-async def _score(sample: Sample, fn: RewardFn) -> None:
+async def _score(sample: Sample, fn: RewardFunction) -> None:
     try:
         value = fn(sample)
         if inspect.isawaitable(value):
@@ -111,12 +109,12 @@ async def _score(sample: Sample, fn: RewardFn) -> None:
     _set(sample, value)
 
 
-async def compute_rewards(samples: list[Sample], fn: RewardFn) -> None:
+async def compute_rewards(samples: list[Sample], fn: RewardFunction) -> None:
     """Set `sample.reward` on every sample; async reward functions run concurrently."""
     await asyncio.gather(*(_score(sample, fn) for sample in samples))
 
 
-def score_groups(groups: list[Group], fn: RewardFn) -> None:
+def score_groups(groups: list[Group], fn: RewardFunction) -> None:
     """The reward phase of a step: every sample not scored yet gets its reward (the reward
     function may read what an agent returned in `metadata`); ABORTED samples get 0.0."""
     unscored = []

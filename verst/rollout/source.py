@@ -26,7 +26,7 @@ from verst.data.source import DataSource
 from verst.engine import GenerateRequest
 from verst.fleet.fleet import Fleet, LoopThread, prompt_key
 from verst.fleet.ranked import on_rank_zero, scatter_from_rank_zero
-from verst.plugins import Generator
+from verst.plugins import Generator, RewardFunction
 from verst.rollout.agent import (
     agent_metrics,
     agent_request_kwargs,
@@ -38,7 +38,7 @@ from verst.rollout.async_worker import RolloutWorker, build_rollout_worker
 from verst.rollout.dynamic import fill_batch, has_reward_variance
 from verst.rollout.generate import RolloutConfig, fill_sample, generate_groups
 from verst.rollout.metrics import rollout_metrics
-from verst.rollout.rewards import RewardFn, score_groups
+from verst.rollout.rewards import score_groups
 from verst.types import Group, Sample
 
 
@@ -69,7 +69,7 @@ class _StepRollout(ABC):
     score and redraw until enough groups have reward variance."""
 
     def __init__(
-        self, cfg: RolloutConfig, data: DataSource, reward_fn: RewardFn, device: torch.device
+        self, cfg: RolloutConfig, data: DataSource, reward_fn: RewardFunction, device: torch.device
     ) -> None:
         self.cfg = cfg
         self.data = data
@@ -120,7 +120,7 @@ class EngineRollout(_StepRollout):
         self,
         cfg: RolloutConfig,
         data: DataSource,
-        reward_fn: RewardFn,
+        reward_fn: RewardFunction,
         device: torch.device,
         *,
         engine: Generator,
@@ -157,7 +157,7 @@ class AgentRollout(_StepRollout):
         self,
         cfg: RolloutConfig,
         data: DataSource,
-        reward_fn: RewardFn,
+        reward_fn: RewardFunction,
         device: torch.device,
         *,
         fleet: Fleet | None,
@@ -205,7 +205,7 @@ class AsyncRollout:
         self,
         cfg: RolloutConfig,
         data: DataSource,
-        reward_fn: RewardFn,
+        reward_fn: RewardFunction,
         device: torch.device,
         *,
         fleet: Fleet | None,
