@@ -16,6 +16,7 @@ from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
 from verst.eval.evaluate import EvalConfig
 from verst.fleet.fleet import PlacementConfig
+from verst.fleet.health import FaultToleranceConfig
 from verst.models.loading import ModelConfig
 from verst.models.tiny import TinyModelConfig
 from verst.rollout.generate import RolloutConfig
@@ -62,6 +63,10 @@ class RunConfig(ConfigBase):
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="checkpoint cadence"
     )
+    fault_tolerance: FaultToleranceConfig = Field(
+        default_factory=FaultToleranceConfig,
+        description="engine health checks and restarts",
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> RunConfig:
@@ -85,6 +90,12 @@ class RunConfig(ConfigBase):
 def check_placement(cfg: RunConfig) -> None:
     """Refuse engine placement, transport, pause mode and loop mode that cannot work together."""
     placement, transport = cfg.placement, cfg.sync.resolve(cfg.placement)
+    if cfg.fault_tolerance.enabled and placement.engines != "processes":
+        raise ValueError(
+            f"fault_tolerance.enabled: engines placed {placement.engines} run in the trainer's "
+            "process and cannot be restarted; use placement.engines=processes, or set "
+            "fault_tolerance.enabled=false"
+        )
     if cfg.mode == "fully_async" and placement.mode != "disaggregated":
         raise ValueError(
             "mode=fully_async needs placement.mode=disaggregated (with placement.engines="

@@ -249,4 +249,5 @@ def start_fleet(
         trainer_device=device,
         dtype=next(engine_model.parameters()).dtype,
         seed=cfg.seed,
+        fault_tolerance=cfg.fault_tolerance,
     )

@@ -106,6 +106,8 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
     else:
         log.info(f"step {step}: every trajectory was aborted; no update this step")
     metrics |= run.rollout.metrics(groups)
+    if run.fleet is not None:
+        metrics |= run.fleet.fault_metrics()
     last = step == cfg.num_steps
     if run.evaluator is not None and (last or step % cfg.eval.interval_steps == 0):
         with timer("eval"):

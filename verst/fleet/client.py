@@ -58,6 +58,9 @@ class InProcessEngineClient:
     async def health(self) -> bool:
         return self.serving.is_alive
 
+    async def health_generate(self, timeout_s: float = 20.0) -> bool:
+        return await control.probe_generation(self.serving, timeout_s)
+
     async def pause_generation(self, mode: str = "abort") -> None:
         try:
             await control.run_pause(self.serving, {"mode": mode})
@@ -180,6 +183,16 @@ class HttpEngineClient:
 
         try:
             status, _ = await self._request("GET", "/health", ok=(200, 503))
+        except (aiohttp.ClientError, OSError, EngineError):
+            return False
+        return status == 200
+
+    async def health_generate(self) -> bool:
+        """SGLang's `/health_generate`: the engine generated a token (False if unreachable)."""
+        import aiohttp
+
+        try:
+            status, _ = await self._request("GET", "/health_generate", ok=(200, 503))
         except (aiohttp.ClientError, OSError, EngineError):
             return False
         return status == 200

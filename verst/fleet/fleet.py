@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -33,9 +35,16 @@ from verst.configbase import ConfigBase
 from verst.engine import GenerateOutput, GenerateRequest
 from verst.engine.serving import ServingEngine
 from verst.fleet.client import HttpEngineClient, InProcessEngineClient
-from verst.fleet.launcher import LocalEngine, free_port, launch_local_engines
+from verst.fleet.health import (
+    EngineMonitor,
+    EngineRestartError,
+    FaultCounters,
+    FaultToleranceConfig,
+)
+from verst.fleet.launcher import LocalEngine, free_port
+from verst.fleet.processes import EngineProcesses, ProcessSlot
 from verst.plugins import EngineClient
-from verst.router.policy import Router
+from verst.router.policy import NoEngineAvailable, Router
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -196,27 +205,59 @@ class Fleet:
         *,
         tokenizer: Any,
         chat_template: str | None = None,
-        processes: list[LocalEngine] | None = None,
-        process_devices: list[str] | None = None,
+        processes: EngineProcesses | None = None,
         runners: list[Any] | None = None,
         api_keys: ApiKeys | None = None,
+        fault_tolerance: FaultToleranceConfig | None = None,
     ) -> None:
         self.loop = loop
         self.api_keys = api_keys or ApiKeys()  # what the fleet's engines and router want
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self._clients = clients  # by URL, in registration order
+        # serving engines by URL, in registration order: in routing, and sent every push
+        self._clients = clients
+        self._joining: dict[str, EngineClient] = {}  # restarted, waiting for their first push
+        self._restarting: dict[int, asyncio.Task] = {}  # by process slot
         self.router = Router(list(clients))
-        self.processes = processes or []
-        self.process_devices = process_devices or []  # the device of each engine process
+        self.engine_processes = processes
         self._runners = runners or []  # aiohttp runners serving in-process engines and fronts
         self._key_refs: dict[str, int] = {}
+        self._retried_keys: set[str] = set()
         self._sessions_url: str | None = None
+        self._changed = asyncio.Event()  # replaced after each change of the engines
         self.weight_version = 0
+        self.pushing = False
+        self.pushes_begun = self.pushes_done = 0
+        self.faults = FaultCounters()
+        self.failure: EngineRestartError | None = None
+        # the trainer's side: pushes the current weights to joining engines (world of one)
+        self.rejoin: Callable[[], None] | None = None
+        ft = fault_tolerance or FaultToleranceConfig(enabled=False)
+        self.fault_tolerance = ft if processes is not None and ft.active("processes") else None
+        self.monitor: EngineMonitor | None = None
+        if self.fault_tolerance is not None:
+            self.monitor = EngineMonitor(self, self.fault_tolerance)
+            loop.call(self.monitor.start)
 
     @property
     def clients(self) -> list[EngineClient]:
+        """The serving engines (in routing, known healthy)."""
         return list(self._clients.values())
+
+    def serving_engines(self) -> dict[str, EngineClient]:
+        return dict(self._clients)
+
+    def joining_engines(self) -> dict[str, EngineClient]:
+        return dict(self._joining)
+
+    @property
+    def processes(self) -> list[LocalEngine]:
+        """The running engine processes (none for in-process engines)."""
+        return self.engine_processes.engines if self.engine_processes is not None else []
+
+    @property
+    def process_devices(self) -> list[str]:
+        return self.engine_processes.devices if self.engine_processes is not None else []
 
     # ---- start and stop ------------------------------------------------------------------
 
@@ -231,6 +272,7 @@ class Fleet:
         trainer_device: torch.device,
         dtype: torch.dtype,
         seed: int,
+        fault_tolerance: FaultToleranceConfig | None = None,
     ) -> Fleet:
         """Bring up `cfg.num_engines` engines with `model`'s weights.
 
@@ -247,15 +289,16 @@ class Fleet:
                 clients, runners = loop.run(_start_in_process(cfg, model, tokenizer, seed, keys))
                 return cls(loop, clients, tokenizer=tokenizer, runners=runners, api_keys=keys)
             devices = engine_devices(cfg, trainer_device)
-            processes = _start_processes(cfg, model_dir, devices, dtype, seed, keys)
-            clients = {p.url: HttpEngineClient(p.url, api_keys=keys) for p in processes}
+            processes = _engine_processes(cfg, model_dir, devices, dtype, seed, keys)
+            processes.start_all()
+            clients = {e.url: HttpEngineClient(e.url, api_keys=keys) for e in processes.engines}
             return cls(
                 loop,
                 clients,
                 tokenizer=tokenizer,
                 processes=processes,
-                process_devices=devices,
                 api_keys=keys,
+                fault_tolerance=fault_tolerance,
             )
         except BaseException:
             loop.close()
@@ -268,13 +311,18 @@ class Fleet:
             self.loop.run(self._aclose(), timeout_s=60)
         finally:
             self.loop.close()
-            for process in self.processes:
-                process.stop()
+            if self.engine_processes is not None:
+                self.engine_processes.stop_all()
 
     async def _aclose(self) -> None:
+        if self.monitor is not None:
+            await self.monitor.stop()
+        for task in self._restarting.values():
+            task.cancel()
+        await asyncio.gather(*self._restarting.values(), return_exceptions=True)
         for runner in reversed(self._runners):
             await runner.cleanup()
-        for client in self._clients.values():
+        for client in [*self._clients.values(), *self._joining.values()]:
             await client.close()
 
     def __enter__(self) -> Fleet:
@@ -282,6 +330,140 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ---- failures and restarts (on the fleet's loop) -------------------------------------
+
+    def exit_code(self, url: str) -> int | None:
+        if self.engine_processes is None:
+            return None
+        return self.engine_processes.exit_code(url)
+
+    def lose(self, url: str, reason: str) -> None:
+        """The engine at `url` has failed: out of routing and of weight pushes, its process
+        killed and, with fault tolerance, restarted in place."""
+        client = self._clients.pop(url, None) or self._joining.pop(url, None)
+        if client is None:
+            return  # already lost
+        self.router.remove_engine(url)
+        asyncio.ensure_future(client.close())
+        slot = self.engine_processes.slot_of(url) if self.engine_processes else None
+        if slot is None:  # an in-process engine: nothing to restart
+            log.warning("engine %s failed (%s); routing around it", url, reason)
+            self._notify()
+            return
+        self.faults.down(slot.index)
+        self.engine_processes.kill(slot)  # type: ignore[union-attr]
+        ft = self.fault_tolerance
+        if ft is None:
+            log.warning("engine %s failed (%s); routing around it", url, reason)
+        elif self.faults.engine_restarts >= ft.max_engine_restarts:
+            self.failure = EngineRestartError(
+                f"engine {url} failed ({reason}) after {self.faults.engine_restarts} engine "
+                f"restarts, the most fault_tolerance.max_engine_restarts allows"
+            )
+        else:
+            log.warning("engine %s on %s failed (%s); restarting it", url, slot.device, reason)
+            self._restarting[slot.index] = asyncio.ensure_future(self._restart(slot))
+        self._notify()
+
+    def lose_client(self, client: EngineClient, reason: str) -> None:
+        """`lose`, for the weight-sync protocol, which knows engines by client."""
+        for url, known in [*self._clients.items(), *self._joining.items()]:
+            if known is client:
+                self.lose(url, reason)
+                return
+
+    async def _restart(self, slot: ProcessSlot) -> None:
+        assert self.engine_processes is not None
+        self.faults.engine_restarts += 1
+        try:
+            engine = await asyncio.to_thread(self.engine_processes.restart, slot)
+        except Exception as error:
+            self.failure = EngineRestartError(f"engine on {slot.device} did not restart: {error}")
+        else:
+            self._joining[engine.url] = HttpEngineClient(engine.url, api_keys=self.api_keys)
+            log.warning(
+                "engine on %s restarted at %s; it serves after a weight push",
+                slot.device,
+                engine.url,
+            )
+        finally:
+            self._restarting.pop(slot.index, None)
+            self._notify()
+
+    def admit(self, clients: list[EngineClient]) -> None:
+        """Joining engines that now hold the fleet's weights: back in routing."""
+        for url, client in list(self._joining.items()):
+            if any(client is c for c in clients):
+                del self._joining[url]
+                self._clients[url] = client
+                self.router.add_engine(url)
+                slot = self.engine_processes.slot_of(url) if self.engine_processes else None
+                if slot is not None:
+                    self.faults.up(slot.index)
+        self._notify()
+
+    @property
+    def recovering(self) -> bool:
+        """Engines are restarting or waiting for their first push."""
+        return bool(self._restarting or self._joining)
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_for_engine(self, key: str | None) -> str:
+        """The router's pick for `key`, waiting for a restarted engine when none serves."""
+        deadline = time.monotonic() + self._recovery_limit_s()
+        while True:
+            self.raise_failure()
+            try:
+                return self.router.pick(key)
+            except NoEngineAvailable:
+                if not self.recovering or time.monotonic() > deadline:
+                    raise
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), max(deadline - time.monotonic(), 0.0))
+
+    def _recovery_limit_s(self) -> float:
+        processes = self.engine_processes
+        ft = self.fault_tolerance
+        if processes is None or ft is None:
+            return 0.0
+        return processes.timeout_s + 2 * ft.timeout_s
+
+    def begin_push(self) -> None:
+        self.pushing = True
+        self.pushes_begun += 1
+
+    def end_push(self, version: int | None) -> None:
+        """`version` is what the serving engines now hold (None: the push failed)."""
+        self.pushing = False
+        if version is not None:
+            self.weight_version = version
+            self.pushes_done += 1
+
+    def wait(self, coro: Coroutine[Any, Any, T], *, on: LoopThread | None = None) -> T:
+        """`run(coro)` on the fleet's loop (or `on`), for the trainer's thread, which meanwhile
+        gives restarted engines their weights (`rejoin`): while it waits, it holds the weights
+        the fleet serves."""
+        future = (on or self.loop).submit(coro)
+        while True:
+            try:
+                return future.result(timeout=0.2)
+            except concurrent.futures.TimeoutError:
+                if self._joining and self.rejoin is not None:
+                    self.rejoin()
+
+    def fault_metrics(self) -> dict[str, float]:
+        return self.loop.call(
+            lambda: self.faults.metrics() | {"fault/serving_engines": float(len(self._clients))}
+        )
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -293,7 +475,7 @@ class Fleet:
                 *(self.agenerate(r, key=prompt_key(r.input_ids)) for r in requests)
             )
 
-        return self.loop.run(all_of())
+        return self.wait(all_of())
 
     async def agenerate(self, request: GenerateRequest, *, key: str | None) -> GenerateOutput:
         """One request on the engine the router picks for `key` (on the fleet's loop). An engine
@@ -302,15 +484,17 @@ class Fleet:
         request.sampling_params.validate()
         body = request_body(request)
         while True:
-            target = self.router.pick(key)
+            target = await self._wait_for_engine(key)
             try:
                 answer = await self._on(target, key, self._clients[target].generate(body))
                 break
             except Exception as error:
                 if not self._unreachable(error):
                     raise
-                self.router.set_healthy(target, False)
-                log.warning("engine %s is unreachable (%s); routing around it", target, error)
+                self.lose(target, f"unreachable: {type(error).__name__}: {error}")
+                if key and key not in self._retried_keys:
+                    self._retried_keys.add(key)
+                    self.faults.retried_groups += 1
         assert isinstance(answer, dict)
         return output_from_body(request, answer)
 
@@ -327,6 +511,7 @@ class Fleet:
                 self._key_refs[key] -= 1
                 if not self._key_refs[key]:
                     del self._key_refs[key]
+                    self._retried_keys.discard(key)
                     self.router.release(key)
 
     @staticmethod
@@ -336,12 +521,6 @@ class Fleet:
         except ImportError:
             return False
         return isinstance(error, aiohttp.ClientConnectionError | ConnectionError)
-
-    @property
-    def live_clients(self) -> list[EngineClient]:
-        """The engines still in routing (weight updates go to these)."""
-        live = set(self.router.live_engines)
-        return [client for url, client in self._clients.items() if url in live]
 
     # ---- agents --------------------------------------------------------------------------
 
@@ -410,24 +589,24 @@ async def _start_in_process(
     return clients, runners
 
 
-def _start_processes(
+def _engine_processes(
     cfg: PlacementConfig,
     model_dir: Path,
     devices: list[str],
     dtype: torch.dtype,
     seed: int,
     keys: ApiKeys,
-) -> list[LocalEngine]:
-    """`verst serve` processes, one per device, started together and waited on together."""
+) -> EngineProcesses:
+    """`verst serve` processes, one per device (started by `start_all`)."""
     common = ["--dtype", str(dtype).removeprefix("torch."), "--max-batch-size"]
     common += [str(cfg.max_batch_size)]
     if cfg.engine_threads is not None:
         common += ["--num-threads", str(cfg.engine_threads)]
-    return launch_local_engines(
+    return EngineProcesses(
         model_dir,
-        len(devices),
-        extra_args=common,
-        engine_args=[["--device", d, "--seed", str(seed + i)] for i, d in enumerate(devices)],
+        devices,
+        common_args=common,
+        seed=seed,
         timeout_s=cfg.startup_timeout_s,
         env=keys.env(),
     )

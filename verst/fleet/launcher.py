@@ -56,6 +56,13 @@ class LocalEngine:
             self._log.close()  # type: ignore[attr-defined]
             self._log = None
 
+    def kill(self) -> None:
+        """SIGKILL, for a process that may be hung: no grace period."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.stop()
+
     def __enter__(self) -> LocalEngine:
         return self
 

@@ -186,7 +186,7 @@ class AgentRollout(_StepRollout):
         )
         if self._loop is None:
             self._loop = LoopThread("verst-agents")
-        return self._loop.run(play)
+        return self.fleet.wait(play, on=self._loop)
 
     def metrics(self, groups: list[Group]) -> dict[str, Any]:
         return super().metrics(groups) | agent_metrics(groups, self.device)
@@ -266,7 +266,7 @@ class AsyncRollout:
         if self.worker is not None:
             assert self.fleet is not None
             take = self.worker.take(self.cfg.prompts_per_step, version)
-            groups = self.fleet.loop.run(take)
+            groups = self.fleet.wait(take)
         world = distributed.world_size()
         if world == 1:
             assert groups is not None

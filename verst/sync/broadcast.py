@@ -132,7 +132,12 @@ def receive_bucket(
 
 
 class BroadcastTransport:
-    """The trainer's side: `connect` once (and again when engines change), then `send`."""
+    """The trainer's side: `connect` forms the group with the engines (a first `send` does it
+    too), `send` broadcasts to it.
+
+    A send to another set of engines than the group's (one died, one joined) first re-forms the
+    group with exactly those engines, on a fresh port; members that join no group within
+    `join_timeout_s` make the send fail."""
 
     def __init__(
         self,
@@ -142,16 +147,24 @@ class BroadcastTransport:
         bucket_bytes: int = 512 << 20,
         backend: str = "gloo",
         group_name: str = "weight_update_group",
+        join_timeout_s: float = 300.0,
     ) -> None:
         self.master_address = master_address
         self.master_port = master_port
         self.bucket_bytes = bucket_bytes
         self.backend = backend
         self.group_name = group_name
+        self.join_timeout_s = join_timeout_s
         self.group: dist.Backend | None = None
+        self.members: list[EngineClient] = []  # the engines of the group, by rank - 1
+        self.connects = 0
         self.buckets_sent: list[int] = []  # bytes of each bucket of the last send
 
     async def connect(self, engines: list[EngineClient]) -> None:
+        if self.connects:  # the old group's store may still hold the port
+            self.master_port = _free_port(self.master_address)
+        self.connects += 1
+        self.group, self.members = None, []
         world_size = 1 + len(engines)
         joins = [
             e.init_weights_update_group(
@@ -172,8 +185,10 @@ class BroadcastTransport:
             world_size=world_size,
             backend=self.backend,
             group_name=self.group_name,
+            connect_timeout_s=self.join_timeout_s,
         )
         self.group, *_ = await asyncio.gather(own, *joins)
+        self.members = list(engines)
 
     async def send(
         self,
@@ -181,12 +196,16 @@ class BroadcastTransport:
         tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
         version: int,
     ) -> None:
-        if self.group is None:
-            raise RuntimeError("BroadcastTransport.send before connect()")
+        if self.group is None or not _same_members(self.members, engines):
+            await self.connect(engines)
         self.buckets_sent = []
-        # tensors are taken (for FSDP2: gathered) as the buckets fill, never all at once
-        for bucket in bucketed(tensors(), self.bucket_bytes):
-            await self._send_bucket(engines, bucket)
+        try:
+            # tensors are taken (for FSDP2: gathered) as the buckets fill, never all at once
+            for bucket in bucketed(tensors(), self.bucket_bytes):
+                await self._send_bucket(engines, bucket)
+        except BaseException:
+            self.group = None  # a broken collective: the next send forms a new group
+            raise
 
     async def _send_bucket(
         self, engines: list[EngineClient], bucket: list[tuple[str, torch.Tensor]]
@@ -204,3 +223,15 @@ class BroadcastTransport:
             *(e.update_weights_from_distributed(body) for e in engines),
         )
         self.buckets_sent.append(sum(s.nbytes for s in specs))
+
+
+def _same_members(members: list[EngineClient], engines: list[EngineClient]) -> bool:
+    return len(members) == len(engines) and all(
+        a is b for a, b in zip(members, engines, strict=True)
+    )
+
+
+def _free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]

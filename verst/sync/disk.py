@@ -306,7 +306,12 @@ class DiskTransport:
         self.publisher = publisher
 
     async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
-        path = await asyncio.to_thread(self.publisher.publish, tensors(), version)
+        """Publish `version` (once: a resend, or a restarted engine's first push, loads what is
+        published; an engine that holds no base of a delta rebuilds it by `load_full`)."""
+        if self.publisher.last_version == version:
+            path = version_dir(self.publisher.root, version)
+        else:
+            path = await asyncio.to_thread(self.publisher.publish, tensors(), version)
         await asyncio.gather(*(e.update_weights_from_disk(str(path)) for e in engines))
 
 

@@ -29,12 +29,12 @@ from verst import distributed
 from verst.configbase import ConfigBase
 from verst.fleet.fleet import Fleet, PlacementConfig
 from verst.fleet.launcher import free_port
-from verst.plugins import WeightTransport
+from verst.plugins import EngineClient, WeightTransport
 from verst.sync.broadcast import BroadcastTransport
 from verst.sync.buckets import full_parameters
 from verst.sync.colocated import ColocatedTransport
 from verst.sync.disk import DiskPublisher, DiskTransport
-from verst.sync.protocol import PauseMode, WeightSync, WeightSyncError
+from verst.sync.protocol import PauseMode, PushReport, WeightSync, WeightSyncError
 from verst.train.trainer import Trainer
 
 TransportName = Literal["auto", "colocated", "broadcast", "disk"]
@@ -83,11 +83,19 @@ class FleetSync:
         self.engine_dtype = engine_dtype
         self.transport = transport
         self.generator = generator  # what the rollout generates with; it carries the version
-        self.protocol = (
-            WeightSync(fleet.clients, transport, pause_mode=pause_mode, max_resends=max_resends)
-            if fleet is not None and transport is not None
-            else None
-        )
+        self.protocol = None
+        if fleet is not None and transport is not None:
+            ft = fleet.fault_tolerance
+            self.protocol = WeightSync(
+                fleet.clients,
+                transport,
+                pause_mode=pause_mode,
+                max_resends=max_resends,
+                on_engine_lost=fleet.lose_client,
+                call_timeout_s=ft.timeout_s if ft is not None else None,
+            )
+            if distributed.world_size() == 1:  # other ranks could not join the gathers
+                fleet.rejoin = self.rejoin
         self.last_push: dict[str, float] = {}
 
     @classmethod
@@ -129,10 +137,12 @@ class FleetSync:
                     "engines other GPUs (placement.engine_devices) or use sync.transport="
                     "colocated (CUDA IPC) or disk"
                 )
+            ft = fleet.fault_tolerance
             transport = BroadcastTransport(
                 master_port=free_port(),
                 bucket_bytes=bucket_bytes,
                 backend="nccl" if on_cuda else "gloo",
+                join_timeout_s=ft.timeout_s if ft is not None else 300.0,
             )
             fleet.loop.run(transport.connect(fleet.clients))
         elif name == "disk":
@@ -171,27 +181,46 @@ class FleetSync:
         return self.fleet.loop.run(self.apush(version))
 
     async def apush(self, version: int) -> dict[str, float]:
-        """`push`, for coroutines on the fleet's loop (the fully asynchronous loop)."""
-        assert self.protocol is not None and self.fleet is not None
+        """`push`, for coroutines on the fleet's loop (the fully asynchronous loop): every
+        serving engine and every restarted engine waiting to join gets `version`."""
+        assert self.fleet is not None
         started = time.perf_counter()
-        live = self.fleet.live_clients
-        if len(live) < len(self.fleet.clients) and isinstance(self.transport, BroadcastTransport):
-            raise WeightSyncError(
-                f"{len(self.fleet.clients) - len(live)} engine(s) went down, and the broadcast "
-                "group needs every member; restart the run (--resume) to rebuild it"
-            )
-        if not live:
-            raise WeightSyncError("every engine is down: no engine left to update")
-        self.protocol.engines = live  # an engine taken out of routing gets no more updates
-        report = await self.protocol.push(self.tensors, version)
-        self.fleet.weight_version = version
+        joining = list(self.fleet.joining_engines().values())
+        report = await self._push(self.fleet.clients + joining, version)
         self.generator.weight_version = version
         self.last_push = {
             "sync/update_s": time.perf_counter() - started,
             "sync/resent_engines": float(len(report.resent)),
-            "sync/live_engines": float(len(live)),
+            "sync/live_engines": float(len(report.engines)),
+            "sync/lost_engines": float(len(report.lost)),
         }
         return self.last_push
+
+    def rejoin(self) -> None:
+        """The current weights for restarted engines only, so they serve before the next
+        step's push (the trainer's thread calls it while it waits on the fleet)."""
+        assert self.fleet is not None
+        joining = list(self.fleet.joining_engines().values())
+        if joining:
+            self.fleet.loop.run(self._push(joining, self.fleet.weight_version))
+
+    async def _push(self, engines: list[EngineClient], version: int) -> PushReport:
+        assert self.protocol is not None and self.fleet is not None
+        fleet = self.fleet
+        fleet.raise_failure()
+        if not engines:
+            raise WeightSyncError(
+                "every engine is down and none is restarting: no engine left to update"
+            )
+        fleet.begin_push()
+        pushed: int | None = None
+        try:
+            report = await self.protocol.push(self.tensors, version, engines)
+            pushed = version
+        finally:
+            fleet.end_push(pushed)
+        fleet.admit(report.engines)
+        return report
 
 
 def _same_device(device: torch.device, others: list[str]) -> bool:

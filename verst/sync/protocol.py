@@ -13,15 +13,22 @@ One update, in order:
 
 An engine that joins (or rejoins) gets a full push before it serves: `add_engine`.
 The version is the trainer's integer; engines carry it as a string, as SGLang does.
+
+Engines that fail during a push: with `on_engine_lost`, an engine whose control call raises or
+takes longer than `call_timeout_s`, or that is found dead after a failed send, is handed to
+`on_engine_lost(engine, reason)` and left out of the rest of the push, which carries on with the
+others (the send is repeated for them, on a transport that re-forms itself, such as a broadcast
+group); the push fails only when no engine is left. Without it, the first failure raises
+`WeightSyncError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from verst.plugins import EngineClient, NamedTensors, WeightTransport
 
@@ -29,7 +36,10 @@ PauseMode = Literal["retract", "in_place", "abort"]
 
 
 class WeightSyncError(RuntimeError):
-    """Some engines still run other weights after the resends."""
+    """Some engines still run other weights after the resends, or no engine is left."""
+
+
+EngineLost = Callable[[EngineClient, str], None]
 
 
 @dataclass
@@ -38,6 +48,8 @@ class PushReport:
     seconds: float
     resent: list[int] = field(default_factory=list)  # indices of engines sent twice or more
     calls: list[str] = field(default_factory=list)  # the protocol's steps, in order
+    engines: list[EngineClient] = field(default_factory=list)  # those that hold the version
+    lost: list[EngineClient] = field(default_factory=list)  # those handed to on_engine_lost
 
 
 class WeightSync:
@@ -48,21 +60,27 @@ class WeightSync:
         *,
         pause_mode: PauseMode = "retract",
         max_resends: int = 1,
+        on_engine_lost: EngineLost | None = None,
+        call_timeout_s: float | None = None,
     ) -> None:
         self.engines = list(engines)
         self.transport = transport
         self.pause_mode = pause_mode
         self.max_resends = max_resends
+        self.on_engine_lost = on_engine_lost
+        self.call_timeout_s = call_timeout_s
 
-    async def push(self, tensors: NamedTensors, version: int) -> PushReport:
-        """Run the whole protocol for `version` on every engine."""
+    async def push(
+        self, tensors: NamedTensors, version: int, engines: list[EngineClient] | None = None
+    ) -> PushReport:
+        """Run the whole protocol for `version` on `engines` (default: every engine)."""
         started = time.perf_counter()
         report = PushReport(version=version, seconds=0.0)
-        engines = self.engines
+        report.engines = list(self.engines if engines is None else engines)
 
-        async def each(step: str, call: Callable[[EngineClient], object]) -> list[object]:
+        async def each(step: str, call: Callable[[EngineClient], Awaitable[Any]]) -> list[Any]:
             report.calls.append(step)
-            return list(await asyncio.gather(*(call(e) for e in engines)))
+            return await self._each(report, step, call)
 
         await each("pause", lambda e: e.pause_generation(self.pause_mode))
         if self.pause_mode != "in_place":
@@ -70,16 +88,83 @@ class WeightSync:
             if not all(flushed):
                 raise WeightSyncError(f"flush_cache refused by engines {_false(flushed)}")
         report.calls.append("send")
-        await self.transport.send(engines, tensors, version)
+        await self._send(report, tensors, version)
         await each("set_version", lambda e: e.update_weight_version(str(version)))
         await each("continue", lambda e: e.continue_generation())
         await self._confirm(tensors, version, report)
         report.seconds = time.perf_counter() - started
         return report
 
+    async def _each(
+        self, report: PushReport, step: str, call: Callable[[EngineClient], Awaitable[Any]]
+    ) -> list[Any]:
+        """`call` on every engine of the push at once; an engine that fails it is lost."""
+        engines = list(report.engines)
+        results = await asyncio.gather(
+            *(self._bounded(call(e)) for e in engines), return_exceptions=True
+        )
+        kept = []
+        for engine, result in zip(engines, results, strict=True):
+            if isinstance(result, BaseException):
+                self._lose(report, engine, f"{step} failed: {_describe(result)}", result)
+            else:
+                kept.append(result)
+        return kept
+
+    async def _bounded(self, call: Awaitable[Any]) -> Any:
+        if self.call_timeout_s is None:
+            return await call
+        try:
+            return await asyncio.wait_for(call, self.call_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no answer within {self.call_timeout_s:g} s") from None
+
+    def _lose(
+        self, report: PushReport, engine: EngineClient, reason: str, error: BaseException
+    ) -> None:
+        if self.on_engine_lost is None:
+            raise WeightSyncError(f"engine {_index(self.engines, engine)}: {reason}") from error
+        report.engines.remove(engine)
+        report.lost.append(engine)
+        if engine in self.engines:
+            self.engines.remove(engine)
+        self.on_engine_lost(engine, reason)
+        if not report.engines:
+            raise WeightSyncError(
+                f"every engine failed during the push of version {report.version}; last: {reason}"
+            ) from error
+
+    async def _send(self, report: PushReport, tensors: NamedTensors, version: int) -> None:
+        """The transport's send to the push's engines; after a failure, the engines found dead
+        are lost and the send is repeated for the others (each retry loses at least one)."""
+        while True:
+            try:
+                await self.transport.send(list(report.engines), tensors, version)
+                return
+            except Exception as error:
+                if self.on_engine_lost is None:
+                    raise
+                alive = await asyncio.gather(*(self._alive(e) for e in report.engines))
+                dead = [e for e, ok in zip(report.engines, alive, strict=True) if not ok]
+                if not dead:
+                    raise WeightSyncError(
+                        f"sending version {version} failed while every engine is alive: "
+                        f"{_describe(error)}"
+                    ) from error
+                for engine in dead:
+                    self._lose(report, engine, f"send failed: {_describe(error)}", error)
+
+    async def _alive(self, engine: EngineClient) -> bool:
+        try:
+            return bool(await self._bounded(engine.health()))
+        except Exception:
+            return False
+
     async def _confirm(self, tensors: NamedTensors, version: int, report: PushReport) -> None:
         for attempt in range(self.max_resends + 1):
-            versions = await asyncio.gather(*(e.get_weight_version() for e in self.engines))
+            engines = list(report.engines)
+            versions = await self._each(report, "get_version", lambda e: e.get_weight_version())
+            engines = [e for e in engines if e in report.engines]  # those that answered
             stale = [i for i, v in enumerate(versions) if v != str(version)]
             if not stale:
                 return
@@ -89,7 +174,7 @@ class WeightSync:
                     f"{self.max_resends} resends of version {version}"
                 )
             report.resent += stale
-            await self._full_push([self.engines[i] for i in stale], tensors, version)
+            await self._full_push([engines[i] for i in stale], tensors, version)
 
     async def add_engine(self, engine: EngineClient, tensors: NamedTensors, version: int) -> None:
         """A joining engine gets the current weights and version before it serves."""
@@ -107,3 +192,11 @@ class WeightSync:
 
 def _false(results: list[object]) -> list[int]:
     return [i for i, ok in enumerate(results) if not ok]
+
+
+def _index(engines: list[EngineClient], engine: EngineClient) -> int | str:
+    return engines.index(engine) if engine in engines else "?"
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

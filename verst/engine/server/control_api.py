@@ -7,9 +7,12 @@ in-process client both call these, so their answers cannot drift.
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from typing import Any
 
+from verst.engine.sampling import SamplingParams
 from verst.engine.server.sglang_api import PAUSE_OK, validation_error, value_error
 from verst.engine.serving import PAUSE_MODES, ServingEngine
 
@@ -247,3 +250,18 @@ async def run_update_weight_version(serving: ServingEngine, payload: Any) -> dic
         "message": f"Weight version updated to {new_version}",
         "new_version": str(new_version),
     }
+
+
+async def probe_generation(serving: ServingEngine, timeout_s: float) -> bool:
+    """SGLang's `/health_generate`: one greedy token through the scheduler within `timeout_s`."""
+    probe = serving.generate(
+        [0],
+        SamplingParams(max_new_tokens=1, temperature=0.0),
+        rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        return_logprob=False,
+    )
+    try:
+        await asyncio.wait_for(probe, timeout=timeout_s)
+    except (TimeoutError, RuntimeError):
+        return False
+    return True

@@ -13,7 +13,6 @@ import asyncio
 import json
 import re
 import time
-import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -22,10 +21,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from verst.engine.sampling import SamplingParams
 from verst.engine.server.control_api import (
     loads_body,
     model_info_body,
+    probe_generation,
     run_abort,
     run_destroy_weights_update_group,
     run_get_weights_by_name,
@@ -215,17 +214,8 @@ class EngineHandlers:
         return web.Response(status=200 if self.serving.is_alive else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        probe = self.serving.generate(
-            [0],
-            SamplingParams(max_new_tokens=1, temperature=0.0),
-            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
-            return_logprob=False,
-        )
-        try:
-            await asyncio.wait_for(probe, timeout=self.health_timeout_s)
-        except (asyncio.TimeoutError, RuntimeError):
-            return web.Response(status=503)
-        return web.Response(status=200)
+        ok = await probe_generation(self.serving, self.health_timeout_s)
+        return web.Response(status=200 if ok else 503)
 
     async def ready(self, request: web.Request) -> web.Response:
         serving = self.serving
