@@ -374,13 +374,22 @@ class Fleet:
                 return
 
     async def _restart(self, slot: ProcessSlot) -> None:
-        assert self.engine_processes is not None
-        self.faults.engine_restarts += 1
+        """Start `slot`'s process again (again and again if it dies while it starts, within
+        the run's restarts); it joins at the next push."""
+        assert self.engine_processes is not None and self.fault_tolerance is not None
         try:
-            engine = await asyncio.to_thread(self.engine_processes.restart, slot)
-        except Exception as error:
-            self.failure = EngineRestartError(f"engine on {slot.device} did not restart: {error}")
-        else:
+            while True:
+                self.faults.engine_restarts += 1
+                try:
+                    engine = await asyncio.to_thread(self.engine_processes.restart, slot)
+                    break
+                except Exception as error:
+                    if self.faults.engine_restarts >= self.fault_tolerance.max_engine_restarts:
+                        self.failure = EngineRestartError(
+                            f"engine on {slot.device} did not restart: {error}"
+                        )
+                        return
+                    log.warning("engine on %s did not restart (%s); again", slot.device, error)
             self._joining[engine.url] = HttpEngineClient(engine.url, api_keys=self.api_keys)
             log.warning(
                 "engine on %s restarted at %s; it serves after a weight push",
@@ -429,6 +438,18 @@ class Fleet:
             changed = self._changed
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), max(deadline - time.monotonic(), 0.0))
+
+    async def restarted_engines(self) -> list[EngineClient]:
+        """The joining engines, once every restart in progress has ended (bounded)."""
+        deadline = time.monotonic() + self._recovery_limit_s()
+        while self._restarting and time.monotonic() < deadline:
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), max(deadline - time.monotonic(), 0.0))
+        self.raise_failure()
+        if not self._joining:
+            raise NoEngineAvailable("no engine came back from its restart")
+        return list(self._joining.values())
 
     def _recovery_limit_s(self) -> float:
         processes = self.engine_processes

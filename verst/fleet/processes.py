@@ -44,6 +44,7 @@ class EngineProcesses:
         self.timeout_s = timeout_s
         self.env = env
         self.slots = [ProcessSlot(i, device, seed + i) for i, device in enumerate(devices)]
+        self.closed = False
 
     @property
     def devices(self) -> list[str]:
@@ -98,10 +99,14 @@ class EngineProcesses:
             timeout_s=self.timeout_s,
             env=self.env,
         )
+        if self.closed:  # the fleet closed while this process started
+            engine.stop()
+            raise RuntimeError("the fleet closed while the engine restarted")
         slot.engine = engine
         return engine
 
     def stop_all(self) -> None:
+        self.closed = True
         for slot in self.slots:
             if slot.engine is not None:
                 slot.engine.stop()

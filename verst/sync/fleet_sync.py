@@ -34,7 +34,7 @@ from verst.sync.broadcast import BroadcastTransport
 from verst.sync.buckets import full_parameters
 from verst.sync.colocated import ColocatedTransport
 from verst.sync.disk import DiskPublisher, DiskTransport
-from verst.sync.protocol import PauseMode, PushReport, WeightSync, WeightSyncError
+from verst.sync.protocol import EveryEngineLost, PauseMode, PushReport, WeightSync, WeightSyncError
 from verst.train.trainer import Trainer
 
 TransportName = Literal["auto", "colocated", "broadcast", "disk"]
@@ -215,7 +215,14 @@ class FleetSync:
         fleet.begin_push()
         pushed: int | None = None
         try:
-            report = await self.protocol.push(self.tensors, version, engines)
+            while True:
+                try:
+                    report = await self.protocol.push(self.tensors, version, engines)
+                    break
+                except EveryEngineLost:
+                    if not fleet.recovering:
+                        raise
+                    engines = await fleet.restarted_engines()  # they take this push instead
             pushed = version
         finally:
             fleet.end_push(pushed)

@@ -39,6 +39,10 @@ class WeightSyncError(RuntimeError):
     """Some engines still run other weights after the resends, or no engine is left."""
 
 
+class EveryEngineLost(WeightSyncError):
+    """Every engine of a push failed during it."""
+
+
 EngineLost = Callable[[EngineClient, str], None]
 
 
@@ -130,7 +134,7 @@ class WeightSync:
             self.engines.remove(engine)
         self.on_engine_lost(engine, reason)
         if not report.engines:
-            raise WeightSyncError(
+            raise EveryEngineLost(
                 f"every engine failed during the push of version {report.version}; last: {reason}"
             ) from error
 

@@ -1,0 +1,138 @@
+"""Fault injection for end-to-end tests: a `verst train` subprocess whose engine processes (or
+itself) a test kills at chosen steps, at a random moment inside the step."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc; no psutil needed)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the command name in parentheses may hold spaces: the fields after it are fixed
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == pid:
+            children.append(int(entry.name))
+    return children
+
+
+def engine_pids(trainer_pid: int) -> list[int]:
+    """The `verst serve` processes a trainer started."""
+    pids = []
+    for pid in child_pids(trainer_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"verst" in argv and b"serve" in argv:
+            pids.append(pid)
+    return pids
+
+
+def last_step(run_dir: Path) -> int:
+    """The last step in metrics.jsonl (-1 before the first record)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return -1
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+    return steps[-1] if steps else -1
+
+
+@dataclass
+class TrainProcess:
+    """`python -m verst train` in a subprocess, with its output in `run_dir.log`."""
+
+    overrides: list[str]
+    run_dir: Path
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+    kills: list[tuple[int, int, str]] = field(default_factory=list)  # (step, pid, signal)
+
+    def start(self) -> TrainProcess:
+        cmd = [sys.executable, "-m", "verst", "train", *self.overrides]
+        cmd += ["--run-dir", str(self.run_dir), *self.extra_args]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.log = self.run_dir.with_suffix(".log")
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def wait_for_step(self, step: int, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while last_step(self.run_dir) < step:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"the run exited before step {step}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no step {step} after {timeout_s} s:\n{self.output()}")
+            time.sleep(0.05)
+
+    def wait_until(self, ready: Callable[[dict], bool], what: str, timeout_s: float = 120) -> None:
+        """Until the last metrics record satisfies `ready`."""
+        deadline = time.monotonic() + timeout_s
+        while not ready(self.records()[-1]):
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"the run exited before {what}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} after {timeout_s} s:\n{self.output()}")
+            time.sleep(0.05)
+
+    def kill_engine(
+        self, step: int, rng: random.Random, sig: int = signal.SIGKILL, within_s: float = 0.5
+    ) -> int:
+        """Once `step` is logged and no engine is down (the last kill's restart has rejoined),
+        wait a random moment (up to `within_s`), then signal one of the trainer's engine
+        processes, chosen at random; returns its pid."""
+        self.wait_for_step(step)
+        self.wait_until(lambda row: row.get("fault/engines_down", 0) == 0, "engines back")
+        time.sleep(rng.uniform(0.0, within_s))
+        deadline = time.monotonic() + 60
+        while not (pids := engine_pids(self.pid)):  # all restarting: wait for one
+            assert time.monotonic() < deadline, "no engine process to kill"
+            time.sleep(0.05)
+        victim = rng.choice(sorted(pids))
+        os.kill(victim, sig)
+        self.kills.append((step, victim, signal.Signals(sig).name))
+        return victim
+
+    def finish(self, timeout_s: float = 600.0) -> int:
+        assert self.process is not None
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(
+                f"the run did not finish in {timeout_s} s:\n{self.output()}"
+            ) from None
+
+    def output(self, lines: int = 60) -> str:
+        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def records(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,115 @@
+"""Runs that survive failures: engine processes killed or hung at random points of a step, in
+sync and fully async modes and with every transport, through the public CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults import TrainProcess
+from tests.test_loop import SMALL
+from verst import launch
+from verst.config import ConfigError, load_config
+
+pytest.importorskip("aiohttp")
+
+FAST_CHECKS = ["fault_tolerance.interval_s=0.5", "fault_tolerance.timeout_s=5"]
+ENGINES = [
+    *SMALL,
+    "num_steps=150",
+    "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
+    "intermediate_size: 64, max_position_embeddings: 64}",
+    "rollout.max_new_tokens=16",
+    "warm_start.enabled=false",
+    "eval.interval_steps=0",
+    "checkpoint.interval_steps=0",
+    "placement.engines=processes",
+    "placement.engine_threads=1",
+    "placement.num_engines=2",
+    *FAST_CHECKS,
+]
+# fully async steps are shorter: more of them, so the run outlasts three restarts
+DISAGGREGATED = ["mode=fully_async", "placement.mode=disaggregated", "num_steps=600"]
+
+
+def test_in_process_engines_cannot_be_restarted() -> None:
+    for engines in ("embedded", "in_process"):
+        overrides = [f"placement.engines={engines}", "fault_tolerance.enabled=true"]
+        with pytest.raises(ConfigError, match="cannot be restarted"):
+            load_config(None, overrides)
+    assert load_config(None, ["placement.engines=processes"]).fault_tolerance.active("processes")
+
+
+def _check_survived(run: TrainProcess, rc: int, *, kills: int, sync: bool) -> list[dict]:
+    assert rc == 0, run.output()
+    rows = run.records()
+    steps = int(next(o for o in reversed(run.overrides) if o.startswith("num_steps="))[10:])
+    assert [r["step"] for r in rows] == list(range(steps + 1)), "every step logged once"
+    last = rows[-1]
+    assert last["fault/engine_restarts"] >= kills, run.kills
+    assert last["fault/serving_engines"] >= 1
+    assert last["fault/engine_down_s"] > 0
+    if sync:  # every engine, restarted ones included, generated with the trainer's weights
+        for row in rows[1:]:
+            assert row["train/train_rollout_logprob_abs_diff"] < 1e-5, row["step"]
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["sync.transport=colocated"],
+        ["sync.transport=broadcast"],
+        ["sync.transport=disk"],
+        ["placement.num_engines=1"],  # the only engine dies: the run waits for its restart
+        [*DISAGGREGATED, "sync.transport=broadcast"],
+        [*DISAGGREGATED, "sync.transport=disk"],
+    ],
+    ids=["shared_memory", "broadcast", "disk", "one_engine", "async_broadcast", "async_disk"],
+)
+def test_engines_killed_at_random_points_are_restarted(
+    tmp_path: Path, overrides: list[str]
+) -> None:
+    rng = random.Random(hash(tuple(overrides)) & 0xFFFF)
+    run = TrainProcess([*ENGINES, *overrides], tmp_path / "run").start()
+    for step in (2, 30, 60):
+        run.kill_engine(step, rng)
+    _check_survived(run, run.finish(), kills=3, sync="mode=fully_async" not in overrides)
+
+
+@pytest.mark.slow
+def test_a_hung_engine_is_killed_and_restarted(tmp_path: Path) -> None:
+    run = TrainProcess([*ENGINES, "sync.transport=broadcast"], tmp_path / "run").start()
+    run.kill_engine(3, random.Random(0), sig=signal.SIGSTOP)
+    rows = _check_survived(run, run.finish(), kills=1, sync=True)
+    assert rows[-1]["fault/engine_restarts"] == 1
+
+
+@pytest.mark.slow
+def test_an_engine_with_the_wrong_weight_version_is_restarted(tmp_path: Path) -> None:
+    cfg = load_config(None, [*ENGINES, "sync.transport=disk", "placement.num_engines=1"])
+    run = launch.build(cfg, tmp_path)
+    try:
+        fleet = run.fleet
+        assert fleet is not None and fleet.monitor is not None
+        run.sync.push(1)
+        (url,) = fleet.serving_engines()
+        fleet.loop.run(fleet.serving_engines()[url].update_weight_version("7"))
+        deadline = time.monotonic() + 60
+        while not fleet.joining_engines():  # found by the monitor, killed, restarted
+            assert time.monotonic() < deadline, "the engine was not restarted"
+            time.sleep(0.1)
+        assert fleet.fault_metrics()["fault/engine_restarts"] == 1
+        assert url not in fleet.router.engines
+        run.sync.push(2)  # the restarted engine joins with the current weights
+        (back,) = fleet.serving_engines().values()
+        assert fleet.loop.run(back.get_weight_version()) == "2"
+        assert fleet.loop.run(asyncio.wait_for(back.health_generate(), 30))
+    finally:
+        run.close()
