@@ -18,7 +18,7 @@ from aiohttp import web
 
 from verst.engine.server.app import make_app
 from verst.engine.serving import ServingEngine
-from verst.fleet.fleet import LoopThread as FleetLoopThread
+from verst.fleet.loop_thread import LoopThread as FleetLoopThread
 from verst.http_limits import HttpLimits, runner_kwargs
 from verst.models.tiny import TinyModelConfig, create_tiny
 from verst.router import ROUTING_KEY_HEADER

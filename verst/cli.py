@@ -308,9 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verst: error: {error}", file=sys.stderr)
         return 2
     except Exception as error:
+        from verst.fleet.health import EngineRestartError
+        from verst.router.policy import NoEngineAvailable
+        from verst.sync.protocol import WeightSyncError
         from verst.train.trainer import NonFiniteLossError
 
-        if isinstance(error, NonFiniteLossError):
+        stopped = (NonFiniteLossError, WeightSyncError, EngineRestartError, NoEngineAvailable)
+        if isinstance(error, stopped):
             print(f"verst: run stopped: {error}", file=sys.stderr)
             return 1
         raise

@@ -15,8 +15,8 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
 from verst.eval.evaluate import EvalConfig
-from verst.fleet.fleet import PlacementConfig
 from verst.fleet.health import FaultToleranceConfig
+from verst.fleet.placement import PlacementConfig
 from verst.models.loading import ModelConfig
 from verst.models.tiny import TinyModelConfig
 from verst.rollout.generate import RolloutConfig

@@ -13,6 +13,14 @@ background event loop. The trainer's side stays synchronous:
 - `fleet.sessions_url()` starts the router's HTTP front and a session server over it, for
   agents that speak the OpenAI chat API.
 - `fleet.clients` are the `EngineClient`s the weight-sync protocol drives.
+
+Failures: an engine that cannot be reached, fails a weight push, or fails the health monitor's
+checks (`verst.fleet.health`, on by default for engine processes) is lost (`lose`): taken out
+of routing and of weight pushes, its process killed and started again on the same device
+(`verst.fleet.processes`). The restarted engine joins (`joining_engines`) and is sent the
+current weights before it serves: at the next push, or at once when the trainer's thread waits
+on the fleet (`wait` calls `rejoin`). Requests to a lost engine go to another one; with no
+engine serving they wait for a restarted one.
 """
 
 from __future__ import annotations
@@ -21,19 +29,17 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
-from pydantic import Field
 
 from verst.auth import ApiKeys, generate_key
-from verst.configbase import ConfigBase
 from verst.engine import GenerateOutput, GenerateRequest
 from verst.engine.serving import ServingEngine
+from verst.fleet.bodies import output_from_body, request_body
 from verst.fleet.client import HttpEngineClient, InProcessEngineClient
 from verst.fleet.health import (
     EngineMonitor,
@@ -42,156 +48,14 @@ from verst.fleet.health import (
     FaultToleranceConfig,
 )
 from verst.fleet.launcher import LocalEngine, free_port
+from verst.fleet.loop_thread import LoopThread
+from verst.fleet.placement import PlacementConfig, engine_devices
 from verst.fleet.processes import EngineProcesses, ProcessSlot
 from verst.plugins import EngineClient
 from verst.router.policy import NoEngineAvailable, Router
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-EngineKind = Literal["embedded", "in_process", "processes"]
-
-
-class PlacementConfig(ConfigBase):
-    engines: EngineKind = Field(
-        "embedded",
-        description="rollout engines: embedded = the scheduler called in the trainer's thread; "
-        "in_process = "
-        "serving engines (continuous batching) in the trainer's process; processes = `verst "
-        "serve` subprocesses",
-    )
-    mode: Literal["colocated", "disaggregated"] = Field(
-        "colocated",
-        description="colocated = engines share the trainer's device; disaggregated = engine "
-        "processes on devices of their own (needed by fully_async)",
-    )
-    num_engines: int = Field(1, ge=1, description="serving engines (in_process or processes)")
-    engine_devices: list[str] = Field(
-        default_factory=list,
-        description="device of each engine process (cycled); empty = the trainer's device when "
-        "colocated, else the GPUs after the trainer's (or the CPU)",
-    )
-    engine_threads: int | None = Field(
-        None, ge=1, description="torch CPU threads per engine process; unset = torch's default"
-    )
-    max_batch_size: int = Field(256, ge=1, description="most running requests per engine")
-    startup_timeout_s: float = Field(
-        300.0, gt=0, description="seconds an engine process may take to become healthy"
-    )
-
-    @property
-    def serving(self) -> bool:
-        return self.engines != "embedded"
-
-
-def engine_devices(cfg: PlacementConfig, trainer_device: torch.device) -> list[str]:
-    """One device per engine process, by the rule in `engine_devices`'s description."""
-    if cfg.engine_devices:
-        return [cfg.engine_devices[i % len(cfg.engine_devices)] for i in range(cfg.num_engines)]
-    if cfg.mode == "colocated" or trainer_device.type != "cuda":
-        return [str(trainer_device)] * cfg.num_engines
-    first = (trainer_device.index or 0) + 1
-    available = torch.cuda.device_count()
-    if first + cfg.num_engines > available:
-        raise RuntimeError(
-            f"placement.mode=disaggregated needs {cfg.num_engines} GPU(s) after the trainer's "
-            f"{trainer_device}, but this machine has {available}; set placement.engine_devices "
-            "explicitly (e.g. [cuda:0] to share the trainer's GPU) or lower num_engines"
-        )
-    return [f"cuda:{first + i}" for i in range(cfg.num_engines)]
-
-
-# ---- /generate bodies ------------------------------------------------------------------------
-
-
-def request_body(request: GenerateRequest) -> dict[str, Any]:
-    """A `GenerateRequest` as SGLang's `/generate` body."""
-    params = request.sampling_params
-    sampling: dict[str, Any] = {
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "min_p": params.min_p,
-        "stop_token_ids": list(params.stop_token_ids),
-        "ignore_eos": params.ignore_eos,
-    }
-    if params.sampling_seed is not None:
-        sampling["sampling_seed"] = params.sampling_seed
-    body: dict[str, Any] = {
-        "input_ids": list(request.input_ids),
-        "sampling_params": sampling,
-        "return_logprob": request.return_logprob,
-        "rid": request.rid,
-    }
-    if request.logprob_start_len >= 0:
-        body["logprob_start_len"] = request.logprob_start_len
-    return body
-
-
-def _version(value: Any) -> int | str:
-    text = str(value)
-    return int(text) if text.lstrip("-").isdigit() else text
-
-
-def output_from_body(request: GenerateRequest, body: dict[str, Any]) -> GenerateOutput:
-    """SGLang's `/generate` answer as a `GenerateOutput` (finish reason stop | length | abort)."""
-    meta = body["meta_info"]
-    ids = list(body["output_ids"])
-    logprobs = [float(triple[0]) for triple in meta.get("output_token_logprobs") or []]
-    token_versions: list[int | str] = []
-    for span in meta.get("weight_versions") or []:
-        token_versions += [_version(span["version"])] * (span["end"] - span["start"])
-    if len(token_versions) != len(ids):
-        token_versions = [_version(meta["weight_version"])] * len(ids)
-    input_logprobs = [
-        None if triple[0] is None else float(triple[0])
-        for triple in meta.get("input_token_logprobs") or []
-    ]
-    return GenerateOutput(
-        rid=request.rid,
-        output_ids=ids,
-        output_token_logprobs=logprobs,
-        finish_reason=meta["finish_reason"]["type"],
-        prompt_tokens=int(meta["prompt_tokens"]),
-        completion_tokens=int(meta["completion_tokens"]),
-        weight_version=_version(meta["weight_version"]),  # type: ignore[arg-type]
-        cached_tokens=int(meta.get("cached_tokens", 0)),
-        input_token_logprobs=input_logprobs,
-        token_weight_versions=token_versions,
-    )
-
-
-# ---- the background loop ---------------------------------------------------------------------
-
-
-class LoopThread:
-    """An asyncio event loop on a daemon thread; synchronous code submits coroutines to it."""
-
-    def __init__(self, name: str = "verst-fleet") -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        return self.submit(coro).result(timeout_s)
-
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the loop's thread (for objects that belong to the loop)."""
-
-        async def on_loop() -> T:
-            return fn(*args)
-
-        return self.run(on_loop())
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
 
 
 # ---- the fleet -------------------------------------------------------------------------------

@@ -20,15 +20,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pydantic import Field
 
 from verst.configbase import ConfigBase
 from verst.plugins import EngineClient
-
-if TYPE_CHECKING:
-    from verst.fleet.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +84,25 @@ class FaultCounters:
         }
 
 
+class MonitoredFleet(Protocol):
+    """What the monitor reads of a fleet (`verst.fleet.fleet.Fleet`), and `lose`."""
+
+    weight_version: int
+    pushing: bool  # a weight push is in progress: the engines are paused
+    pushes_begun: int
+    pushes_done: int
+
+    def serving_engines(self) -> dict[str, EngineClient]: ...
+
+    def exit_code(self, url: str) -> int | None: ...
+
+    def lose(self, url: str, reason: str) -> None: ...
+
+
 class EngineMonitor:
     """The periodic checks of one fleet, as a task on the fleet's event loop."""
 
-    def __init__(self, fleet: Fleet, cfg: FaultToleranceConfig) -> None:
+    def __init__(self, fleet: MonitoredFleet, cfg: FaultToleranceConfig) -> None:
         self.fleet = fleet
         self.cfg = cfg
         self._task: asyncio.Task | None = None

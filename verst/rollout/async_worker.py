@@ -35,7 +35,7 @@ DataSource in its saved state and a resumed run serves them again instead of los
 buffer reports the groups it drops through `forget` (`build_rollout_worker` wires its
 `give_back` and filter to it).
 
-`verst train` runs the worker on the fleet's event loop (`verst.fleet.fleet.LoopThread`) and
+`verst train` runs the worker on the fleet's event loop (`verst.fleet.loop_thread.LoopThread`) and
 reaches it from the synchronous trainer through that loop.
 """
 

@@ -24,7 +24,8 @@ import torch
 from verst import distributed
 from verst.data.source import DataSource
 from verst.engine import GenerateRequest
-from verst.fleet.fleet import Fleet, LoopThread, prompt_key
+from verst.fleet.fleet import Fleet, prompt_key
+from verst.fleet.loop_thread import LoopThread
 from verst.fleet.ranked import on_rank_zero, scatter_from_rank_zero
 from verst.plugins import Generator, RewardFunction
 from verst.rollout.agent import (

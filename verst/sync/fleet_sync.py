@@ -27,8 +27,9 @@ from pydantic import Field
 
 from verst import distributed
 from verst.configbase import ConfigBase
-from verst.fleet.fleet import Fleet, PlacementConfig
+from verst.fleet.fleet import Fleet
 from verst.fleet.launcher import free_port
+from verst.fleet.placement import PlacementConfig
 from verst.plugins import EngineClient, WeightTransport
 from verst.sync.broadcast import BroadcastTransport
 from verst.sync.buckets import full_parameters

@@ -1,0 +1,65 @@
+"""SGLang's `/generate` bodies from and to the engine's `GenerateRequest` / `GenerateOutput`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verst.engine import GenerateOutput, GenerateRequest
+
+
+def request_body(request: GenerateRequest) -> dict[str, Any]:
+    """A `GenerateRequest` as SGLang's `/generate` body."""
+    params = request.sampling_params
+    sampling: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+    }
+    if params.sampling_seed is not None:
+        sampling["sampling_seed"] = params.sampling_seed
+    body: dict[str, Any] = {
+        "input_ids": list(request.input_ids),
+        "sampling_params": sampling,
+        "return_logprob": request.return_logprob,
+        "rid": request.rid,
+    }
+    if request.logprob_start_len >= 0:
+        body["logprob_start_len"] = request.logprob_start_len
+    return body
+
+
+def _version(value: Any) -> int | str:
+    text = str(value)
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def output_from_body(request: GenerateRequest, body: dict[str, Any]) -> GenerateOutput:
+    """SGLang's `/generate` answer as a `GenerateOutput` (finish reason stop | length | abort)."""
+    meta = body["meta_info"]
+    ids = list(body["output_ids"])
+    logprobs = [float(triple[0]) for triple in meta.get("output_token_logprobs") or []]
+    token_versions: list[int | str] = []
+    for span in meta.get("weight_versions") or []:
+        token_versions += [_version(span["version"])] * (span["end"] - span["start"])
+    if len(token_versions) != len(ids):
+        token_versions = [_version(meta["weight_version"])] * len(ids)
+    input_logprobs = [
+        None if triple[0] is None else float(triple[0])
+        for triple in meta.get("input_token_logprobs") or []
+    ]
+    return GenerateOutput(
+        rid=request.rid,
+        output_ids=ids,
+        output_token_logprobs=logprobs,
+        finish_reason=meta["finish_reason"]["type"],
+        prompt_tokens=int(meta["prompt_tokens"]),
+        completion_tokens=int(meta["completion_tokens"]),
+        weight_version=_version(meta["weight_version"]),  # type: ignore[arg-type]
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        input_token_logprobs=input_logprobs,
+        token_weight_versions=token_versions,
+    )
