@@ -69,7 +69,8 @@ class TrainProcess:
     def start(self) -> TrainProcess:
         cmd = [sys.executable, "-m", "verst", "train", *self.overrides]
         cmd += ["--run-dir", str(self.run_dir), *self.extra_args]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
         self.log = self.run_dir.with_suffix(".log")
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
