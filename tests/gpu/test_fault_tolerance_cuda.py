@@ -17,7 +17,7 @@ pytest.importorskip("aiohttp")
 
 ENGINES = [
     *SMALL,
-    "num_steps=150",
+    "num_steps=600",  # an engine process takes seconds to start on a GPU: outlast two restarts
     "eval.interval_steps=0",
     "warm_start.enabled=false",
     "placement.engines=processes",
@@ -29,7 +29,7 @@ RUNS = {
     "cuda_ipc": ["sync.transport=colocated"],
     "fully_async_disk": [
         "mode=fully_async",
-        "num_steps=600",
+        "num_steps=2000",
         "placement.mode=disaggregated",
         "placement.engine_devices=[cuda:0]",
         "sync.transport=disk",
