@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,17 @@ def vocab_size(model: Any) -> int:
         return int(model.get_input_embeddings().weight.shape[0])
     except (AttributeError, TypeError, IndexError):
         return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+
+
+# Serving engines of one process on one CUDA device step one at a time: two engines capturing
+# CUDA graphs (or one stepping while the other captures) on one device invalidate the capture.
+_CUDA_STEP_LOCKS: dict[torch.device, threading.Lock] = {}
+
+
+def _step_lock(device: torch.device) -> threading.Lock | None:
+    if device.type != "cuda":
+        return None
+    return _CUDA_STEP_LOCKS.setdefault(torch.device("cuda", device.index or 0), threading.Lock())
 
 
 class ServingEngine(WeightUpdates):
@@ -184,6 +196,14 @@ class ServingEngine(WeightUpdates):
             pass
         self._task = None
 
+    def _step(self) -> list[GenerateOutput]:
+        """One scheduler step (on a worker thread), alone on its CUDA device in this process."""
+        lock = _step_lock(self.scheduler.device)
+        if lock is None:
+            return self.scheduler.step()
+        with lock:
+            return self.scheduler.step()
+
     @property
     def is_alive(self) -> bool:
         return self._task is not None and not self._task.done()
@@ -294,7 +314,7 @@ class ServingEngine(WeightUpdates):
                     return
                 version = self.weight_version
                 self.num_batches += 1
-                finished = await asyncio.to_thread(self.scheduler.step)
+                finished = await asyncio.to_thread(self._step)
         except Exception as error:  # the engine failed: every request in it fails
             logger.exception("serving loop: a step failed; failing the requests running in it")
             async with cond:

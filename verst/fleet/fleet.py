@@ -338,6 +338,8 @@ class Fleet:
         gives restarted engines their weights (`rejoin`): while it waits, it holds the weights
         the fleet serves."""
         future = (on or self.loop).submit(coro)
+        if self.fault_tolerance is None:  # no engine restarts: nothing to do meanwhile
+            return future.result()
         while True:
             try:
                 return future.result(timeout=0.2)
