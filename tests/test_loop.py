@@ -187,8 +187,8 @@ def test_custom_data_and_reward_example_runs(tmp_path: Path, monkeypatch) -> Non
     assert 0.0 <= rows[1]["rollout/reward_mean"] <= 1.0
 
 
-def test_aborted_samples_leave_their_group_before_advantages() -> None:
-    from verst.loop import train_items, without_aborted
+def test_aborted_and_failed_samples_leave_their_group_before_advantages() -> None:
+    from verst.loop import only_scored, train_items
     from verst.train.algorithms import LossConfig
     from verst.types import Sample, Status
 
@@ -204,11 +204,16 @@ def test_aborted_samples_leave_their_group_before_advantages() -> None:
         )
 
     groups = [
-        [sample(0, 1.0), sample(0, 0.0), sample(0, 0.0, Status.ABORTED)],
-        [sample(1, 0.0, Status.ABORTED)],
+        [
+            sample(0, 1.0),
+            sample(0, 0.0),
+            sample(0, 0.0, Status.ABORTED),
+            sample(0, 0.0, Status.FAILED),  # its reward function raised
+        ],
+        [sample(1, 0.0, Status.ABORTED), sample(1, 0.0, Status.FAILED)],
     ]
-    kept = without_aborted(groups)
+    kept = only_scored(groups)
     assert [len(g) for g in kept] == [2]
-    # Dr.GRPO advantage = reward − group mean over the completed attempts: mean 0.5, not 1/3
+    # Dr.GRPO advantage = reward − group mean over the scored attempts: mean 0.5, not 1/4
     items = train_items(kept, LossConfig(advantage_estimator="dr_grpo"))
     assert [item.advantage for item in items] == [0.5, -0.5]
