@@ -616,10 +616,12 @@ def test_async_config() -> None:
     AsyncConfig(buffer="examples.custom_buffer:FreshestFirstBuffer", max_staleness=None)
 
 
-def test_slot_counts_agree_with_the_groups_the_worker_holds() -> None:
+def test_slot_counts_agree_with_the_groups_the_worker_holds(tmp_path) -> None:
     """With drops at put (aborted, filtered), stale drops at take and long tails, the slot
-    accounting stays consistent and counts as ahead exactly the prompts a checkpoint saves."""
+    accounting stays consistent and counts as ahead exactly the prompts a checkpoint saves;
+    the ledger gets every drop with its reason."""
     rng = random.Random(1)
+    ledger = Ledger(tmp_path / "prompts.jsonl")
 
     def delay(key):
         return 0.01 if rng.random() < 0.2 else 0.001
@@ -636,6 +638,7 @@ def test_slot_counts_agree_with_the_groups_the_worker_holds() -> None:
             prompts_per_step=2,
             n_samples_per_prompt=2,
             group_filter=lambda g: g[0].group_index % 5 != 0,
+            ledger=ledger,
         )
         seen = 0
 
@@ -657,6 +660,8 @@ def test_slot_counts_agree_with_the_groups_the_worker_holds() -> None:
         m = worker.metrics()
         assert m["buffer/dropped_aborted"] >= 1 and m["buffer/dropped_filtered"] >= 1
         assert m["buffer/dropped_stale"] >= 1 and seen > 50
+        fates = {(x["outcome"], x["reason"]) for x in read_ledger(ledger.path)}
+        assert fates == {(RETRIED, "aborted"), (RETRIED, "stale"), (DROPPED, "filtered")}
         worker._slots.check()
         assert worker.inflight == 0 and worker.unconsumed_prompts() == []
 
