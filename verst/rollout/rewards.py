@@ -12,12 +12,14 @@ logged once per scorer, that is once per run, with its first reason; `take_faile
 failed samples. `KeyboardInterrupt` is not a failure: it stops the run, as Ctrl-C should.
 
 Timeouts: an async reward runs under `asyncio.wait_for` (it must not block the event loop, nor
-swallow the cancellation, or the timeout cannot fire). A sync reward runs in a daemon thread of
-its own, one call at a time per scorer as it would on the caller's thread, and the clock starts
-when its call does. A thread cannot be killed: a call that overruns keeps running in its thread
-until the function returns (or the process ends; a daemon thread never holds up the exit), while
-later calls go on without it. With `timeout_s=None` a sync reward runs on the caller's thread,
-unbounded, as a reward that needs the main thread (e.g. one that times itself with SIGALRM) must.
+swallow the cancellation, or the timeout cannot fire). A sync reward runs on a daemon thread of
+the scorer's, one call at a time as it would on the caller's thread, and the clock starts when
+its call does. A thread cannot be killed: a call that overruns keeps running on its thread until
+the function returns (or the process ends; a daemon thread never holds up the exit), and later
+calls go to a new thread. (Not `asyncio.to_thread`: its executor's threads are joined when the
+event loop shuts down and at exit, so one hung call would hang the step anyway.) With
+`timeout_s=None` a sync reward runs on the caller's thread, unbounded, as a reward that needs
+the main thread (e.g. one that times itself with SIGALRM) must.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import inspect
 import logging
 import math
 import numbers
+import queue
 import re
 import threading
 from collections.abc import Awaitable, Callable
@@ -159,6 +162,7 @@ class RewardScorer:
         self._failed = 0
         self._kinds_logged: set[str] = set()
         self._one_at_a_time: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._thread: _CallThread | None = None  # where sync calls run, one at a time
 
     async def score(self, samples: list[Sample]) -> None:
         """Set `reward` on every sample (or fail it); async reward calls run concurrently."""
@@ -221,11 +225,17 @@ class RewardScorer:
             except RuntimeError:  # the loop has closed: nobody waits for this call any more
                 pass
 
-        threading.Thread(target=call, name="verst-reward", daemon=True).start()
+        if self._thread is None:
+            self._thread = _CallThread()
+        self._thread.submit(call)
         try:
             return await asyncio.wait_for(done, self.timeout_s)
-        except asyncio.TimeoutError:
-            raise self._timed_out() from None
+        except BaseException as error:  # timed out, or cancelled: the call may never return
+            self._thread.retire()
+            self._thread = None
+            if isinstance(error, asyncio.TimeoutError):
+                raise self._timed_out() from None
+            raise
 
     def _timed_out(self) -> RewardFailure:
         return RewardFailure("timed out", f"reward timed out after {self.timeout_s:g} s")
@@ -252,6 +262,25 @@ class RewardScorer:
                 failure.kind,
                 failure.reason,
             )
+
+
+class _CallThread:
+    """A daemon thread that runs the calls it is given, in turn. Retired when a call overran:
+    it ends once that call returns, if ever, and never holds up the process's exit."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="verst-reward", daemon=True).start()
+
+    def submit(self, call: Callable[[], None]) -> None:
+        self._calls.put(call)
+
+    def retire(self) -> None:
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call()
 
 
 async def _now(fn: Callable[[Sample], Any], sample: Sample) -> Any:
