@@ -115,8 +115,10 @@ def wire(
     """The rollout source, rewards, evaluators and checkpointer around a built engine."""
     timeout_s = cfg.rollout.reward_timeout_s
     rewards = RewardScorer(load_reward_fn(cfg.rollout.reward), timeout_s=timeout_s)
+    eval_reward_fn = (
+        load_reward_fn(cfg.eval.reward, field="eval.reward") if cfg.eval.reward else rewards.fn
+    )
     eval_field = "eval.reward" if cfg.eval.reward else "rollout.reward (in eval)"
-    eval_reward_fn = load_reward_fn(cfg.eval.reward or cfg.rollout.reward, field=eval_field)
     ledger = Ledger(run_dir / LEDGER_FILE)
     eos_ids = eos_token_ids(policy.shell, tokenizer)
 
