@@ -35,7 +35,7 @@ from verst.rollout.agent import (  # noqa: E402
     load_agent_fn,
     run_agent_groups,
 )
-from verst.rollout.rewards import score_groups  # noqa: E402
+from verst.rollout.rewards import RewardScorer  # noqa: E402
 from verst.router import Router  # noqa: E402
 from verst.router.server import make_router_app  # noqa: E402
 from verst.sessions import CHATML_TOOL_TEMPLATE, ChatTokenizer  # noqa: E402
@@ -244,7 +244,7 @@ def test_raise_and_timeout_abort_only_their_sample(stack: Stack) -> None:
     async def reward(sample: Sample) -> float:
         return 1.0 if sample.metadata.get("answer") is not None else 0.5
 
-    score_groups([group], reward)
+    RewardScorer(reward).score_groups([group])
     assert ok.reward == 1.0 and raised.reward == 0.0 and slow.reward == 0.0
     assert raised.status is Status.ABORTED  # scoring does not overwrite the abort
     assert agent_metrics([group])["rollout/agent_aborted_ratio"] == pytest.approx(2 / 3)

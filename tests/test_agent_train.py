@@ -17,8 +17,7 @@ from tests.test_loop import records, torchrun_train  # noqa: E402
 from verst import launch  # noqa: E402
 from verst.cli import main  # noqa: E402
 from verst.config import load_config  # noqa: E402
-from verst.loop import train_items, without_aborted  # noqa: E402
-from verst.rollout.rewards import score_groups  # noqa: E402
+from verst.loop import only_scored, train_items  # noqa: E402
 from verst.rollout.source import AgentRollout  # noqa: E402
 from verst.types import Status  # noqa: E402
 
@@ -91,7 +90,7 @@ def test_agent_rollout_feeds_the_trainer_exact_masked_samples(tmp_path: Path) ->
         for group in groups:
             group[0].metadata["fail"] = True
         rollout._play(groups)
-        score_groups(groups, run.reward_fn)
+        run.rewards.score_groups(groups)
         for group in groups:
             failed, *played = group
             assert failed.status is Status.ABORTED and failed.reward == 0.0
@@ -106,7 +105,7 @@ def test_agent_rollout_feeds_the_trainer_exact_masked_samples(tmp_path: Path) ->
                 written = [t for t, m in zip(sample.response_tokens, mask, strict=True) if not m]
                 assert TOOL_RESULT in run.fleet.tokenizer.decode(written)
                 assert sample.metadata["mismatch"] is not None
-        trainable = without_aborted(groups)
+        trainable = only_scored(groups)
         assert all(s.status is not Status.ABORTED for g in trainable for s in g)
         assert sum(map(len, trainable)) == sum(map(len, groups)) - len(groups)
         metrics = run.policy.trainer.step(train_items(trainable, cfg.loss), step=1)

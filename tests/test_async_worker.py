@@ -16,32 +16,42 @@ from verst.rollout.async_worker import (
     build_rollout_worker,
 )
 from verst.rollout.buffer import DataBuffer
+from verst.rollout.ledger import DROPPED, RETRIED, Ledger, read_ledger
 from verst.types import Group, Sample, Status
 
 
 class FakeSource:
-    """Prompts p0, p1, ... (given-back ones first), groups of `n` fresh Samples."""
+    """Prompts p0, p1, ... (given-back ones first, with their retry counts), groups of `n`
+    fresh Samples; prompt pK has prompt_id K, all of epoch 0."""
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.counter = 0  # groups served (their group_index)
         self.fresh = 0  # prompts served for the first time
-        self.returned: list[str] = []
+        self.returned: list[tuple[str, int]] = []
         self.given_back: list[str] = []
 
     def take(self, n_prompts: int) -> list[Group]:
         groups = []
         for _ in range(n_prompts):
             if self.returned:
-                prompt = self.returned.pop(0)
+                prompt, retries = self.returned.pop(0)
             else:
-                prompt = f"p{self.fresh}"
+                prompt, retries = f"p{self.fresh}", 0
                 self.fresh += 1
             gi = self.counter
             self.counter += 1
+            identity = {"prompt_id": int(prompt[1:]), "epoch": 0, "retries": retries}
             groups.append(
                 [
-                    Sample(prompt=prompt, label="ok", tokens=[1, 2], group_index=gi, index=i)
+                    Sample(
+                        prompt=prompt,
+                        label="ok",
+                        tokens=[1, 2],
+                        group_index=gi,
+                        index=i,
+                        **identity,
+                    )
                     for i in range(self.n)
                 ]
             )
@@ -50,7 +60,7 @@ class FakeSource:
     def give_back(self, groups: list[Group]) -> None:
         for g in groups:
             self.given_back.append(g[0].prompt)
-            self.returned.append(g[0].prompt)
+            self.returned.append((g[0].prompt, g[0].retries))
 
 
 class FakeEngine:
@@ -403,6 +413,8 @@ def test_unconsumed_prompts_are_the_ones_not_served_nor_dropped(unused) -> None:
     def prompts(groups: list[Group]) -> list[str]:
         return sorted(g[0].prompt for g in groups)
 
+    ledger = Ledger(None)
+
     async def main() -> None:
         source, engine = FakeSource(2), FakeEngine()
         cfg = AsyncConfig(max_inflight=6, buffer_factor=4.0, unused=unused)
@@ -416,6 +428,7 @@ def test_unconsumed_prompts_are_the_ones_not_served_nor_dropped(unused) -> None:
             prompts_per_step=1,
             n_samples_per_prompt=2,
             group_filter=lambda g: g[0].prompt in ("p0", "p3"),
+            ledger=ledger,
         )
         engine.fail.add((2, 1))  # p2's second sample aborts
         await worker.start()
@@ -428,12 +441,70 @@ def test_unconsumed_prompts_are_the_ones_not_served_nor_dropped(unused) -> None:
         started = ["p2", "p3", "p4"] if unused == "retry" else ["p3", "p4", "p5"]
         assert prompts(worker.unconsumed_prompts()) == ["p0", *started]
         assert source.given_back == (["p2"] if unused == "retry" else [])
+        assert ledger.take_counts()["rollout/groups_retried"] == (unused == "retry")
         served = await worker.take(1, 0)
         assert prompts(served) == ["p0"]
         assert prompts(worker.unconsumed_prompts()) == started
         await worker.stop()
 
     run(main())
+
+
+def test_groups_with_too_few_scored_samples_go_back_until_their_retries_run_out(
+    tmp_path,
+) -> None:
+    """p0's reward always fails, p1's hangs past the timeout on one sample, p2's fails on one
+    sample: with min_scored_samples=2, p0 and p1 never enter the buffer (p0 is retried twice,
+    then dropped), and the ledger says so; with 1, p2 would be trained on its scored sample."""
+
+    async def flaky(sample: Sample) -> float:
+        if sample.prompt == "p0" or (sample.prompt == "p2" and sample.index == 0):
+            raise ValueError("unreadable")
+        if sample.prompt == "p1" and sample.index == 1:
+            await asyncio.sleep(5)
+        return reward(sample)
+
+    async def main(min_scored: int, ledger: Ledger) -> tuple[list[Group], dict]:
+        source, engine = FakeSource(2), FakeEngine(manual=False)
+        cfg = AsyncConfig(max_inflight=2, buffer_factor=2.0)
+        worker = build_rollout_worker(
+            cfg,
+            source,
+            engine,
+            flaky,
+            prompts_per_step=2,
+            n_samples_per_prompt=2,
+            ledger=ledger,
+            reward_timeout_s=0.1,
+            min_scored_samples=min_scored,
+            max_prompt_retries=2,
+        )
+        async with worker:
+            taken = await worker.take(2, 0) + await worker.take(2, 0)
+            return taken, worker.metrics()
+
+    ledger = Ledger(tmp_path / "prompts.jsonl")
+    taken, metrics = run(main(2, ledger))
+    assert sorted(g[0].prompt for g in taken) == ["p3", "p4", "p5", "p6"]
+    fates = [(x["prompt_id"], x["outcome"], x["reason"]) for x in read_ledger(ledger.path)]
+    few = "too few scored samples"
+    assert [f for f in fates if f[0] == 0] == [
+        (0, RETRIED, few),
+        (0, RETRIED, few),
+        (0, DROPPED, f"retries exhausted ({few})"),
+    ]
+    assert [f[1] for f in fates if f[0] == 1] == [RETRIED, RETRIED, DROPPED]
+    assert [f[1] for f in fates if f[0] == 2] == [RETRIED, RETRIED, DROPPED]
+    # p0: 2 samples × 3 serves; p1 and p2: 1 sample × 3 serves each
+    assert metrics["rollout/reward_failed"] == 12
+    counts = ledger.take_counts()
+    assert counts["rollout/too_few_scored_groups"] == 9 and counts["rollout/retries_exhausted"] == 3
+
+    taken, _ = run(main(1, Ledger(None)))
+    by_prompt = {g[0].prompt: g for g in taken}
+    assert "p0" not in by_prompt and sorted(by_prompt)[:2] == ["p1", "p2"]
+    assert [s.status for s in by_prompt["p2"]] == [Status.FAILED, Status.COMPLETED]
+    assert by_prompt["p1"][1].metadata["reward_error"] == "reward timed out after 0.1 s"
 
 
 def test_no_group_starts_that_would_be_stale_before_a_take_reached_it() -> None:
@@ -545,10 +616,12 @@ def test_async_config() -> None:
     AsyncConfig(buffer="examples.custom_buffer:FreshestFirstBuffer", max_staleness=None)
 
 
-def test_slot_counts_agree_with_the_groups_the_worker_holds() -> None:
+def test_slot_counts_agree_with_the_groups_the_worker_holds(tmp_path) -> None:
     """With drops at put (aborted, filtered), stale drops at take and long tails, the slot
-    accounting stays consistent and counts as ahead exactly the prompts a checkpoint saves."""
+    accounting stays consistent and counts as ahead exactly the prompts a checkpoint saves;
+    the ledger gets every drop with its reason."""
     rng = random.Random(1)
+    ledger = Ledger(tmp_path / "prompts.jsonl")
 
     def delay(key):
         return 0.01 if rng.random() < 0.2 else 0.001
@@ -565,6 +638,7 @@ def test_slot_counts_agree_with_the_groups_the_worker_holds() -> None:
             prompts_per_step=2,
             n_samples_per_prompt=2,
             group_filter=lambda g: g[0].group_index % 5 != 0,
+            ledger=ledger,
         )
         seen = 0
 
@@ -586,6 +660,8 @@ def test_slot_counts_agree_with_the_groups_the_worker_holds() -> None:
         m = worker.metrics()
         assert m["buffer/dropped_aborted"] >= 1 and m["buffer/dropped_filtered"] >= 1
         assert m["buffer/dropped_stale"] >= 1 and seen > 50
+        fates = {(x["outcome"], x["reason"]) for x in read_ledger(ledger.path)}
+        assert fates == {(RETRIED, "aborted"), (RETRIED, "stale"), (DROPPED, "filtered")}
         worker._slots.check()
         assert worker.inflight == 0 and worker.unconsumed_prompts() == []
 

@@ -182,3 +182,71 @@ def test_a_saved_state_serves_pending_prompts_again_first(tokenizer):
     again = resumed.take(3)
     assert prompts(again) == [taken[4][0].prompt, taken[2][0].prompt, taken[3][0].prompt]
     assert again[1][0].tokens == taken[2][0].prompt_tokens and again[1][0].response_length == 0
+
+
+def test_every_sample_carries_its_prompt_identity(tmp_path, tokenizer):
+    """(epoch, prompt_id): the row's position in the file (blank lines skipped) and the pass
+    that served it, whatever the shuffle."""
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"{i}+0=", "label": str(i), "topic": "sums"} for i in range(5)]
+    path.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n")
+    with path.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows[2:]))
+    ds = DataSource(DataSourceConfig(path=str(path)), tokenizer, n_samples_per_prompt=2, seed=1)
+    groups = ds.take(12)
+    for group in groups:
+        assert {(s.prompt_id, s.epoch, s.retries) for s in group} == {
+            (group[0].prompt_id, group[0].epoch, 0)
+        }
+        assert group[0].prompt == rows[group[0].prompt_id]["prompt"]
+    assert [g[0].epoch for g in groups] == [0] * 5 + [1] * 5 + [2] * 2
+    assert sorted(g[0].prompt_id for g in groups[:5]) == list(range(5))
+    # evaluation's prompts are in file order, with no epoch
+    assert [(s.prompt_id, s.epoch) for s in ds.prompts_in_order()] == [(i, None) for i in range(5)]
+
+
+def test_a_prompt_given_back_keeps_its_identity_and_comes_back_clean(tokenizer):
+    cfg = DataSourceConfig(task="addition", split="test", max_prompts=3)
+    ds = DataSource(cfg, tokenizer, n_samples_per_prompt=2, seed=0)
+    [first] = ds.take(1)
+    first[0].metadata["reward_error"] = "ValueError: bad"  # a previous attempt's leftovers
+    first[0].retries = 2  # the caller counts the retry
+    ds.take(2)  # the epoch ends; the prompt keeps the epoch that served it
+    ds.give_back([first])
+    ds.give_back_prompt(1, epoch=0, retries=1)
+    again, other = ds.take(2)
+    assert (again[0].prompt_id, again[0].epoch, again[0].retries) == (first[0].prompt_id, 0, 2)
+    assert again[0].prompt == first[0].prompt and "reward_error" not in again[0].metadata
+    assert (other[1].prompt_id, other[1].epoch, other[1].retries) == (1, 0, 1)
+    assert ds.take(1)[0][0].epoch == 1
+    with pytest.raises(ValueError, match="prompt_id 3"):
+        ds.give_back_prompt(3, epoch=0, retries=0)
+
+
+def test_a_saved_state_keeps_identities_and_reads_older_states(tokenizer):
+    cfg = DataSourceConfig(task="addition", split="test", max_prompts=4)
+    live = DataSource(cfg, tokenizer, n_samples_per_prompt=1, seed=2)
+    taken = live.take(3)
+    live.give_back_prompt(taken[0][0].prompt_id, epoch=0, retries=1)
+    state = json.loads(json.dumps(live.state_dict(pending=taken[1:2])))
+    assert state["returned"] == [
+        {"prompt_id": taken[0][0].prompt_id, "epoch": 0, "retries": 1},
+        {"prompt_id": taken[1][0].prompt_id, "epoch": 0, "retries": 0},
+    ]
+    resumed = DataSource(cfg, tokenizer, n_samples_per_prompt=1, seed=2)
+    resumed.load_state_dict(state)
+    served = [g[0] for g in resumed.take(2)]
+    assert [(s.prompt_id, s.retries) for s in served] == [
+        (taken[0][0].prompt_id, 1),
+        (taken[1][0].prompt_id, 0),
+    ]
+    # a state saved before prompts had identities: full prompt sides, served as they are
+    old = state | {"returned": [{"prompt": "1+2=", "label": "3", "tokens": [5, 6], "metadata": {}}]}
+    resumed.load_state_dict(old)
+    [[sample]] = resumed.take(1)
+    assert (sample.prompt, sample.tokens, sample.prompt_id, sample.retries) == (
+        "1+2=",
+        [5, 6],
+        None,
+        0,
+    )

@@ -10,7 +10,7 @@ import torch
 from tests.test_loop import SMALL
 from verst.cli import main
 from verst.rollout.dynamic import fill_batch, has_reward_variance
-from verst.types import Sample
+from verst.types import Sample, Status
 
 CPU = torch.device("cpu")
 
@@ -23,29 +23,39 @@ def test_zero_variance_groups_carry_no_signal() -> None:
     assert has_reward_variance(group(0.0, 1.0))
     assert not has_reward_variance(group(1.0, 1.0, 1.0))
     assert not has_reward_variance(group(1.0))
+    # failed and aborted samples are not trained on: their 0.0 is no signal
+    failed = group(1.0, 0.0, 1.0)
+    failed[1].status = Status.FAILED
+    assert not has_reward_variance(failed)
+    aborted = group(1.0, 0.0, 0.0)
+    aborted[0].status = Status.ABORTED
+    assert not has_reward_variance(aborted)
 
 
 def test_rounds_until_the_batch_is_full() -> None:
-    rounds = iter(
-        [
-            [group(0, 0), group(0, 1), group(1, 1)],  # one informative group
-            [group(1, 0), group(0, 0), group(0, 1)],  # two more
-        ]
-    )
-    groups, metrics = fill_batch(lambda: next(rounds), 3, max_rounds=4, device=CPU)
-    assert len(groups) == 3 and all(has_reward_variance(g) for g in groups)
-    assert metrics["rollout/dynamic_sampling_rounds"] == 2
-    assert metrics["rollout/dynamic_sampling_dropped_groups"] == 3
-    assert metrics["rollout/dynamic_sampling_short_groups"] == 0
+    first = [group(0, 0), group(0, 1), group(1, 1)]  # one informative group
+    second = [group(1, 0), group(0, 0), group(0, 1), group(1, 0)]  # three more
+    rounds = iter([first, second])
+    filled = fill_batch(lambda: next(rounds), 3, max_rounds=4, device=CPU)
+    assert filled.groups == [first[1], second[0], second[2]]
+    # the informative group beyond the batch is not lost: the rollout gives it back
+    assert filled.surplus == [second[3]]
+    assert filled.rejected == [first[0], first[2], second[1]]
+    assert filled.metrics["rollout/dynamic_sampling_rounds"] == 2
+    assert filled.metrics["rollout/dynamic_sampling_dropped_groups"] == 3
+    assert filled.metrics["rollout/dynamic_sampling_short_groups"] == 0
 
 
 def test_round_limit_trains_on_what_it_has() -> None:
-    groups, metrics = fill_batch(lambda: [group(0, 0), group(0, 1)], 4, max_rounds=2, device=CPU)
-    assert len(groups) == 2
-    assert metrics["rollout/dynamic_sampling_short_groups"] == 2
-    # nothing informative at all: the last draw is used (zero advantages, no policy gradient)
-    groups, _ = fill_batch(lambda: [group(1, 1)], 2, max_rounds=1, device=CPU)
-    assert len(groups) == 1
+    filled = fill_batch(lambda: [group(0, 0), group(0, 1)], 4, max_rounds=2, device=CPU)
+    assert len(filled.groups) == 2 and filled.surplus == []
+    assert filled.metrics["rollout/dynamic_sampling_short_groups"] == 2
+    # nothing informative at all: the last draw is used (zero advantages, no policy gradient),
+    # and only the earlier rounds' groups are rejected
+    draws = iter([[group(0, 0)], [group(1, 1)]])
+    filled = fill_batch(lambda: next(draws), 2, max_rounds=2, device=CPU)
+    assert len(filled.groups) == 1 and filled.groups[0][0].reward == 1
+    assert len(filled.rejected) == 1 and filled.rejected[0][0].reward == 0
 
 
 def test_dynamic_sampling_through_the_cli(tmp_path: Path) -> None:

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_ledger import ALWAYS_FAILS, FAILS_ONCE
 from tests.test_loop import SMALL, records
 from verst.cli import main
+from verst.rollout.ledger import PENDING, TRAINED, check_exactly_once, read_ledger
 from verst.train.checkpoint import list_checkpoints, load_checkpoint
 
 pytest.importorskip("aiohttp")
@@ -28,8 +30,15 @@ ASYNC = [
 def test_fully_async_run_on_two_engine_processes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # unused=drop: the data source gets no prompts back, so what its saved state holds to
-    # serve again is exactly what the worker held at the checkpoint
-    overrides = [*SMALL, *ASYNC, "rollout.unused=drop"]
+    # serve again is exactly what the worker held at the checkpoint. The reward fails on two
+    # of the 12 prompts, so the worker sets their groups aside (dropped, with unused=drop).
+    overrides = [
+        *SMALL,
+        *ASYNC,
+        "rollout.unused=drop",
+        "data.max_prompts=12",
+        "rollout.reward=tests.test_ledger:fails_on_some_prompts",
+    ]
     assert main(["train", *overrides, "--run-dir", str(run_dir)]) == 0
     rows = records(run_dir)
     assert [r["step"] for r in rows] == list(range(7))
@@ -53,3 +62,14 @@ def test_fully_async_run_on_two_engine_processes(tmp_path: Path) -> None:
     # at most a group per in-flight place (replacement=sample: a group may hold just one, for
     # its last trajectory) and a full buffer
     assert 1 <= len(pending) <= 16 + 8
+    # the ledger: every group taken trained once, the failing prompts dropped, the groups the
+    # worker still held at the end pending
+    lines = read_ledger(run_dir / "prompts.jsonl")
+    trained = [(x["epoch"], x["prompt_id"]) for x in lines if x["outcome"] == TRAINED]
+    assert len(trained) == 6 * 4 == len(set(trained))
+    dropped = {x["prompt_id"] for x in lines if x["reason"] == "too few scored samples"}
+    assert dropped == {ALWAYS_FAILS, FAILS_ONCE}
+    assert any(x["outcome"] == PENDING for x in lines)
+    report = check_exactly_once(run_dir / "prompts.jsonl", 12)
+    assert report.ok and report.complete_epochs, report.summary()
+    assert sum(r["rollout/reward_failed"] for r in rows[1:]) >= 2 * 4

@@ -155,14 +155,39 @@ def torchrun_train(args: list[str], run_dir: Path, nproc: int = 2) -> None:
 
 
 def test_torchrun_two_ranks_on_gloo(tmp_path: Path) -> None:
-    """Two trainer ranks (FSDP2 over gloo), each with its own engine and share of the batch."""
-    run_dir = tmp_path / "run"
-    torchrun_train([*SMALL, "num_steps=2"], run_dir)
+    """Two trainer ranks (FSDP2 over gloo), each with its own engine and share of the batch.
+
+    The reward fails on two prompts (whichever rank draws them), so their prompts go back to
+    be served again: every rank's data source must take them back, or the ranks would draw
+    different prompts from then on. The ledger (rank 0's, of both ranks' groups) must show
+    the fates a single process shows, step by step."""
+    from verst.rollout.ledger import check_exactly_once, read_ledger
+
+    run_dir, single = tmp_path / "run", tmp_path / "single"
+    args = [
+        *SMALL,
+        "num_steps=3",
+        "data.max_prompts=6",
+        "rollout.reward=tests.test_ledger:fails_on_some_prompts",
+    ]
+    torchrun_train(args, run_dir)
     rows = records(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[1]["rollout/num_samples"] == 16  # both ranks' samples counted once
     assert rows[2]["train/train_rollout_logprob_abs_diff"] < 1e-4
-    assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002"]
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002", "step_000003"]
+    assert main(["train", *args, "--run-dir", str(single)]) == 0
+
+    def fates(path: Path) -> list[set]:
+        by_step: dict[int, set] = {}
+        for x in read_ledger(path / "prompts.jsonl"):
+            by_step.setdefault(x["step"], set()).add(tuple(sorted(x.items())))
+        return [by_step[step] for step in sorted(by_step)]
+
+    assert fates(run_dir) == fates(single)
+    assert sum(r["rollout/reward_failed"] for r in rows[1:]) > 0
+    report = check_exactly_once(run_dir / "prompts.jsonl", 6)
+    assert report.ok and report.complete_epochs == [0], report.summary()
 
 
 def test_custom_data_and_reward_example_runs(tmp_path: Path, monkeypatch) -> None:
@@ -187,8 +212,8 @@ def test_custom_data_and_reward_example_runs(tmp_path: Path, monkeypatch) -> Non
     assert 0.0 <= rows[1]["rollout/reward_mean"] <= 1.0
 
 
-def test_aborted_samples_leave_their_group_before_advantages() -> None:
-    from verst.loop import train_items, without_aborted
+def test_aborted_and_failed_samples_leave_their_group_before_advantages() -> None:
+    from verst.loop import only_scored, train_items
     from verst.train.algorithms import LossConfig
     from verst.types import Sample, Status
 
@@ -204,11 +229,16 @@ def test_aborted_samples_leave_their_group_before_advantages() -> None:
         )
 
     groups = [
-        [sample(0, 1.0), sample(0, 0.0), sample(0, 0.0, Status.ABORTED)],
-        [sample(1, 0.0, Status.ABORTED)],
+        [
+            sample(0, 1.0),
+            sample(0, 0.0),
+            sample(0, 0.0, Status.ABORTED),
+            sample(0, 0.0, Status.FAILED),  # its reward function raised
+        ],
+        [sample(1, 0.0, Status.ABORTED), sample(1, 0.0, Status.FAILED)],
     ]
-    kept = without_aborted(groups)
+    kept = only_scored(groups)
     assert [len(g) for g in kept] == [2]
-    # Dr.GRPO advantage = reward − group mean over the completed attempts: mean 0.5, not 1/3
+    # Dr.GRPO advantage = reward − group mean over the scored attempts: mean 0.5, not 1/4
     items = train_items(kept, LossConfig(advantage_estimator="dr_grpo"))
     assert [item.advantage for item in items] == [0.5, -0.5]

@@ -13,7 +13,6 @@ from verst.cli import main
 from verst.config import ConfigError, load_config
 from verst.fleet.client import InProcessEngineClient
 from verst.loop import train_items
-from verst.rollout.rewards import score_groups
 
 pytest.importorskip("aiohttp")
 
@@ -61,7 +60,7 @@ def test_auto_transport_follows_the_engines() -> None:
 
 def _one_step_then_push(run: launch.Run) -> None:
     groups, _ = run.rollout.groups(run.engine.weight_version)
-    score_groups(groups, run.reward_fn)
+    run.rewards.score_groups(groups)
     run.policy.trainer.step(train_items(groups, run.cfg.loss), step=1)
     run.sync.push(run.engine.weight_version + 1)
 
@@ -196,7 +195,7 @@ def test_a_dead_engine_process_is_routed_around(tmp_path: Path) -> None:
         _one_step_then_push(run)
         run.fleet.processes[1].stop()  # the engine dies between two steps
         groups, _ = run.rollout.groups(run.engine.weight_version)
-        score_groups(groups, run.reward_fn)
+        run.rewards.score_groups(groups)
         assert all(s.response_length > 0 for g in groups for s in g)
         assert len(run.fleet.router.live_engines) == 1
         run.policy.trainer.step(train_items(groups, cfg.loss), step=2)

@@ -1,15 +1,20 @@
-"""Built-in rewards, loading by import path, and compute_rewards' failure handling."""
+"""Built-in rewards, loading by import path, and how RewardScorer fails samples: errors, bad
+values, SystemExit, timeouts; one log line per kind of failure; Ctrl-C still stops the run."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
+import threading
+import time
 import types
 
 import pytest
 
 from verst.plugins import PluginError
 from verst.rollout.rewards import (
+    RewardScorer,
     compute_rewards,
     exact_match,
     load_reward_fn,
@@ -138,3 +143,138 @@ def test_async_reward_fn_loaded_by_path(monkeypatch):
     samples = [sample("abc", None)]
     asyncio.run(compute_rewards(samples, fn))
     assert samples[0].reward == 3.0 and isinstance(samples[0].reward, float)
+
+
+def test_every_kind_of_failure_fails_only_its_sample_and_is_logged_once(caplog):
+    def fn(s: Sample):
+        text = s.metadata["response_text"]
+        if text == "raise":
+            raise ValueError(f"cannot parse {s.label}")
+        if text == "exit":
+            sys.exit(3)  # a verifier that calls sys.exit must not end the run
+        return {"nan": float("nan"), "none": None, "str": "1.0", "inf": float("inf")}.get(text, 1)
+
+    texts = ["raise", "raise", "exit", "nan", "nan", "none", "str", "inf", "ok"]
+    samples = [sample(t, i) for i, t in enumerate(texts)]
+    scorer = RewardScorer(fn, timeout_s=5)
+    with caplog.at_level(logging.WARNING, logger="verst.rollout.rewards"):
+        scorer.score_groups([samples])
+    assert [s.status for s in samples] == [Status.FAILED] * 8 + [Status.PENDING]
+    assert [s.reward for s in samples] == [0.0] * 8 + [1.0]
+    errors = [s.metadata.get("reward_error") for s in samples]
+    assert errors[:3] == [
+        "ValueError: cannot parse 0",
+        "ValueError: cannot parse 1",
+        "SystemExit: 3",
+    ]
+    assert errors[3] == "reward function returned non-finite nan"
+    assert "NoneType None, not a number" in errors[5] and "str '1.0'" in errors[6]
+    # one line per kind: ValueError, SystemExit, nan, NoneType, str, inf
+    assert len(caplog.records) == 6, [r.getMessage() for r in caplog.records]
+    assert "rollout.reward failed (returned nan)" in caplog.text
+    assert scorer.take_failed() == 8 and scorer.take_failed() == 0
+    caplog.clear()
+    again = sample("raise", 9)
+    scorer.score_groups([[again]])  # the same kind again: counted, not logged
+    assert again.status is Status.FAILED and not caplog.records and scorer.take_failed() == 1
+
+
+@pytest.mark.parametrize("timeout_s", [5.0, None])
+def test_async_reward_failures_and_system_exit(timeout_s):
+    async def fn(s: Sample) -> float:
+        await asyncio.sleep(0)
+        if s.label == 0:
+            raise SystemExit("verifier quit")
+        if s.label == 1:
+            raise KeyError("answer")
+        return float("nan") if s.label == 2 else 0.5
+
+    samples = [sample("x", i) for i in range(4)]
+    RewardScorer(fn, timeout_s=timeout_s).score_groups([samples])
+    assert [s.metadata.get("reward_error") for s in samples] == [
+        "SystemExit: verifier quit",
+        "KeyError: 'answer'",
+        "reward function returned non-finite nan",
+        None,
+    ]
+    assert samples[3].reward == 0.5
+
+
+@pytest.mark.parametrize("timeout_s", [5.0, None])
+def test_keyboard_interrupt_still_stops_the_run(timeout_s):
+    def sync_fn(s: Sample) -> float:
+        raise KeyboardInterrupt
+
+    async def async_fn(s: Sample) -> float:
+        raise KeyboardInterrupt
+
+    for fn in (sync_fn, async_fn):
+        with pytest.raises(KeyboardInterrupt):
+            RewardScorer(fn, timeout_s=timeout_s).score_groups([[sample("x", 1)]])
+
+
+def test_a_hung_reward_times_out_and_the_step_goes_on(caplog):
+    """A sync reward that never returns fails its sample after the timeout, and the reward
+    phase returns (its thread is left behind, a daemon); the calls after it still run."""
+    release = threading.Event()
+
+    def fn(s: Sample) -> float:
+        if s.label == "hang":
+            release.wait(30)
+        return 1.0
+
+    async def async_fn(s: Sample) -> float:
+        if s.label == "hang":
+            await asyncio.sleep(30)
+        return 1.0
+
+    try:
+        for reward_fn in (fn, async_fn):
+            samples = [sample("x", label) for label in ("ok", "hang", "ok")]
+            scorer = RewardScorer(reward_fn, timeout_s=0.2)
+            started = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="verst.rollout.rewards"):
+                scorer.score_groups([samples])
+            assert time.monotonic() - started < 3
+            assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
+            assert samples[1].status is Status.FAILED
+            assert samples[1].metadata["reward_error"] == "reward timed out after 0.2 s"
+            assert "rollout.reward failed (timed out)" in caplog.text
+            caplog.clear()
+    finally:
+        release.set()
+
+
+def test_sync_rewards_run_one_at_a_time_each_timed_from_its_start():
+    """Sync calls keep running one at a time, as on the caller's thread, and the timeout
+    bounds each call, not the wait for the ones before it."""
+    running, peak = 0, 0
+    lock = threading.Lock()
+
+    def fn(s: Sample) -> float:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.05)
+        with lock:
+            running -= 1
+        return 1.0
+
+    samples = [sample("x", i) for i in range(8)]  # 0.4 s in all, each call 0.05 s
+    RewardScorer(fn, timeout_s=0.25).score_groups([samples])
+    assert [s.reward for s in samples] == [1.0] * 8 and peak == 1
+
+
+def test_without_a_timeout_a_sync_reward_runs_on_the_callers_thread():
+    threads = []
+
+    def fn(s: Sample) -> float:
+        threads.append(threading.current_thread())
+        return 1.0
+
+    RewardScorer(fn, timeout_s=None).score_groups([[sample("x", 1)]])
+    RewardScorer(fn, timeout_s=1).score_groups([[sample("x", 1)]])
+    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()
+    with pytest.raises(ValueError, match="timeout"):
+        RewardScorer(fn, timeout_s=0)

@@ -47,12 +47,16 @@ def test_clone_prompt_keeps_the_prompt_side_only() -> None:
         weight_versions=[3],
         group_index=4,
         metadata={"source": "x"},
+        prompt_id=11,
+        epoch=2,
+        retries=1,
     )
     clone = s.clone_prompt(index=2)
     assert clone.tokens == [5, 6, 7] and clone.response_length == 0
     assert clone.reward is None and clone.status == Status.PENDING
     assert clone.weight_versions == [] and clone.loss_mask == []
     assert (clone.group_index, clone.index, clone.label) == (4, 2, "2")
+    assert (clone.prompt_id, clone.epoch, clone.retries) == (11, 2, 1)  # the same prompt
     clone.metadata["source"] = "changed"
     assert s.metadata["source"] == "x"  # deep copy
 

@@ -7,6 +7,7 @@ plain `verst train` gets a world of one through an in-memory store, so no port i
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,15 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order, on every rank."""
+    if world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def all_reduce_max(value: int, device: torch.device) -> int:

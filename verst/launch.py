@@ -6,8 +6,8 @@
   dtypes allow; placements `in_process` and `processes` put serving engines behind a router
   (`verst.fleet.fleet.Fleet`);
 - weight sync from the trainer to the engine (`verst.sync`);
-- the rollout source (`verst.rollout.source`), the reward function, the evaluator, the
-  checkpointer and the warm start's pieces.
+- the rollout source (`verst.rollout.source`), the reward scorer, the prompt ledger
+  (`run_dir/prompts.jsonl`), the evaluator, the checkpointer and the warm start's pieces.
 
 Nothing here runs the loop: `verst.loop` does, in terms of these components.
 """
@@ -32,8 +32,9 @@ from verst.eval.evaluate import Evaluator
 from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
-from verst.plugins import Generator, RewardFunction
-from verst.rollout.rewards import load_reward_fn
+from verst.plugins import Generator
+from verst.rollout.ledger import LEDGER_FILE, Ledger
+from verst.rollout.rewards import RewardScorer, load_reward_fn
 from verst.rollout.source import AgentRollout, AsyncRollout, EngineRollout, RolloutSource
 from verst.sync.embedded import EmbeddedSync
 from verst.sync.fleet_sync import FleetSync
@@ -53,7 +54,8 @@ class Run:
     engine: Generator  # what the rollout and the evaluator generate with
     sync: EmbeddedSync | FleetSync
     rollout: RolloutSource
-    reward_fn: RewardFunction
+    rewards: RewardScorer
+    ledger: Ledger
     checkpointer: Checkpointer
     evaluator: Evaluator | None
     warm_start_data: DataSource | None
@@ -111,10 +113,13 @@ def wire(
     fleet: Fleet | None,
 ) -> Run:
     """The rollout source, rewards, evaluators and checkpointer around a built engine."""
-    reward_fn = load_reward_fn(cfg.rollout.reward)
+    timeout_s = cfg.rollout.reward_timeout_s
+    rewards = RewardScorer(load_reward_fn(cfg.rollout.reward), timeout_s=timeout_s)
     eval_reward_fn = (
-        load_reward_fn(cfg.eval.reward, field="eval.reward") if cfg.eval.reward else reward_fn
+        load_reward_fn(cfg.eval.reward, field="eval.reward") if cfg.eval.reward else rewards.fn
     )
+    eval_field = "eval.reward" if cfg.eval.reward else "rollout.reward (in eval)"
+    ledger = Ledger(run_dir / LEDGER_FILE)
     eos_ids = eos_token_ids(policy.shell, tokenizer)
 
     def decode(ids: list[int]) -> str:
@@ -125,7 +130,8 @@ def wire(
 
     def evaluator_for(data_cfg: DataSourceConfig) -> Evaluator:
         prompts = DataSource(data_cfg, tokenizer, n_samples_per_prompt=1, seed=cfg.seed)
-        return Evaluator(cfg.eval, prompts.prompts_in_order(), eval_reward_fn, decode, device)
+        eval_rewards = RewardScorer(eval_reward_fn, timeout_s=timeout_s, field=eval_field)
+        return Evaluator(cfg.eval, prompts.prompts_in_order(), eval_rewards, decode, device)
 
     warm = cfg.warm_start
     dev_evaluator = evaluator_for(warm.dev_data) if warm.enabled else None
@@ -139,12 +145,13 @@ def wire(
         cfg.data, tokenizer, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, seed=cfg.seed
     )
     rollout: RolloutSource
+    parts = (cfg.rollout, data, rewards, device, ledger)
     if cfg.mode == "fully_async":
-        rollout = AsyncRollout(cfg.rollout, data, reward_fn, device, fleet=fleet, decode=decode)
+        rollout = AsyncRollout(*parts, fleet=fleet, decode=decode)
     elif cfg.rollout.agent_function:
-        rollout = AgentRollout(cfg.rollout, data, reward_fn, device, fleet=fleet)
+        rollout = AgentRollout(*parts, fleet=fleet)
     else:
-        rollout = EngineRollout(cfg.rollout, data, reward_fn, device, engine=engine, decode=decode)
+        rollout = EngineRollout(*parts, engine=engine, decode=decode)
     checkpointer = Checkpointer(
         cfg.checkpoint,
         run_dir,
@@ -162,7 +169,8 @@ def wire(
         engine=engine,
         sync=sync,
         rollout=rollout,
-        reward_fn=reward_fn,
+        rewards=rewards,
+        ledger=ledger,
         checkpointer=checkpointer,
         evaluator=evaluator_for(cfg.eval.data) if cfg.eval.interval_steps > 0 else None,
         warm_start_data=DataSource(warm.data, tokenizer, n_samples_per_prompt=1, seed=cfg.seed)

@@ -4,6 +4,10 @@
 `verst/launch.py`; this file holds only the order of events, so it reads like the algorithm.
 Each phase is one line under the step's `PhaseTimer`, which logs `perf/<phase>_time_s`.
 
+After the reward phase the rollout settles the step: groups with too few scored samples go back
+to the data source, and every group's fate goes into the prompt ledger (`prompts.jsonl`, see
+`verst.rollout.ledger`), stamped with the step `run.ledger.step` names.
+
 The synchronous loop draws each step's groups after the previous update; the fully
 asynchronous one (`mode: fully_async`) takes finished groups from engines that never stop
 generating, so its rollout phase is a wait (`perf/wait_time_s`).
@@ -17,12 +21,11 @@ from verst import distributed, launch
 from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
-from verst.rollout.rewards import score_groups
 from verst.train.algorithms import LossConfig, sample_advantages
 from verst.train.batching import TrainItem
 from verst.train.sft import warm_start
 from verst.train.trainer import NonFiniteLossError
-from verst.types import Group, Status
+from verst.types import Group
 
 
 def train_items(groups: list[Group], loss: LossConfig) -> list[TrainItem]:
@@ -33,11 +36,12 @@ def train_items(groups: list[Group], loss: LossConfig) -> list[TrainItem]:
     return [TrainItem.from_sample(s, float(a)) for s, a in zip(samples, advantages, strict=True)]
 
 
-def without_aborted(groups: list[Group]) -> list[Group]:
-    """The groups without their ABORTED samples: an abandoned trajectory (an agent that raised
-    or timed out, an engine abort) teaches nothing, and kept with reward 0 it would pull its
-    group's baseline towards a score no completed attempt earned. Emptied groups go."""
-    kept = [[s for s in group if s.status != Status.ABORTED] for group in groups]
+def only_scored(groups: list[Group]) -> list[Group]:
+    """The groups without their ABORTED and FAILED samples: an abandoned trajectory (an agent
+    that raised or timed out, an engine abort) teaches nothing, nor does one whose reward
+    failed (it raised, returned a non-number or timed out), and kept with reward 0 it would pull
+    its group's baseline towards a score no completed attempt earned. Emptied groups go."""
+    kept = [[s for s in group if s.scored] for group in groups]
     return [group for group in kept if group]
 
 
@@ -48,10 +52,13 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
         step, version = run.checkpointer.restore_latest() if resume else (0, 0)
         with MetricsLogger(run_dir, cfg.num_steps, start_step=step) as log:
             version = begin(cfg, run, log, step, version)
+            run.ledger.step = step + 1  # fates decided from now on belong to the next step
             run.rollout.start()
             while step < cfg.num_steps:
                 step += 1
                 version = rl_step(cfg, run, log, step, version)
+                run.ledger.step = step + 1
+            run.ledger.record_pending(run.rollout.data_state()["returned"])
         log.info(f"done: {cfg.num_steps} steps; checkpoints in {run_dir / 'checkpoints'}")
     finally:
         run.close()
@@ -93,8 +100,8 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
     with timer(rollout_phase):
         groups, metrics = run.rollout.groups(version)
     with timer("reward"):
-        score_groups(groups, run.reward_fn)
-    trainable = without_aborted(groups)
+        run.rewards.score_groups(groups)
+    trainable = only_scored(run.rollout.settle(groups))
     if distributed.all_reduce_sum([float(len(trainable))], run.device)[0] > 0:
         with timer("advantages"):
             items = train_items(trainable, cfg.loss)
@@ -104,7 +111,7 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
         with timer("sync"):
             metrics |= run.sync.push(version)
     else:
-        log.info(f"step {step}: every trajectory was aborted; no update this step")
+        log.info(f"step {step}: no group had enough scored samples; no update this step")
     metrics |= run.rollout.metrics(groups)
     if run.fleet is not None:
         metrics |= run.fleet.fault_metrics()

@@ -48,8 +48,9 @@ class RewardFunction(Protocol):
 
     Receives the `Sample` with its response filled (text in `metadata["response_text"]`, the
     label in `label`); returns a number, or an awaitable of one (an `async def` reward runs
-    concurrently with the others). A reward that raises or returns a non-number marks only that
-    sample FAILED (`verst.rollout.rewards.compute_rewards`).
+    concurrently with the others). A reward that raises, returns a non-number or overruns
+    `rollout.reward_timeout_s` marks only that sample FAILED, and it is not trained on
+    (`verst.rollout.rewards.RewardScorer`).
     """
 
     def __call__(self, sample: Sample, /) -> float | Awaitable[float]: ...

@@ -57,6 +57,12 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     group_index: int = 0  # which prompt of the rollout batch this sample belongs to
     index: int = 0  # position inside its group
+    # The prompt's identity, kept by every copy of it (`clone_prompt`, a retry): its row in the
+    # data file or task split (0-based, file order, before shuffling), the data source's epoch
+    # that served it, and how often it was given back after a group that could not be trained.
+    prompt_id: int | None = None
+    epoch: int | None = None
+    retries: int = 0
 
     @property
     def prompt_length(self) -> int:
@@ -89,7 +95,7 @@ class Sample:
                 )
 
     def clone_prompt(self, index: int) -> Sample:
-        """A fresh sample with this one's prompt side and no outputs."""
+        """A fresh sample with this one's prompt side (and identity) and no outputs."""
         return Sample(
             prompt=copy.deepcopy(self.prompt),
             label=copy.deepcopy(self.label),
@@ -97,11 +103,24 @@ class Sample:
             metadata=copy.deepcopy(self.metadata),
             group_index=self.group_index,
             index=index,
+            prompt_id=self.prompt_id,
+            epoch=self.epoch,
+            retries=self.retries,
         )
+
+    @property
+    def scored(self) -> bool:
+        """Whether this sample can be trained on: neither ABORTED nor FAILED."""
+        return self.status not in (Status.ABORTED, Status.FAILED)
 
 
 Group = list[Sample]
 """The samples generated from one prompt; scheduling, buffering and dropping are per group."""
+
+
+def scored_count(group: Group) -> int:
+    """The samples of `group` that can be trained on (neither ABORTED nor FAILED)."""
+    return sum(sample.scored for sample in group)
 
 
 def group_staleness(group: Group, current_version: int) -> int | None:

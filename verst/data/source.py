@@ -4,6 +4,12 @@ It owns the prompt order: epochs, per-epoch shuffling (seeded with `seed + epoch
 cap, prompts given back for retry (served first), and a resumable position. `take(n)` returns n
 groups of `n_samples_per_prompt` fresh Samples each; `state_dict()` / `load_state_dict()` make a
 resumed run see exactly the order an uninterrupted run would have seen.
+
+Every Sample it serves carries its prompt's identity: `prompt_id` (the row's 0-based position in
+the file or task split, before shuffling), `epoch` (the pass over the prompts that served it)
+and `retries` (how often it was given back). A prompt given back keeps its identity, and is
+served again rendered afresh from its row, so nothing a previous attempt wrote into a Sample's
+metadata comes with it.
 """
 
 from __future__ import annotations
@@ -173,7 +179,10 @@ class DataSource:
             )
         return prompt, self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
-    def _prompt_sample(self, row: dict, group_index: int) -> Sample:
+    def _prompt_sample(
+        self, prompt_id: int, group_index: int, *, epoch: int | None = None, retries: int = 0
+    ) -> Sample:
+        row = self.rows[prompt_id]
         prompt, tokens = self._render(row)
         metadata = {
             k: copy.deepcopy(v)
@@ -186,25 +195,36 @@ class DataSource:
             tokens=list(tokens),
             metadata=metadata,
             group_index=group_index,
+            prompt_id=prompt_id,
+            epoch=epoch,
+            retries=retries,
         )
 
     def _next_prompt(self) -> Sample:
         if self._returned:
             side = self._returned.pop(0)
+            retries = int(side.get("retries", 0))
+            if "prompt" not in side:  # an identity: rendered afresh from its row
+                return self._prompt_sample(
+                    side["prompt_id"], self._group_counter, epoch=side["epoch"], retries=retries
+                )
             return Sample(
                 prompt=side["prompt"],
                 label=side["label"],
                 tokens=side["tokens"],
                 metadata=side["metadata"],
                 group_index=self._group_counter,
+                prompt_id=side.get("prompt_id"),
+                epoch=side.get("epoch"),
+                retries=retries,
             )
-        row = self.rows[self._order[self._offset]]
+        prompt_id, epoch = self._order[self._offset], self._epoch
         self._offset += 1
         if self._offset == len(self._order):
             self._epoch += 1
             self._offset = 0
             self._order = self._epoch_order(self._epoch)
-        return self._prompt_sample(row, self._group_counter)
+        return self._prompt_sample(prompt_id, self._group_counter, epoch=epoch)
 
     def take(self, n_prompts: int) -> list[Group]:
         """The next `n_prompts` prompts (given-back first), each a group of fresh Samples."""
@@ -218,9 +238,18 @@ class DataSource:
     def give_back(self, groups: list[Group]) -> None:
         """Queue these groups' prompts to be served again (before new ones), e.g. after an abort.
 
-        Only the prompt side is kept: prompt, label, prompt tokens and metadata as they are now.
+        A prompt keeps its identity and `retries` as the group's first Sample has them (the
+        caller counts a retry); it is served rendered afresh from its row. A group without a
+        `prompt_id` (made elsewhere) keeps its prompt side as it is now: prompt, label, prompt
+        tokens and metadata.
         """
         self._returned.extend(_prompt_side(group) for group in groups if group)
+
+    def give_back_prompt(self, prompt_id: int, *, epoch: int | None, retries: int) -> None:
+        """Queue prompt `prompt_id` to be served again (before new ones), with this identity."""
+        if not 0 <= prompt_id < len(self.rows):
+            raise ValueError(f"prompt_id {prompt_id} outside 0..{len(self.rows) - 1}")
+        self._returned.append({"prompt_id": prompt_id, "epoch": epoch, "retries": retries})
 
     def state_dict(self, pending: Sequence[Group] = ()) -> dict[str, Any]:
         """Everything needed to continue the same order; plain Python data (JSON-serialisable
@@ -254,13 +283,17 @@ class DataSource:
 
         `group_index` is the prompt's position in the file.
         """
-        return [self._prompt_sample(row, i) for i, row in enumerate(self.rows)]
+        return [self._prompt_sample(i, i) for i in range(len(self.rows))]
 
 
 def _prompt_side(group: Group) -> dict[str, Any]:
-    """What `give_back` keeps of a group: its prompt, label, prompt tokens and metadata."""
+    """What `give_back` keeps of a group: the identity of its prompt when it has one, else its
+    prompt, label, prompt tokens and metadata."""
     sample = group[0]
-    return {
+    identity = {"prompt_id": sample.prompt_id, "epoch": sample.epoch, "retries": sample.retries}
+    if sample.prompt_id is not None:
+        return identity
+    return identity | {
         "prompt": copy.deepcopy(sample.prompt),
         "label": copy.deepcopy(sample.label),
         "tokens": list(sample.prompt_tokens),

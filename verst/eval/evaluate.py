@@ -18,7 +18,7 @@ from verst.data.source import DataSourceConfig
 from verst.engine import SamplingParams
 from verst.plugins import Generator
 from verst.rollout.generate import generate_groups
-from verst.rollout.rewards import load_reward_fn, score_groups
+from verst.rollout.rewards import RewardScorer, load_reward_fn
 from verst.types import Sample
 
 
@@ -51,20 +51,20 @@ class Evaluator:
         self,
         cfg: EvalConfig,
         prompts: list[Sample],
-        reward_fn: Callable,
+        rewards: RewardScorer,
         decode: Callable[[list[int]], str],
         device: torch.device,
     ) -> None:
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
         self.prompts = prompts[distributed.rank() :: distributed.world_size()]
-        self.reward_fn = reward_fn
+        self.rewards = rewards
         self.decode = decode
         self.device = device
 
     def run(self, engine: Generator) -> dict[str, float]:
         groups = [[prompt.clone_prompt(0)] for prompt in self.prompts]
         generate_groups(engine, self.decode, groups, self.params)
-        score_groups(groups, self.reward_fn)
+        self.rewards.score_groups(groups)
         rewards = [group[0].reward or 0.0 for group in groups]
         lengths = [group[0].response_length for group in groups]
         total, count, length_sum = distributed.all_reduce_sum(

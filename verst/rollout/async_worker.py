@@ -18,10 +18,17 @@ Failures: an exception raised by `generate_sample` marks that sample ABORTED (wi
 `metadata["abort_error"]`), so the buffer drops its group at put; `max_consecutive_errors`
 failures in a row (every generation failing, say the router is down) stop the worker instead of
 spinning. An error in the worker itself (the data source, the buffer) stops it too, and
-`take` raises `RolloutWorkerError` with the cause, so it never dies silently.
+`take` raises `RolloutWorkerError` with the cause, so it never dies silently. A reward that
+fails (`verst.rollout.rewards.RewardScorer`: it raised, returned a non-number or timed out)
+marks its sample FAILED; a scored group with fewer than `min_scored_samples` samples neither
+ABORTED nor FAILED is not put at all, but set aside (`set_aside`) like a group the buffer drops:
+its prompt is given back or dropped.
 
 `stop()` cancels everything in flight; groups not yet accepted by the buffer are aborted, and
 their prompts go to `give_back` (the DataSource's, with `unused: retry`) or are dropped.
+`build_rollout_worker` wires every group the buffer or the worker will not train to one place
+that decides, by `unused` and `max_prompt_retries`, whether its prompt is served again, and
+records each group's fate in the prompt ledger (`verst.rollout.ledger`).
 
 Staleness control: a group is not started while `max_ahead` groups are already drawn and not
 yet served (generating, at put, or in the buffer): with that many batches ahead of it, it could
@@ -62,13 +69,25 @@ from verst.rollout.buffer import (
     load_buffer_class,
     make_buffer,
 )
-from verst.rollout.rewards import compute_rewards
+from verst.rollout.ledger import (
+    ABORTED,
+    DROPPED,
+    RETRIED,
+    STALE,
+    TOO_FEW_SCORED,
+    Fate,
+    Ledger,
+    unused_fate,
+)
+from verst.rollout.rewards import RewardScorer
 from verst.rollout.slots import BEFORE_PUT, Replacement, Slots
-from verst.types import Group, Sample, Status
+from verst.types import Group, Sample, Status, scored_count
 
 log = logging.getLogger(__name__)
 
 GenerateSample = Callable[[Sample], Awaitable[Sample]]
+SetAside = Callable[[list[Group], str], None]
+"""Takes groups that will not be trained, and why (a `verst.rollout.ledger` reason)."""
 
 
 class AsyncConfig(ConfigBase):
@@ -98,8 +117,8 @@ class AsyncConfig(ConfigBase):
     )
     unused: Literal["drop", "retry"] = Field(
         "retry",
-        description="aborted and stale groups: discard them, or return their prompts to the "
-        "data source to be served again",
+        description="fully async: aborted, stale and too-few-scored groups: discard them, or "
+        "return their prompts to the data source to be served again",
     )
     buffer: str = Field(
         DEFAULT_BUFFER, description="data buffer class by import path, e.g. pkg.mod:MyBuffer"
@@ -188,7 +207,10 @@ class RolloutWorker:
     - `generate_sample(sample) -> sample`: generates one trajectory (in place or a new Sample),
       recording `weight_versions`; an exception aborts that sample;
     - `reward_fn`: a reward function (see `verst.rollout.rewards`) applied to each sample of a
-      finished group that has no aborted sample; None when `generate_sample` sets rewards itself;
+      finished group that has no aborted sample, each call bounded by `reward_timeout_s`; None
+      when `generate_sample` sets rewards itself;
+    - `min_scored_samples`: a scored group with fewer samples neither ABORTED nor FAILED goes
+      to `set_aside(groups, reason)` instead of the buffer (the default: `give_back`, or drop);
     - `give_back`: where the prompts of groups aborted by `stop()` go; None drops them.
 
     Run it inside an event loop: `await start()`, then `await take(n, version)` per step,
@@ -208,6 +230,9 @@ class RolloutWorker:
         give_back: GiveBack | None = None,
         max_consecutive_errors: int | None = None,
         max_ahead: int | None = None,
+        reward_timeout_s: float | None = None,
+        min_scored_samples: int = 1,
+        set_aside: SetAside | None = None,
     ) -> None:
         self._slots = Slots(
             n_samples_per_prompt=n_samples_per_prompt,
@@ -218,8 +243,12 @@ class RolloutWorker:
         self.source = source
         self.buffer = buffer
         self.generate_sample = generate_sample
-        self.reward_fn = reward_fn
+        self.rewards = (
+            RewardScorer(reward_fn, timeout_s=reward_timeout_s) if reward_fn is not None else None
+        )
+        self.min_scored_samples = min_scored_samples
         self.give_back = give_back
+        self.set_aside = set_aside or self._give_back_or_drop
         self.max_consecutive_errors = max_consecutive_errors or 2 * max_inflight
         self.generate_errors = 0  # cumulative
         self._consecutive_errors = 0
@@ -312,8 +341,9 @@ class RolloutWorker:
         """The buffer's metrics and `rollout/*`: `inflight` (trajectories generating now),
         `inflight_mean` and `inflight_peak` (time-weighted mean and peak since the previous
         call), `inflight_groups` (started, not yet in the buffer), `max_inflight`, `put_blocked`
-        (1 when a finished group waits for room), and cumulative `groups_started`,
-        `groups_put`, `generate_errors`."""
+        (1 when a finished group waits for room), cumulative `groups_started`, `groups_put`,
+        `generate_errors`, and `reward_failed` (samples whose reward failed since the previous
+        call)."""
         mean, peak = self._gauge.read()
         slots = self._slots
         return self.buffer.metrics() | {
@@ -326,6 +356,7 @@ class RolloutWorker:
             "rollout/groups_started": float(slots.groups_started),
             "rollout/groups_put": float(slots.groups_put),
             "rollout/generate_errors": float(self.generate_errors),
+            "rollout/reward_failed": float(self.rewards.take_failed() if self.rewards else 0),
         }
 
     @property
@@ -405,12 +436,19 @@ class RolloutWorker:
             for sample, prompt in zip(flight.group, flight.prompts, strict=True)
         ]
         flight.group = list(await asyncio.gather(*flight.samples))
-        if self.reward_fn is not None and not is_aborted(flight.group):
-            await compute_rewards(flight.group, self.reward_fn)
+        for sample, prompt in zip(flight.group, flight.prompts, strict=True):
+            sample.prompt_id, sample.epoch = prompt.prompt_id, prompt.epoch  # a new Sample, say
+            sample.retries = prompt.retries
+        complete = not is_aborted(flight.group)  # an aborted group is the buffer's to drop
+        if self.rewards is not None and complete:
+            await self.rewards.score(flight.group)
         self._in_buffer[id(flight.group)] = (key, flight.prompts)  # a drop at put forgets it
         self._slots.put_begin(key)
-        await self.buffer.put(flight.group)
-        # accepted (or dropped by the buffer's rules): no longer ours to give back
+        if complete and scored_count(flight.group) < self.min_scored_samples:
+            self.set_aside([flight.group], TOO_FEW_SCORED)
+        else:
+            await self.buffer.put(flight.group)
+        # accepted (or dropped by the buffer's rules, or set aside): no longer ours to give back
         self._slots.put_end(key)
         del self._flights[key]
         self._poke()
@@ -428,6 +466,11 @@ class RolloutWorker:
             self._slots.finish_sample(key)
             self._gauge.set(self._slots.generating)
             self._poke()
+
+    def _give_back_or_drop(self, groups: list[Group], reason: str) -> None:
+        self.forget(groups)
+        if self.give_back is not None:
+            self.give_back(groups)
 
     def _failed(self, prompt: Sample, exc: Exception) -> Sample:
         """Count a failed generation; an aborted copy of the prompt stands in for its sample."""
@@ -495,26 +538,52 @@ def build_rollout_worker(
     prompts_per_step: int,
     n_samples_per_prompt: int,
     group_filter: GroupFilter | None = None,
+    filter_reason: str = "filtered",
+    ledger: Ledger | None = None,
+    reward_timeout_s: float | None = None,
+    min_scored_samples: int = 1,
+    max_prompt_retries: int | None = None,
 ) -> RolloutWorker:
     """A worker and its buffer as `cfg` says; `source` has `take(n)` and `give_back(groups)`.
 
     `prompts_per_step` is the number of groups one `take` serves (the train batch); pass
-    `group_filter=verst.rollout.dynamic.has_reward_variance` for DAPO dynamic sampling.
+    `group_filter=verst.rollout.dynamic.has_reward_variance` (and `filter_reason`) for DAPO
+    dynamic sampling. Every group the buffer drops (aborted at put, stale at take) or the worker
+    sets aside (too few scored samples) is retried, by `cfg.unused` and `max_prompt_retries`
+    (None: no cap), or dropped; a filtered group is dropped. `ledger` records those fates
+    (the trainer records the groups it takes).
     """
     give_back = source.give_back if cfg.unused == "retry" else None
     worker: RolloutWorker | None = None  # made below; the buffer reports its drops to it
 
-    def dropped(groups: list[Group]) -> None:
+    def unused(groups: list[Group], reason: str) -> None:
         assert worker is not None
         worker.forget(groups)
-        if give_back is not None:
-            give_back(groups)
+        fates = []
+        for group in groups:
+            fate = unused_fate(
+                group, reason, retry=give_back is not None, max_retries=max_prompt_retries
+            )
+            if fate.outcome == RETRIED:
+                assert give_back is not None
+                for sample in group:
+                    sample.retries = fate.retries
+                give_back([group])
+            fates.append(fate)
+        if ledger is not None:
+            ledger.record(fates)
+
+    def dropped(groups: list[Group]) -> None:  # the buffer's give_back: aborted or stale
+        for group in groups:
+            unused([group], ABORTED if is_aborted(group) else STALE)
 
     def accepted(group: Group) -> bool:
         assert worker is not None and group_filter is not None
         if group_filter(group):
             return True
         worker.forget([group])
+        if ledger is not None:
+            ledger.record([Fate.of(group, DROPPED, filter_reason)])
         return False
 
     buffer = make_buffer(
@@ -534,5 +603,8 @@ def build_rollout_worker(
         replacement=cfg.replacement,
         give_back=give_back,
         max_ahead=cfg.ahead_limit(prompts_per_step),
+        reward_timeout_s=reward_timeout_s,
+        min_scored_samples=min_scored_samples,
+        set_aside=unused,
     )
     return worker

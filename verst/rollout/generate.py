@@ -2,7 +2,7 @@
 
 A group comes back with each Sample's response ids, log-probs, loss mask, status (COMPLETED when
 the model stopped, TRUNCATED at the token limit, ABORTED when the engine ended it) and weight
-versions; its reward is the next phase's (`verst.rollout.rewards.score_groups`).
+versions; its reward is the next phase's (`verst.rollout.rewards.RewardScorer.score_groups`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from verst.engine import GenerateOutput, GenerateRequest, SamplingParams
 from verst.plugins import Generator
@@ -49,12 +49,41 @@ class RolloutConfig(AsyncConfig, AgentConfig):
         "exact_match",
         description="reward function: a built-in name (exact_match, numeric_match) or pkg.mod:fn",
     )
+    reward_timeout_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="most seconds one reward call may take before its sample is FAILED; "
+        "null = no bound (a sync reward then runs on the caller's thread)",
+    )
+    min_scored_samples: int = Field(
+        2,
+        ge=1,
+        description="train a group only if this many of its samples are neither aborted nor "
+        "failed (GRPO needs 2 for a baseline); else its prompt is served again later",
+    )
+    max_prompt_retries: int = Field(
+        3,
+        ge=0,
+        description="most times one prompt is served again after its group could not be "
+        "trained; then it is dropped",
+    )
 
     @field_validator("reward")
     @classmethod
     def _reward_importable(cls, value: str) -> str:
         load_reward_fn(value, field="rollout.reward")
         return value
+
+    @model_validator(mode="after")
+    def _min_scored_fits_a_group(self) -> RolloutConfig:
+        if self.min_scored_samples > self.n_samples_per_prompt:
+            raise ValueError(
+                f"rollout.min_scored_samples={self.min_scored_samples} exceeds "
+                f"rollout.n_samples_per_prompt={self.n_samples_per_prompt}: no group could "
+                "ever be trained; set rollout.min_scored_samples to at most the group size "
+                "(1 trains groups of one)"
+            )
+        return self
 
     @field_validator("top_k")
     @classmethod

@@ -8,9 +8,13 @@ from verst import distributed
 from verst.types import Group, Status
 
 
-def rollout_metrics(groups: list[Group], device: torch.device) -> dict[str, float]:
+def rollout_metrics(
+    groups: list[Group], device: torch.device, counts: dict[str, float] | None = None
+) -> dict[str, float]:
     """Means over every sample of every rank; `zero_std_ratio` is the share of groups whose
-    rewards are all equal (they carry no GRPO signal)."""
+    rewards are all equal (they carry no GRPO signal). `counts` (the same keys on every rank)
+    are summed over the ranks, in the same collective."""
+    counts = counts or {}
     samples = [s for group in groups for s in group]
     rewards = [s.reward or 0.0 for s in samples]
     zero_std = sum(1 for g in groups if len({s.reward for s in g}) <= 1)
@@ -24,12 +28,13 @@ def rollout_metrics(groups: list[Group], device: torch.device) -> dict[str, floa
             float(sum(s.status == Status.ABORTED for s in samples)),
             float(zero_std),
             float(len(groups)),
+            *counts.values(),
         ],
         device,
     )
-    n, reward, length, truncated, failed, aborted, zero, num_groups = totals
+    n, reward, length, truncated, failed, aborted, zero, num_groups = totals[:8]
     n = max(n, 1.0)
-    return {
+    return dict(zip(counts, totals[8:], strict=True)) | {
         "rollout/reward_mean": reward / n,
         "rollout/response_len_mean": length / n,
         "rollout/truncated_ratio": truncated / n,

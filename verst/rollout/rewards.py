@@ -1,23 +1,44 @@
-"""Reward functions: the built-ins, loading one by import path, and scoring a batch of Samples.
+"""Reward functions: the built-ins, loading one by import path, and scoring Samples with one.
 
 A reward function takes a `Sample` and returns a number (sync or async). It reads the response
 text from `sample.metadata["response_text"]` (the rollout decodes it with skip_special_tokens).
-`compute_rewards` never lets one bad sample stop the run: a reward function that raises or
-returns a non-number marks that sample FAILED with reward 0.0 and the reason in
-`metadata["reward_error"]`.
+
+`RewardScorer` runs one under the run's rules, so that one bad sample never stops the run: a
+reward function that raises (`SystemExit` included), returns a non-number (None, a string, NaN,
+±inf) or overruns `timeout_s` marks that sample FAILED, with reward 0.0 and the reason in
+`metadata["reward_error"]`. The loop leaves FAILED samples out of training, as it does ABORTED
+ones. Each kind of failure (an exception type, "returned NaN", "returned str", "timed out") is
+logged once per scorer, that is once per run, with its first reason; `take_failed()` counts the
+failed samples. `KeyboardInterrupt` is not a failure: it stops the run, as Ctrl-C should.
+
+Timeouts: an async reward runs under `asyncio.wait_for` (it must not block the event loop, nor
+swallow the cancellation, or the timeout cannot fire). A sync reward runs on a daemon thread of
+the scorer's, one call at a time as it would on the caller's thread, and the clock starts when
+its call does. A thread cannot be killed: a call that overruns keeps running on its thread until
+the function returns (or the process ends; a daemon thread never holds up the exit), and later
+calls go to a new thread. (Not `asyncio.to_thread`: its executor's threads are joined when the
+event loop shuts down and at exit, so one hung call would hang the step anyway.) With
+`timeout_s=None` a sync reward runs on the caller's thread, unbounded, as a reward that needs
+the main thread (e.g. one that times itself with SIGALRM) must.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import numbers
+import queue
 import re
+import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from verst.plugins import PluginError, RewardFunction, load_plugin
 from verst.types import Group, Sample, Status
+
+log = logging.getLogger(__name__)
 
 # Thousands separators only in well-formed groups ("1,234,567"), so "3,4" reads as 3 then 4;
 # a minus right after a word character is an operator ("8-3" ends in 3, not -3).
@@ -74,54 +95,210 @@ def load_reward_fn(path: str, *, field: str = "rollout.reward") -> RewardFunctio
     return load_plugin(path, RewardFunction, field=field)
 
 
-def _fail(sample: Sample, reason: str) -> None:
-    sample.reward = 0.0
-    sample.status = Status.FAILED
-    sample.metadata["reward_error"] = reason
+class RewardFailure(Exception):
+    """Why one reward call gave no usable reward; `kind` groups failures for the log."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
 
 
-def _set(sample: Sample, value: Any) -> None:
+def _as_reward(value: Any) -> float:
+    """`value` as a finite float; `RewardFailure` otherwise."""
     # Accept anything number-like (bool, numpy scalars, one-element tensors), never text: a
     # reward of "1.0" is almost certainly a bug in the reward function.
+    kind = f"returned {type(value).__name__}"
     try:
         if isinstance(value, (str, bytes)) or not (
             isinstance(value, numbers.Real) or hasattr(value, "__float__")
         ):
             raise TypeError
-        value = float(value)
+        number = float(value)
     except (TypeError, ValueError, RuntimeError):
-        _fail(sample, f"reward function returned {type(value).__name__} {value!r}, not a number")
-        return
-    if not math.isfinite(value):
-        _fail(sample, f"reward function returned non-finite {value}")
-        return
-    sample.reward = value
+        raise RewardFailure(
+            kind, f"reward function returned {type(value).__name__} {value!r}, not a number"
+        ) from None
+    if not math.isfinite(number):
+        raise RewardFailure(f"returned {number}", f"reward function returned non-finite {number}")
+    return number
 
 
-async def _score(sample: Sample, fn: RewardFunction) -> None:
+def _is_async(fn: Callable) -> bool:
+    call = getattr(fn, "__call__", None)  # noqa: B004 (a callable object's async __call__)
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+
+
+async def _guarded(awaitable: Awaitable[Any]) -> tuple[Any, BaseException | None]:
+    """(value, None) or (None, the exception). Caught inside the task that `wait_for` makes, so
+    a SystemExit there fails the sample instead of escaping the event loop."""
     try:
-        value = fn(sample)
-        if inspect.isawaitable(value):
-            value = await value
-    except Exception as exc:  # one bad sample must not stop the run
-        _fail(sample, f"{type(exc).__name__}: {exc}")
+        return await awaitable, None
+    except (Exception, SystemExit) as error:
+        return None, error
+
+
+def _settle(future: asyncio.Future, outcome: tuple[Any, BaseException | None]) -> None:
+    if not future.done():
+        future.set_result(outcome)
+
+
+class RewardScorer:
+    """Scores Samples with one reward function under the rules of the module docstring.
+
+    `field` names the config option in log lines ("rollout.reward", "eval.reward"). Use one
+    scorer from one thread at a time (the fully async worker has its own).
+    """
+
+    def __init__(
+        self, fn: RewardFunction, *, timeout_s: float | None = None, field: str = "rollout.reward"
+    ) -> None:
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"reward timeout must be > 0 seconds or None, got {timeout_s}")
+        self.fn = fn
+        self.timeout_s = timeout_s
+        self.field = field
+        self._async = _is_async(fn)
+        self._failed = 0
+        self._kinds_logged: set[str] = set()
+        self._one_at_a_time: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._thread: _CallThread | None = None  # where sync calls run, one at a time
+
+    async def score(self, samples: list[Sample]) -> None:
+        """Set `reward` on every sample (or fail it); async reward calls run concurrently."""
+        await asyncio.gather(*(self._score(sample) for sample in samples))
+
+    def score_groups(self, groups: list[Group]) -> None:
+        """The reward phase of a step: every sample not scored yet gets its reward (the reward
+        function may read what an agent returned in `metadata`); ABORTED samples get 0.0."""
+        unscored = []
+        for sample in (s for group in groups for s in group):
+            if sample.status == Status.ABORTED:
+                sample.reward = 0.0
+            elif sample.reward is None:
+                unscored.append(sample)
+        if unscored:
+            asyncio.run(self.score(unscored))
+
+    def take_failed(self) -> int:
+        """Samples whose reward failed since the previous call."""
+        failed, self._failed = self._failed, 0
+        return failed
+
+    async def _score(self, sample: Sample) -> None:
+        try:
+            sample.reward = _as_reward(await self._call(sample))
+        except RewardFailure as failure:
+            self._fail(sample, failure)
+
+    async def _call(self, sample: Sample) -> Any:
+        """The reward function's value for `sample`; `RewardFailure` when it raised or overran."""
+        if self._async:
+            return await self._bounded(self.fn(sample))
+        if self.timeout_s is None:
+            value, error = await _guarded(_now(self.fn, sample))
+        else:
+            async with self._lock():
+                value, error = await self._in_thread(sample)
+        _raise_failure(error)
+        return await self._bounded(value) if inspect.isawaitable(value) else value
+
+    async def _bounded(self, awaitable: Awaitable[Any]) -> Any:
+        try:
+            value, error = await asyncio.wait_for(_guarded(awaitable), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise self._timed_out() from None
+        _raise_failure(error)
+        return value
+
+    async def _in_thread(self, sample: Sample) -> tuple[Any, BaseException | None]:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def call() -> None:
+            try:
+                outcome: tuple[Any, BaseException | None] = (self.fn(sample), None)
+            except BaseException as error:  # delivered to the caller, which decides
+                outcome = (None, error)
+            try:
+                loop.call_soon_threadsafe(_settle, done, outcome)
+            except RuntimeError:  # the loop has closed: nobody waits for this call any more
+                pass
+
+        if self._thread is None:
+            self._thread = _CallThread()
+        self._thread.submit(call)
+        try:
+            return await asyncio.wait_for(done, self.timeout_s)
+        except BaseException as error:  # timed out, or cancelled: the call may never return
+            self._thread.retire()
+            self._thread = None
+            if isinstance(error, asyncio.TimeoutError):
+                raise self._timed_out() from None
+            raise
+
+    def _timed_out(self) -> RewardFailure:
+        return RewardFailure("timed out", f"reward timed out after {self.timeout_s:g} s")
+
+    def _lock(self) -> asyncio.Lock:
+        """One sync call at a time per scorer and event loop (a sync loop runs a fresh event
+        loop per reward phase, so the lock is made anew for each)."""
+        loop = asyncio.get_running_loop()
+        if self._one_at_a_time is None or self._one_at_a_time[0] is not loop:
+            self._one_at_a_time = (loop, asyncio.Lock())
+        return self._one_at_a_time[1]
+
+    def _fail(self, sample: Sample, failure: RewardFailure) -> None:
+        sample.reward = 0.0
+        sample.status = Status.FAILED
+        sample.metadata["reward_error"] = failure.reason
+        self._failed += 1
+        if failure.kind not in self._kinds_logged:
+            self._kinds_logged.add(failure.kind)
+            log.warning(
+                "%s failed (%s): %s; such samples are marked FAILED and not trained on, with "
+                "the reason in metadata['reward_error'] (logged once per kind of failure)",
+                self.field,
+                failure.kind,
+                failure.reason,
+            )
+
+
+class _CallThread:
+    """A daemon thread that runs the calls it is given, in turn. Retired when a call overran:
+    it ends once that call returns, if ever, and never holds up the process's exit."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="verst-reward", daemon=True).start()
+
+    def submit(self, call: Callable[[], None]) -> None:
+        self._calls.put(call)
+
+    def retire(self) -> None:
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call()
+
+
+async def _now(fn: Callable[[Sample], Any], sample: Sample) -> Any:
+    return fn(sample)
+
+
+def _raise_failure(error: BaseException | None) -> None:
+    if error is None:
         return
-    _set(sample, value)
+    if not isinstance(error, (Exception, SystemExit)):  # KeyboardInterrupt: stop the run
+        raise error
+    name = type(error).__name__
+    raise RewardFailure(name, f"{name}: {error}") from None
 
 
-async def compute_rewards(samples: list[Sample], fn: RewardFunction) -> None:
-    """Set `sample.reward` on every sample; async reward functions run concurrently."""
-    await asyncio.gather(*(_score(sample, fn) for sample in samples))
-
-
-def score_groups(groups: list[Group], fn: RewardFunction) -> None:
-    """The reward phase of a step: every sample not scored yet gets its reward (the reward
-    function may read what an agent returned in `metadata`); ABORTED samples get 0.0."""
-    unscored = []
-    for sample in (s for group in groups for s in group):
-        if sample.status == Status.ABORTED:
-            sample.reward = 0.0
-        elif sample.reward is None:
-            unscored.append(sample)
-    if unscored:
-        asyncio.run(compute_rewards(unscored, fn))
+async def compute_rewards(
+    samples: list[Sample], fn: RewardFunction, *, timeout_s: float | None = None
+) -> None:
+    """Set `sample.reward` on every sample with a one-off `RewardScorer` (see the module
+    docstring); async reward functions run concurrently."""
+    await RewardScorer(fn, timeout_s=timeout_s).score(samples)

@@ -9,7 +9,11 @@
 
 Every source returns this rank's share of the step's groups. The loop scores them next (the
 reward phase); a source scores groups itself only where it must filter on rewards first
-(DAPO dynamic sampling, and the worker's filter before groups enter the buffer).
+(DAPO dynamic sampling, and the worker's filter before groups enter the buffer). Then the
+source settles the step (`settle`): a group with fewer than `rollout.min_scored_samples`
+samples neither ABORTED nor FAILED is not trained, and its prompt is given back to be served in
+a later step (at most `rollout.max_prompt_retries` times, then dropped). Every group's fate
+goes into the prompt ledger (`verst.rollout.ledger`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from verst.engine import GenerateRequest
 from verst.fleet.fleet import Fleet, prompt_key
 from verst.fleet.loop_thread import LoopThread
 from verst.fleet.ranked import on_rank_zero, scatter_from_rank_zero
-from verst.plugins import Generator, RewardFunction
+from verst.plugins import Generator
 from verst.rollout.agent import (
     agent_metrics,
     agent_request_kwargs,
@@ -38,9 +42,20 @@ from verst.rollout.agent import (
 from verst.rollout.async_worker import RolloutWorker, build_rollout_worker
 from verst.rollout.dynamic import fill_batch, has_reward_variance
 from verst.rollout.generate import RolloutConfig, fill_sample, generate_groups
+from verst.rollout.ledger import (
+    DROPPED,
+    NO_VARIANCE,
+    RETRIED,
+    SURPLUS,
+    TOO_FEW_SCORED,
+    TRAINED,
+    Fate,
+    Ledger,
+    unused_fate,
+)
 from verst.rollout.metrics import rollout_metrics
-from verst.rollout.rewards import score_groups
-from verst.types import Group, Sample
+from verst.rollout.rewards import RewardScorer
+from verst.types import Group, Sample, scored_count
 
 
 class RolloutSource(Protocol):
@@ -52,6 +67,11 @@ class RolloutSource(Protocol):
     def groups(self, version: int) -> tuple[list[Group], dict[str, float]]:
         """This rank's groups for one step (a collective under torchrun), and metrics of how
         they were drawn; `version` is the weight version the engines hold."""
+        ...
+
+    def settle(self, groups: list[Group]) -> list[Group]:
+        """The scored groups a step trains (a collective under torchrun); the prompts of the
+        others go back to be served again, or are dropped; every fate goes into the ledger."""
         ...
 
     def metrics(self, groups: list[Group]) -> dict[str, Any]:
@@ -67,15 +87,26 @@ class RolloutSource(Protocol):
 
 class _StepRollout(ABC):
     """The synchronous rollouts: draw this rank's prompts, generate, and with dynamic sampling
-    score and redraw until enough groups have reward variance."""
+    score and redraw until enough groups have reward variance.
+
+    Under torchrun every rank's data source draws the same prompts and each rank keeps a slice,
+    so every prompt given back must go back to every rank's source, in the same order: `settle`
+    gathers the fates of all ranks' groups and applies them on each rank."""
 
     def __init__(
-        self, cfg: RolloutConfig, data: DataSource, reward_fn: RewardFunction, device: torch.device
+        self,
+        cfg: RolloutConfig,
+        data: DataSource,
+        rewards: RewardScorer,
+        device: torch.device,
+        ledger: Ledger,
     ) -> None:
         self.cfg = cfg
         self.data = data
-        self.reward_fn = reward_fn
+        self.rewards = rewards
         self.device = device
+        self.ledger = ledger
+        self._decided: list[Fate] = []  # this step's groups already set aside, until settled
 
     def start(self) -> None:  # noqa: B027 (a hook: a step rollout has nothing to start)
         """Nothing runs ahead: each step draws its own groups."""
@@ -96,18 +127,49 @@ class _StepRollout(ABC):
 
         def scored() -> list[Group]:
             groups = self.draw()
-            score_groups(groups, self.reward_fn)
-            return groups
+            self.rewards.score_groups(groups)
+            return self._enough_scored(groups)
 
-        return fill_batch(
+        filled = fill_batch(
             scored,
             self.cfg.prompts_per_step,
             max_rounds=self.cfg.max_sampling_rounds,
             device=self.device,
         )
+        self._decided += [Fate.of(group, RETRIED, SURPLUS) for group in filled.surplus]
+        self._decided += [Fate.of(group, DROPPED, NO_VARIANCE) for group in filled.rejected]
+        return filled.groups, filled.metrics
+
+    def settle(self, groups: list[Group]) -> list[Group]:
+        trained = self._enough_scored(groups)
+        fates, self._decided = self._decided + [Fate.of(g, TRAINED) for g in trained], []
+        for rank_fates in distributed.all_gather_object(fates):
+            for fate in rank_fates:
+                if fate.outcome == RETRIED:
+                    assert fate.prompt_id is not None, "a data source's prompt has an id"
+                    self.data.give_back_prompt(
+                        fate.prompt_id, epoch=fate.epoch, retries=fate.retries
+                    )
+            self.ledger.record(rank_fates)
+        return trained
+
+    def _enough_scored(self, groups: list[Group]) -> list[Group]:
+        """The groups with `min_scored_samples` scored samples; the others are set aside."""
+        kept = []
+        for group in groups:
+            if scored_count(group) >= self.cfg.min_scored_samples:
+                kept.append(group)
+            else:
+                self._decided.append(
+                    unused_fate(
+                        group, TOO_FEW_SCORED, retry=True, max_retries=self.cfg.max_prompt_retries
+                    )
+                )
+        return kept
 
     def metrics(self, groups: list[Group]) -> dict[str, Any]:
-        return rollout_metrics(groups, self.device)
+        counts = {"rollout/reward_failed": float(self.rewards.take_failed())}
+        return rollout_metrics(groups, self.device, counts | self.ledger.take_counts())
 
     def data_state(self) -> dict[str, Any]:
         return self.data.state_dict()
@@ -121,13 +183,14 @@ class EngineRollout(_StepRollout):
         self,
         cfg: RolloutConfig,
         data: DataSource,
-        reward_fn: RewardFunction,
+        rewards: RewardScorer,
         device: torch.device,
+        ledger: Ledger,
         *,
         engine: Generator,
         decode: Callable[[list[int]], str],
     ) -> None:
-        super().__init__(cfg, data, reward_fn, device)
+        super().__init__(cfg, data, rewards, device, ledger)
         self.engine = engine
         self.decode = decode
         self.sampling_params = cfg.sampling_params()
@@ -158,12 +221,13 @@ class AgentRollout(_StepRollout):
         self,
         cfg: RolloutConfig,
         data: DataSource,
-        reward_fn: RewardFunction,
+        rewards: RewardScorer,
         device: torch.device,
+        ledger: Ledger,
         *,
         fleet: Fleet | None,
     ) -> None:
-        super().__init__(cfg, data, reward_fn, device)
+        super().__init__(cfg, data, rewards, device, ledger)
         self.fleet = fleet
         self._loop: LoopThread | None = None
 
@@ -200,14 +264,20 @@ class AgentRollout(_StepRollout):
 class AsyncRollout:
     """The fully asynchronous rollout: rank 0's fleet runs the worker, which generates (plain
     or with the agent function), scores and buffers groups without pause; each step takes one
-    batch from the buffer and deals every rank its share."""
+    batch from the buffer and deals every rank its share.
+
+    The worker has a reward scorer of its own (with the same function and timeout), on the
+    fleet's event loop; it sets aside groups with too few scored samples, and the buffer drops
+    aborted, filtered and stale ones, recording each fate in the ledger from that loop's thread;
+    the groups a step takes are recorded as trained by rank 0, before they are dealt."""
 
     def __init__(
         self,
         cfg: RolloutConfig,
         data: DataSource,
-        reward_fn: RewardFunction,
+        rewards: RewardScorer,
         device: torch.device,
+        ledger: Ledger,
         *,
         fleet: Fleet | None,
         decode: Callable[[list[int]], str],
@@ -215,11 +285,12 @@ class AsyncRollout:
         self.cfg = cfg
         self.data = data
         self.device = device
+        self.ledger = ledger
         self.fleet = fleet
         self.decode = decode
         self.sampling_params = cfg.sampling_params()
         self._sessions_url: str | None = None
-        self.reward_fn = reward_fn
+        self.rewards = rewards
         self.worker: RolloutWorker | None = None
 
     def start(self) -> None:
@@ -232,10 +303,15 @@ class AsyncRollout:
             cfg,
             self.data,
             self.generate_sample,
-            self.reward_fn,
+            self.rewards.fn,
             prompts_per_step=cfg.prompts_per_step,
             n_samples_per_prompt=cfg.n_samples_per_prompt,
             group_filter=has_reward_variance if cfg.dynamic_sampling else None,
+            filter_reason=NO_VARIANCE,
+            ledger=self.ledger,
+            reward_timeout_s=self.rewards.timeout_s,
+            min_scored_samples=cfg.min_scored_samples,
+            max_prompt_retries=cfg.max_prompt_retries,
         )
         self.fleet.loop.run(worker.start())
         self.worker = worker
@@ -268,6 +344,7 @@ class AsyncRollout:
             assert self.fleet is not None
             take = self.worker.take(self.cfg.prompts_per_step, version)
             groups = self.fleet.wait(take)
+            self.ledger.record(Fate.of(group, TRAINED) for group in groups)
         world = distributed.world_size()
         if world == 1:
             assert groups is not None
@@ -275,13 +352,17 @@ class AsyncRollout:
         per_rank = None if groups is None else [groups[r::world] for r in range(world)]
         return scatter_from_rank_zero(per_rank), {}
 
+    def settle(self, groups: list[Group]) -> list[Group]:
+        """Every group taken is trained: the worker and the buffer kept back the others."""
+        return groups
+
     def metrics(self, groups: list[Group]) -> dict[str, Any]:
         metrics = rollout_metrics(groups, self.device)
         if self.cfg.agent_function:
             metrics |= agent_metrics(groups, self.device)
         if self.worker is not None:
             assert self.fleet is not None
-            metrics |= self.fleet.loop.call(self.worker.metrics)
+            metrics |= self.fleet.loop.call(self.worker.metrics) | self.ledger.take_counts()
         return metrics
 
     def data_state(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from verst import distributed
 from verst.configbase import ConfigBase
+from verst.rollout.ledger import LEDGER_FILE, undo_after
 
 STATE_FILE = "trainer_state.pt"
 
@@ -151,7 +152,9 @@ class Checkpointer:
         )
 
     def restore_latest(self) -> tuple[int, int]:
-        """Load the newest complete checkpoint; returns (step, weight version)."""
+        """Load the newest complete checkpoint; returns (step, weight version). The run's
+        records are rewound with it: metrics of later steps are removed, and the prompt
+        ledger's lines of later steps are marked `undone`."""
         checkpoints = list_checkpoints(self.run_dir)
         if not checkpoints:
             raise FileNotFoundError(
@@ -165,6 +168,7 @@ class Checkpointer:
         if self.engine_generator is not None:
             self.engine_generator.set_state(state["rng"]["engine"])
         truncate_metrics(self.run_dir / "metrics.jsonl", state["step"])
+        undo_after(self.run_dir / LEDGER_FILE, state["step"])
         return state["step"], state["weight_version"]
 
 

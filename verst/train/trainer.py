@@ -204,13 +204,17 @@ class Trainer:
     def _micro_batches(self, items: list[TrainItem]) -> Iterator[tuple[bool, MicroBatch]]:
         """Micro-batches within the token budget; every rank yields the same number of them,
         since each one is a round of FSDP collectives (a rank short of items repeats one with
-        its loss mask zeroed)."""
+        its loss mask zeroed; a rank with none, every group of its share set aside, runs a
+        masked-out stand-in whose response, of two tokens, takes the prompt-then-response path
+        of `response_outputs` that real rows take, so the ranks' FSDP collectives match)."""
         lengths = [len(item.tokens) for item in items]
         count = distributed.all_reduce_max(
             len(pack_micro_batches(lengths, self.cfg.micro_batch_tokens)), self.device
         )
+        pad = self.pad_token_id
+        stand_in = masked_out(items[0]) if items else TrainItem([pad] * 3, 2, [0, 0], [0.0] * 2, 0)
         for position, indices in enumerate(balance_micro_batches(lengths, count)):
-            batch = [items[i] for i in indices] or [masked_out(items[0])]
+            batch = [items[i] for i in indices] or [stand_in]
             yield position == count - 1, collate(batch, self.pad_token_id, self.device)
 
     def _global_counts(self, items: list[TrainItem]) -> tuple[float, float]:
