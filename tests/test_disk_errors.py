@@ -153,7 +153,8 @@ def test_resume_removes_and_reports_a_partial_checkpoint(tmp_path: Path, capsys)
     assert main(["train", *TINY, "num_steps=1", "--run-dir", str(run_dir)]) == 0
     stale = run_dir / "checkpoints" / "step_000002.partial"
     stale.mkdir()
-    (stale / "model.safetensors").write_bytes(b"half a file")  # a save killed midway
+    # a save killed while writing its last file: the state file exists, truncated
+    (stale / "trainer_state.pt").write_bytes(b"PK\x03\x04 half a zip")
     capsys.readouterr()
     assert main(["train", *TINY, "num_steps=2", "--run-dir", str(run_dir), "--resume"]) == 0
     err = capsys.readouterr().err

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from verst.configbase import ConfigBase
 from verst.rundir import writing
 
 STATE_FILE = "trainer_state.pt"
+CHECKPOINT_NAME = re.compile(r"step_\d+")
 
 
 class CheckpointConfig(ConfigBase):
@@ -41,10 +43,13 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
+    """The committed checkpoints, oldest first; a partial directory never counts, whatever it
+    holds (a save killed midway may have written a truncated `trainer_state.pt`)."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
+    committed = (p for p in root.glob("step_*") if CHECKPOINT_NAME.fullmatch(p.name))
+    return sorted(p for p in committed if (p / STATE_FILE).is_file())
 
 
 def partial_dir(checkpoint: Path) -> Path:
