@@ -9,6 +9,7 @@ run directory, 4 a non-finite loss), never a traceback for something the user ca
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -41,6 +42,21 @@ def _train_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="delete an existing run directory first"
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="run the trainer as a child process and restart it from its last checkpoint when "
+        "it crashes, at most N times (default 0: no child, no restarts)",
+    )
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _model_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -198,11 +214,26 @@ def _prepare_run_dir(args: argparse.Namespace, config: str | None) -> Path:
     return run_dir
 
 
+def _check_restarts(args: argparse.Namespace) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.max_restarts and world_size > 1:
+        raise ConfigError(
+            f"--max-restarts: this process is one of {world_size} ranks under torchrun, which "
+            "restarts its ranks itself: pass --max-restarts to torchrun instead"
+        )
+
+
 def _train(args: argparse.Namespace) -> int:
+    _check_restarts(args)
     config, overrides = _split_config_and_overrides(args)
     cfg = load_config(config, overrides)
     run_dir = _prepare_run_dir(args, config)
     check_writable(run_dir)
+    if args.max_restarts:
+        from verst.supervisor import Supervisor
+
+        train_args = [*([config] if config else []), *overrides, "--run-dir", str(run_dir)]
+        return Supervisor(train_args, run_dir, args.max_restarts).run(resume=args.resume)
     from verst.loop import train  # heavy imports only once the config is known to be valid
 
     try:
