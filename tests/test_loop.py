@@ -122,7 +122,7 @@ def test_nan_loss_stops_names_the_step_and_keeps_a_good_checkpoint(
 
     monkeypatch.setattr(trainer_module, "policy_objective", blow_up)
     run_dir = tmp_path / "run"
-    assert main(["train", *SMALL, "checkpoint.interval_steps=0", "--run-dir", str(run_dir)]) == 1
+    assert main(["train", *SMALL, "checkpoint.interval_steps=0", "--run-dir", str(run_dir)]) == 4
     err = capsys.readouterr().err
     assert "step 3" in err and "step_000002" in err
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002"]

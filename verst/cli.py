@@ -1,19 +1,23 @@
 """The `verst` command: `verst train`, `verst serve`, `verst route`, `verst sessions`,
 `verst model create-tiny`.
 
-Config errors, missing files and non-finite losses end the command with a one-paragraph message
-and exit code 2 (bad input) or 1 (the run failed), never a traceback for the user's mistake.
+Config errors, missing files, a run directory that cannot be written and non-finite losses end
+the command with a one-line message and an exit code of `verst.exitcodes` (2 bad input, 3 the
+run directory, 4 a non-finite loss), never a traceback for something the user can fix.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
 
+from verst import exitcodes
 from verst.config import ConfigError, help_text, load_config
 from verst.http_limits import add_limit_flags, limits_from_args
+from verst.rundir import RunDirError, check_writable, holds_run, run_dir_error, writing
 
 TRAIN_EPILOG = """overrides: section.field=value, e.g. trainer.lr=1e-5 rollout.temperature=0.8
 
@@ -38,6 +42,21 @@ def _train_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="delete an existing run directory first"
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="run the trainer as a child process and restart it from its last checkpoint when "
+        "it crashes, at most N times (default 0: no child, no restarts)",
+    )
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _model_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -181,7 +200,7 @@ def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, l
 
 def _prepare_run_dir(args: argparse.Namespace, config: str | None) -> Path:
     run_dir = args.run_dir or Path("runs") / (Path(config).stem if config else "default")
-    has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+    has_run = holds_run(run_dir)
     if args.resume and not has_run:
         raise ConfigError(f"--resume: {run_dir} holds no run to resume")
     if has_run and not args.resume:
@@ -190,17 +209,40 @@ def _prepare_run_dir(args: argparse.Namespace, config: str | None) -> Path:
                 f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to "
                 "start over, or --run-dir for a new directory"
             )
-        shutil.rmtree(run_dir)
+        with writing(run_dir):
+            shutil.rmtree(run_dir)
     return run_dir
 
 
+def _check_restarts(args: argparse.Namespace) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.max_restarts and world_size > 1:
+        raise ConfigError(
+            f"--max-restarts: this process is one of {world_size} ranks under torchrun, which "
+            "restarts its ranks itself: pass --max-restarts to torchrun instead"
+        )
+
+
 def _train(args: argparse.Namespace) -> int:
+    _check_restarts(args)
     config, overrides = _split_config_and_overrides(args)
     cfg = load_config(config, overrides)
     run_dir = _prepare_run_dir(args, config)
+    check_writable(run_dir)
+    if args.max_restarts:
+        from verst.supervisor import Supervisor
+
+        train_args = [*([config] if config else []), *overrides, "--run-dir", str(run_dir)]
+        return Supervisor(train_args, run_dir, args.max_restarts).run(resume=args.resume)
     from verst.loop import train  # heavy imports only once the config is known to be valid
 
-    train(cfg, run_dir, resume=args.resume)
+    try:
+        train(cfg, run_dir, resume=args.resume)
+    except Exception as error:
+        disk_error = run_dir_error(error, run_dir)
+        if disk_error is None:
+            raise
+        raise disk_error from error
     return 0
 
 
@@ -304,19 +346,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sessions":
             return _sessions(args)
         return _create_tiny(args)
+    except RunDirError as error:
+        print(f"verst: error: {error}", file=sys.stderr)
+        return exitcodes.RUN_DIR
     except (ConfigError, FileNotFoundError, ImportError, ValueError) as error:
         print(f"verst: error: {error}", file=sys.stderr)
-        return 2
+        return exitcodes.BAD_INPUT
     except Exception as error:
         from verst.fleet.health import EngineRestartError
         from verst.router.policy import NoEngineAvailable
         from verst.sync.protocol import WeightSyncError
         from verst.train.trainer import NonFiniteLossError
 
-        stopped = (NonFiniteLossError, WeightSyncError, EngineRestartError, NoEngineAvailable)
-        if isinstance(error, stopped):
+        if isinstance(error, NonFiniteLossError):
             print(f"verst: run stopped: {error}", file=sys.stderr)
-            return 1
+            return exitcodes.NON_FINITE
+        if isinstance(error, WeightSyncError | EngineRestartError | NoEngineAvailable):
+            # the engines failed beyond repair: a restart of the whole run may still succeed
+            print(f"verst: run stopped: {error}", file=sys.stderr)
+            return exitcodes.CRASH
         raise
 
 

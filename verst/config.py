@@ -20,6 +20,7 @@ from verst.fleet.placement import PlacementConfig
 from verst.models.loading import ModelConfig
 from verst.models.tiny import TinyModelConfig
 from verst.rollout.generate import RolloutConfig
+from verst.rundir import writing
 from verst.sync.fleet_sync import SyncConfig
 from verst.train.algorithms import LossConfig
 from verst.train.checkpoint import CheckpointConfig
@@ -230,7 +231,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def dump_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    with writing(path):
+        path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:

@@ -21,8 +21,10 @@ from verst import distributed, launch
 from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
+from verst.rundir import check_writable
 from verst.train.algorithms import LossConfig, sample_advantages
 from verst.train.batching import TrainItem
+from verst.train.checkpoint import remove_partial_checkpoints
 from verst.train.sft import warm_start
 from verst.train.trainer import NonFiniteLossError
 from verst.types import Group
@@ -46,7 +48,7 @@ def only_scored(groups: list[Group]) -> list[Group]:
 
 
 def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(run_dir)
     run = launch.build(cfg, run_dir)
     try:
         step, version = run.checkpointer.restore_latest() if resume else (0, 0)
@@ -69,6 +71,8 @@ def begin(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, versio
     """Step 0 (config, warm start, reference, first push, first eval) or a resume's push;
     returns the weight version the engines now hold."""
     if step > 0:
+        for stale in remove_partial_checkpoints(run.run_dir):
+            log.info(f"removed {stale}: a checkpoint whose save never finished")
         run.sync.push(version)
         log.info(f"resumed from step {step} (weight version {version}) in {run.run_dir}")
         return version
@@ -119,13 +123,16 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
     if run.evaluator is not None and (last or step % cfg.eval.interval_steps == 0):
         with timer("eval"):
             metrics |= run.evaluator.run(run.engine)
-    if run.checkpointer.due(step, last=last):
+    checkpoint = run.checkpointer.due(step, last=last)
+    if checkpoint:
         with timer("checkpoint"):
-            run.checkpointer.save(step, version)
+            run.checkpointer.write(step, version)
     step_phases = (rollout_phase, "reward", "advantages", "train", "sync")
     log.log(
         {"step": step, "weight_version": version} | metrics | timer.metrics(step_phases=step_phases)
     )
+    if checkpoint:  # after the record: a crash before the commit resumes before this step
+        run.checkpointer.commit(step)
     return version
 
 

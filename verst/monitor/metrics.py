@@ -1,11 +1,11 @@
 """Run metrics: one JSON object per step in `metrics.jsonl`, one console line, a progress bar.
 
-Only rank 0 writes. The JSONL file is appended to, so a resumed run continues the same file.
+Only rank 0 writes. The JSONL file is appended to, so a resumed run continues the same file; a
+write that fails (a full disk) raises `verst.rundir.RunDirError` naming the file.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from verst import distributed
+from verst.rundir import append_record
 
 CONSOLE_KEYS = (
     ("rollout/reward_mean", "reward"),
@@ -64,8 +65,7 @@ class MetricsLogger:
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        append_record(self.path, metrics)  # a failed write stops the run: no record is lost
         parts = [f"step {metrics['step']}"]
         parts += [
             f"{short} {_format(metrics[key])}" for key, short in CONSOLE_KEYS if key in metrics

@@ -2,8 +2,10 @@
 
 `run_dir/checkpoints/step_000042/` holds the model as any HF loader reads it, and
 `trainer_state.pt` (optimiser, schedule, step, weight version, data order, RNG). A checkpoint is
-written to a temporary directory and renamed when complete, so a crash never leaves a half
-checkpoint that `--resume` would pick up.
+written to `step_000042.partial/` and renamed when complete, so a crash never leaves a half
+checkpoint that `--resume` would pick up; a save that fails (a full disk) removes its partial
+directory and raises `RunDirError` naming the checkpoint, and the previous checkpoints stay.
+A partial directory left by a process that died mid-save is removed when the run resumes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +26,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from verst import distributed
 from verst.configbase import ConfigBase
 from verst.rollout.ledger import LEDGER_FILE, undo_after
+from verst.rundir import writing
 
 STATE_FILE = "trainer_state.pt"
+CHECKPOINT_NAME = re.compile(r"step_\d+")
 
 
 class CheckpointConfig(ConfigBase):
@@ -39,13 +44,20 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
+    """The committed checkpoints, oldest first; a partial directory never counts, whatever it
+    holds (a save killed midway may have written a truncated `trainer_state.pt`)."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
+    committed = (p for p in root.glob("step_*") if CHECKPOINT_NAME.fullmatch(p.name))
+    return sorted(p for p in committed if (p / STATE_FILE).is_file())
 
 
-def save_checkpoint(
+def partial_dir(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name + ".partial")
+
+
+def write_checkpoint(
     run_dir: Path,
     step: int,
     *,
@@ -53,24 +65,53 @@ def save_checkpoint(
     shell: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     state: dict[str, Any],
-    keep_last: int,
 ) -> Path:
-    """Rank 0 writes; `shell` is an unsharded model of the same architecture (its config and
-    tied-weight layout are used; its own weights are not)."""
+    """Rank 0 writes checkpoint `step` into its partial directory (returned), which
+    `commit_checkpoint` makes the checkpoint; `shell` is an unsharded model of the same
+    architecture (its config and tied-weight layout are used; its own weights are not)."""
+    partial = partial_dir(checkpoint_dir(run_dir, step))
+    if distributed.rank() == 0:
+        with writing(checkpoint_dir(run_dir, step)):
+            try:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+                shell.save_pretrained(partial, state_dict=weights, safe_serialization=True)
+                tokenizer.save_pretrained(partial)
+                # through a Python file, so a failed write raises the OSError (with its errno)
+                # that torch's own writer would turn into "file write failed"
+                with open(partial / STATE_FILE, "wb") as f:
+                    torch.save(state, f)
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+    distributed.barrier()
+    return partial
+
+
+def commit_checkpoint(run_dir: Path, step: int, *, keep_last: int) -> Path:
+    """Rename checkpoint `step`'s partial directory to the checkpoint and keep the newest
+    `keep_last` checkpoints."""
     final = checkpoint_dir(run_dir, step)
     if distributed.rank() == 0:
-        partial = final.with_name(final.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        shell.save_pretrained(partial, state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(partial)
-        torch.save(state, partial / STATE_FILE)
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old)
+        with writing(final):
+            shutil.rmtree(final, ignore_errors=True)
+            partial_dir(final).rename(final)
+            for old in list_checkpoints(run_dir)[:-keep_last]:
+                shutil.rmtree(old)
     distributed.barrier()
     return final
+
+
+def remove_partial_checkpoints(run_dir: Path) -> list[Path]:
+    """Rank 0 removes the partial directories of saves that never finished; returns them."""
+    root = run_dir / "checkpoints"
+    if distributed.rank() != 0 or not root.is_dir():
+        return []
+    stale = sorted(p for p in root.glob("step_*.partial") if p.is_dir())
+    with writing(root):
+        for path in stale:
+            shutil.rmtree(path)
+    return stale
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -131,6 +172,12 @@ class Checkpointer:
         existing = checkpoint_dir(self.run_dir, step)
         if keep_existing and existing in list_checkpoints(self.run_dir):
             return existing
+        self.write(step, version)
+        return self.commit(step)
+
+    def write(self, step: int, version: int) -> None:
+        """Write the current state as checkpoint `step`, not yet committed: until `commit`, a
+        resume picks the previous checkpoint (collective)."""
         rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if self.engine_generator is not None:
             rng["engine"] = self.engine_generator.get_state()
@@ -141,15 +188,18 @@ class Checkpointer:
             "data": self.data_state(),
             "rng": rng,
         }
-        return save_checkpoint(
+        write_checkpoint(
             self.run_dir,
             step,
             weights=self.policy.trainer.full_state_dict(),
             shell=self.policy.shell,
             tokenizer=self.tokenizer,
             state=state,
-            keep_last=self.cfg.keep_last,
         )
+
+    def commit(self, step: int) -> Path:
+        """Make the written checkpoint `step` the newest one (collective)."""
+        return commit_checkpoint(self.run_dir, step, keep_last=self.cfg.keep_last)
 
     def restore_latest(self) -> tuple[int, int]:
         """Load the newest complete checkpoint; returns (step, weight version). The run's
@@ -181,4 +231,5 @@ def truncate_metrics(path: Path, step: int) -> None:
         for line in path.read_text().splitlines()
         if line.strip() and json.loads(line)["step"] <= step
     ]
-    path.write_text("".join(line + "\n" for line in kept))
+    with writing(path):
+        path.write_text("".join(line + "\n" for line in kept))
