@@ -137,3 +137,31 @@ class TrainProcess:
     def records(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def served_order(overrides: list[str], steps: int) -> list[list[tuple[int, int]]]:
+    """The (epoch, prompt_id) of each step's groups in a run that serves prompts in data order,
+    none given back: what an uninterrupted synchronous run of this config trains."""
+    from verst.config import load_config
+    from verst.data.source import DataSource
+    from verst.models.loading import load_model_and_tokenizer
+
+    cfg = load_config(None, overrides)
+    _, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
+    data = DataSource(cfg.data, tokenizer, n_samples_per_prompt=1, seed=cfg.seed)
+    order = []
+    for _ in range(steps):
+        groups = data.take(cfg.rollout.prompts_per_step)
+        order.append(sorted((g[0].epoch, g[0].prompt_id) for g in groups))
+    return order
+
+
+def trained_order(run_dir: Path) -> list[list[tuple[int, int]]]:
+    """The (epoch, prompt_id) of the groups each step of a run trained (prompts.jsonl)."""
+    from verst.rollout.ledger import TRAINED, read_ledger
+
+    steps: dict[int, list[tuple[int, int]]] = {}
+    for line in read_ledger(run_dir / "prompts.jsonl"):
+        if line["outcome"] == TRAINED:
+            steps.setdefault(line["step"], []).append((line["epoch"], line["prompt_id"]))
+    return [sorted(steps[s]) for s in sorted(steps)]

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults import TrainProcess
+from tests.faults import TrainProcess, served_order, trained_order
 from tests.test_loop import SMALL
 from verst import launch
 from verst.config import ConfigError, load_config
+from verst.data.source import load_rows
+from verst.rollout.ledger import LEDGER_FILE, check_exactly_once
 
 pytest.importorskip("aiohttp")
 
@@ -46,10 +48,20 @@ def test_in_process_engines_cannot_be_restarted() -> None:
 
 
 def _check_survived(run: TrainProcess, rc: int, *, kills: int, sync: bool) -> list[dict]:
+    """The run finished, every step once, the failures counted, and the ledger exact: no prompt
+    trained twice in an epoch nor lost; a synchronous run trained exactly what an uninterrupted
+    one trains, step by step (engine failures cost no prompt a retry there)."""
     assert rc == 0, run.output()
     rows = run.records()
     steps = int(next(o for o in reversed(run.overrides) if o.startswith("num_steps="))[10:])
     assert [r["step"] for r in rows] == list(range(steps + 1)), "every step logged once"
+    cfg = load_config(None, run.overrides)
+    report = check_exactly_once(run.run_dir / LEDGER_FILE, len(load_rows(cfg.data)))
+    assert report.ok, report.summary()
+    trained = trained_order(run.run_dir)
+    assert sum(map(len, trained)) == steps * cfg.rollout.prompts_per_step
+    if sync:
+        assert trained == served_order(run.overrides, steps)
     last = rows[-1]
     assert last["fault/engine_restarts"] >= kills, run.kills
     assert last["fault/serving_engines"] >= 1
