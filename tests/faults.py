@@ -56,6 +56,12 @@ def last_step(run_dir: Path) -> int:
     return steps[-1] if steps else -1
 
 
+def trainer_pid(supervisor_pid: int) -> int | None:
+    """The trainer a `verst train --max-restarts` supervisor runs now, if any."""
+    children = child_pids(supervisor_pid)
+    return children[0] if children else None
+
+
 @dataclass
 class TrainProcess:
     """`python -m verst train` in a subprocess, with its output in `run_dir.log`."""
@@ -112,12 +118,29 @@ class TrainProcess:
         self.wait_until(lambda row: row.get("fault/engines_down", 0) == 0, "engines back")
         time.sleep(rng.uniform(0.0, within_s))
         deadline = time.monotonic() + 60
-        while not (pids := engine_pids(self.pid)):  # all restarting: wait for one
+        while not (pids := engine_pids(self.engines_parent())):  # all restarting: wait for one
             assert time.monotonic() < deadline, "no engine process to kill"
             time.sleep(0.05)
         victim = rng.choice(sorted(pids))
         os.kill(victim, sig)
         self.kills.append((step, victim, signal.Signals(sig).name))
+        return victim
+
+    def engines_parent(self) -> int:
+        """The process that starts the engines: the trainer (under a supervisor, its child)."""
+        if "--max-restarts" not in self.extra_args:
+            return self.pid
+        return trainer_pid(self.pid) or -1
+
+    def kill_trainer(self, step: int, rng: random.Random, within_s: float = 0.5) -> int:
+        """Under `--max-restarts`: once `step` is logged, SIGKILL the trainer at a random
+        moment (up to `within_s`) later; returns its pid."""
+        self.wait_for_step(step)
+        time.sleep(rng.uniform(0.0, within_s))
+        victim = trainer_pid(self.pid)
+        assert victim is not None, "no trainer to kill"
+        os.kill(victim, signal.SIGKILL)
+        self.kills.append((step, victim, "SIGKILL"))
         return victim
 
     def finish(self, timeout_s: float = 600.0) -> int:

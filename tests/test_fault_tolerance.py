@@ -125,3 +125,22 @@ def test_an_engine_with_the_wrong_weight_version_is_restarted(tmp_path: Path) ->
         assert fleet.loop.run(asyncio.wait_for(back.health_generate(), 30))
     finally:
         run.close()
+
+
+@pytest.mark.slow
+def test_engine_and_trainer_kills_in_fully_async_mode_lose_no_prompt(tmp_path: Path) -> None:
+    """An engine dies, then the trainer (restarted by `--max-restarts` from its checkpoint):
+    the ledger still shows every prompt trained at most once and none lost."""
+    overrides = [*ENGINES, *DISAGGREGATED, "num_steps=300", "checkpoint.interval_steps=20"]
+    run = TrainProcess(overrides, tmp_path / "run", extra_args=["--max-restarts", "2"]).start()
+    rng = random.Random(5)
+    run.kill_engine(10, rng)
+    run.kill_trainer(45, rng)
+    assert run.finish() == 0, run.output()
+    rows = run.records()
+    assert [r["step"] for r in rows] == list(range(301)), "every step logged once"
+    assert len((tmp_path / "run" / "restarts.jsonl").read_text().splitlines()) == 1
+    cfg = load_config(None, overrides)
+    report = check_exactly_once(tmp_path / "run" / LEDGER_FILE, len(load_rows(cfg.data)))
+    assert report.ok, report.summary()
+    assert sum(map(len, trained_order(tmp_path / "run"))) == 300 * cfg.rollout.prompts_per_step
