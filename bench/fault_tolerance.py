@@ -31,6 +31,7 @@ import signal
 import statistics
 import subprocess
 import sys
+from collections import Counter
 import tempfile
 import time
 from pathlib import Path
@@ -154,8 +155,8 @@ def measure(mode: str, args: argparse.Namespace, root: Path) -> dict:
     ]
     cfg = load_config(None, overrides)
     report = check_exactly_once(faulty_dir(root, mode) / LEDGER_FILE, len(load_rows(cfg.data)))
-    ledger = read_ledger(faulty_dir(root, mode) / LEDGER_FILE)
-    retried = sum(1 for line in ledger if line["outcome"] == "retried")
+    retried = retried_by_reason(faulty_dir(root, mode))
+    baseline_retried = retried_by_reason(root / f"{mode}_base")
     last = rows[-1]
     lengths = [r["rollout/response_len_mean"] for r in rows[1:]]
     return {
@@ -169,12 +170,25 @@ def measure(mode: str, args: argparse.Namespace, root: Path) -> dict:
         "trajectories_per_s_during_outages": during,
         "throughput_kept_during_outage": statistics.median(during) / base_rate,
         "retried_requests_groups": last["fault/retried_groups"],
-        "ledger_retried_groups": retried,
+        "ledger_retried_groups": sum(retried.values()),
+        "ledger_retried_by_reason": retried,
+        "baseline_ledger_retried_by_reason": baseline_retried,
         "lost_groups": sum(map(len, report.lost.values())),
         "trained_twice_groups": sum(map(len, report.trained_twice.values())),
         "response_len_mean": statistics.mean(lengths),
         "response_len_min_max": [min(lengths), max(lengths)],
     }
+
+
+def retried_by_reason(run_dir: Path) -> dict[str, int]:
+    """Groups the ledger says were served again, by reason (stale groups are retried in fully
+    async mode with or without failures: compare with the baseline's)."""
+    counts = Counter(
+        line["reason"]
+        for line in read_ledger(run_dir / LEDGER_FILE)
+        if line["outcome"] == "retried"
+    )
+    return dict(sorted(counts.items()))
 
 
 def faulty_dir(root: Path, mode: str) -> Path:
@@ -192,8 +206,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--async-steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--async-steps", type=int, default=3000)
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--within-s", type=float, default=0.3, help="random moment of a step")
     parser.add_argument("--interval-s", type=float, default=1.0)
@@ -213,7 +227,8 @@ def main() -> None:
                 f"(all {', '.join(f'{s:.2f}' for s in result['outage_s'])}); throughput during "
                 f"an outage {result['throughput_kept_during_outage']:.2f}x the baseline "
                 f"({result['baseline_trajectories_per_s']:.0f} trajectories/s); groups: "
-                f"retried {result['ledger_retried_groups']} (requests rerouted for "
+                f"retried {result['ledger_retried_by_reason']} (baseline "
+                f"{result['baseline_ledger_retried_by_reason']}; requests rerouted for "
                 f"{result['retried_requests_groups']:.0f}), lost {result['lost_groups']}, "
                 f"trained twice {result['trained_twice_groups']}",
                 flush=True,

@@ -16,6 +16,9 @@ from tests.test_loop import SMALL
 from verst import launch
 from verst.config import ConfigError, load_config
 from verst.data.source import load_rows
+from verst.engine import GenerateRequest
+from verst.engine.sampling import SamplingParams
+from verst.fleet.health import EngineMonitor, FaultToleranceConfig
 from verst.rollout.ledger import LEDGER_FILE, check_exactly_once
 
 pytest.importorskip("aiohttp")
@@ -45,6 +48,39 @@ def test_in_process_engines_cannot_be_restarted() -> None:
         with pytest.raises(ConfigError, match="cannot be restarted"):
             load_config(None, overrides)
     assert load_config(None, ["placement.engines=processes"]).fault_tolerance.active("processes")
+
+
+def test_a_busy_engine_is_not_taken_for_a_hung_one(tmp_path: Path) -> None:
+    """The probe token waits behind a full batch (one running request, max_batch_size 1): the
+    engine runs requests, so it is busy, not failed."""
+    tiny = SMALL[3].replace("max_position_embeddings: 32", "max_position_embeddings: 4096")
+    overrides = [*SMALL, tiny, "warm_start.enabled=false", "eval.interval_steps=0"]
+    overrides += ["placement.engines=in_process", "placement.max_batch_size=1"]
+    run = launch.build(load_config(None, overrides), tmp_path)
+    try:
+        fleet = run.fleet
+        assert fleet is not None
+        ((url, client),) = fleet.serving_engines().items()
+        monitor = EngineMonitor(fleet, FaultToleranceConfig(timeout_s=0.3))
+        params = SamplingParams(max_new_tokens=3000, ignore_eos=True)
+        long = GenerateRequest(input_ids=[1, 2, 3], sampling_params=params)
+
+        async def probe_while_busy() -> tuple[str | None, dict, str]:
+            running = asyncio.ensure_future(fleet.agenerate(long, key="long"))
+            await asyncio.sleep(0.2)
+            with pytest.raises(TimeoutError):  # the probe token waits behind the long request
+                await asyncio.wait_for(client.health_generate(), 0.3)
+            problem = await monitor.problem(url, client)
+            load = await client.get_load()
+            await client.abort_request(abort_all=True)
+            return problem, load["loads"][0], (await running).finish_reason
+
+        problem, load, finish = fleet.loop.run(probe_while_busy())
+        assert problem is None
+        assert load["num_running_reqs"] == 1, "the long request ran through the probe"
+        assert finish == "abort"
+    finally:
+        run.close()
 
 
 def _check_survived(run: TrainProcess, rc: int, *, kills: int, sync: bool) -> list[dict]:

@@ -4,7 +4,8 @@ Every `interval_s` the monitor checks each serving engine of a fleet, all at onc
 
 - its process has not exited;
 - it answers `GET /health_generate` (a one-token generation through the scheduler) within
-  `timeout_s`; while a weight push is in progress the engines are paused, so it is asked only
+  `timeout_s`, or, when the probe waits behind a full batch, it answers `/v1/loads` and runs
+  requests; while a weight push is in progress the engines are paused, so it is asked only
   `GET /health` (the serving loop is alive) then;
 - once weights have been pushed, it reports the fleet's weight version (checked only when no
   push began or ran during the check).
@@ -134,6 +135,17 @@ class EngineMonitor:
             self.fleet.lose(url, problem)
         return failed
 
+    async def _busy(self, client: EngineClient) -> bool:
+        """A probe token may wait behind a full batch of long generations: an engine whose
+        serving loop answers and that runs requests is busy, not hung (a hung step is found by
+        the next weight push, whose control calls are bounded)."""
+        try:
+            load = await asyncio.wait_for(client.get_load(), self.cfg.timeout_s)
+            running = sum(int(rank["num_running_reqs"]) for rank in load["loads"])
+        except Exception:
+            return False
+        return running > 0
+
     async def problem(self, url: str, client: EngineClient) -> str | None:
         """Why the engine at `url` has failed, or None when it is healthy."""
         code = self.fleet.exit_code(url)
@@ -145,6 +157,8 @@ class EngineMonitor:
         try:
             ok = await asyncio.wait_for(probe, self.cfg.timeout_s)
         except TimeoutError:
+            if not pushing and await self._busy(client):
+                return None
             return f"no answer to a health check within {self.cfg.timeout_s:g} s"
         if not ok:
             return "it failed a health check"
