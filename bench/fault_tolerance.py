@@ -31,9 +31,9 @@ import signal
 import statistics
 import subprocess
 import sys
-from collections import Counter
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
