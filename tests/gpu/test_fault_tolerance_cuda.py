@@ -29,7 +29,7 @@ RUNS = {
     "cuda_ipc": ["sync.transport=colocated"],
     "fully_async_disk": [
         "mode=fully_async",
-        "num_steps=2000",
+        "num_steps=1000",
         "placement.mode=disaggregated",
         "placement.engine_devices=[cuda:0]",
         "sync.transport=disk",
