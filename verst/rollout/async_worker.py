@@ -69,18 +69,10 @@ from verst.rollout.buffer import (
     load_buffer_class,
     make_buffer,
 )
-from verst.rollout.ledger import (
-    ABORTED,
-    DROPPED,
-    RETRIED,
-    STALE,
-    TOO_FEW_SCORED,
-    Fate,
-    Ledger,
-    unused_fate,
-)
+from verst.rollout.ledger import TOO_FEW_SCORED, Ledger
 from verst.rollout.rewards import RewardScorer
 from verst.rollout.slots import BEFORE_PUT, Replacement, Slots
+from verst.rollout.unused import UnusedGroups
 from verst.types import Group, Sample, Status, scored_count
 
 log = logging.getLogger(__name__)
@@ -554,44 +546,13 @@ def build_rollout_worker(
     (the trainer records the groups it takes).
     """
     give_back = source.give_back if cfg.unused == "retry" else None
-    worker: RolloutWorker | None = None  # made below; the buffer reports its drops to it
-
-    def unused(groups: list[Group], reason: str) -> None:
-        assert worker is not None
-        worker.forget(groups)
-        fates = []
-        for group in groups:
-            fate = unused_fate(
-                group, reason, retry=give_back is not None, max_retries=max_prompt_retries
-            )
-            if fate.outcome == RETRIED:
-                assert give_back is not None
-                for sample in group:
-                    sample.retries = fate.retries
-                give_back([group])
-            fates.append(fate)
-        if ledger is not None:
-            ledger.record(fates)
-
-    def dropped(groups: list[Group]) -> None:  # the buffer's give_back: aborted or stale
-        for group in groups:
-            unused([group], ABORTED if is_aborted(group) else STALE)
-
-    def accepted(group: Group) -> bool:
-        assert worker is not None and group_filter is not None
-        if group_filter(group):
-            return True
-        worker.forget([group])
-        if ledger is not None:
-            ledger.record([Fate.of(group, DROPPED, filter_reason)])
-        return False
-
+    fates = UnusedGroups(give_back, ledger, max_prompt_retries, group_filter, filter_reason)
     buffer = make_buffer(
         cfg.buffer,
         capacity=cfg.buffer_capacity(prompts_per_step),
         max_staleness=cfg.max_staleness,
-        give_back=dropped,
-        group_filter=accepted if group_filter is not None else None,
+        give_back=fates.dropped,
+        group_filter=fates.accepted if group_filter is not None else None,
     )
     worker = RolloutWorker(
         source,
@@ -605,6 +566,7 @@ def build_rollout_worker(
         max_ahead=cfg.ahead_limit(prompts_per_step),
         reward_timeout_s=reward_timeout_s,
         min_scored_samples=min_scored_samples,
-        set_aside=unused,
+        set_aside=fates.set_aside,
     )
+    fates.worker = worker
     return worker
