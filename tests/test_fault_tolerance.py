@@ -164,19 +164,29 @@ def test_an_engine_with_the_wrong_weight_version_is_restarted(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_engine_and_trainer_kills_in_fully_async_mode_lose_no_prompt(tmp_path: Path) -> None:
-    """An engine dies, then the trainer (restarted by `--max-restarts` from its checkpoint):
-    the ledger still shows every prompt trained at most once and none lost."""
-    overrides = [*ENGINES, *DISAGGREGATED, "num_steps=300", "checkpoint.interval_steps=20"]
+@pytest.mark.parametrize(
+    "overrides",
+    [[*DISAGGREGATED, "num_steps=300"], ["sync.transport=disk", "num_steps=120"]],
+    ids=["async_broadcast", "sync_disk"],
+)
+def test_an_engine_then_the_trainer_killed_lose_no_prompt(
+    tmp_path: Path, overrides: list[str]
+) -> None:
+    """An engine dies, then the trainer (restarted by `--max-restarts` from its checkpoint,
+    with new engines): every step logged once, and the ledger exact."""
+    overrides = [*ENGINES, *overrides, "checkpoint.interval_steps=20"]
     run = TrainProcess(overrides, tmp_path / "run", extra_args=["--max-restarts", "2"]).start()
     rng = random.Random(5)
     run.kill_engine(10, rng)
     run.kill_trainer(45, rng)
     assert run.finish() == 0, run.output()
-    rows = run.records()
-    assert [r["step"] for r in rows] == list(range(301)), "every step logged once"
     assert len((tmp_path / "run" / "restarts.jsonl").read_text().splitlines()) == 1
     cfg = load_config(None, overrides)
+    rows = run.records()
+    assert [r["step"] for r in rows] == list(range(cfg.num_steps + 1)), "every step logged once"
     report = check_exactly_once(tmp_path / "run" / LEDGER_FILE, len(load_rows(cfg.data)))
     assert report.ok, report.summary()
-    assert sum(map(len, trained_order(tmp_path / "run"))) == 300 * cfg.rollout.prompts_per_step
+    trained = trained_order(tmp_path / "run")
+    assert sum(map(len, trained)) == cfg.num_steps * cfg.rollout.prompts_per_step
+    if cfg.mode == "sync":
+        assert trained == served_order(overrides, cfg.num_steps)

@@ -28,7 +28,9 @@ from typing import Any
 
 # Their presence means the directory holds a run (`--resume` continues it, `--overwrite` clears
 # it); an attempt that crashed before its first checkpoint starts over without them.
-RUN_MARKERS = ("metrics.jsonl", "checkpoints")
+# what a run writes that a start from scratch must not find: its records, its checkpoints and
+# its prompt ledger (`verst.rollout.ledger.LEDGER_FILE`)
+RUN_MARKERS = ("metrics.jsonl", "checkpoints", "prompts.jsonl")
 
 # A failed write that names no file (a flush at close) is the run directory's when it says
 # the storage is full or read-only: nothing else a run writes to fails that way with no path.

@@ -17,6 +17,7 @@ time (FSDP2 shards become full tensors tensor by tensor, never the whole model a
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,7 +148,11 @@ class FleetSync:
             )
             fleet.loop.run(transport.connect(fleet.clients))
         elif name == "disk":
-            publisher = DiskPublisher(run_dir / "weights", mode=cfg.disk_mode)
+            root = run_dir / "weights"
+            # versions an earlier process of this run published (before a resume) fed engines
+            # that are gone, and would collide with the versions this process publishes
+            shutil.rmtree(root, ignore_errors=True)
+            publisher = DiskPublisher(root, mode=cfg.disk_mode)
             transport = DiskTransport(publisher)
         else:
             raise ValueError(f"unknown sync.transport {name!r}")
