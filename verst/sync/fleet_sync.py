@@ -95,6 +95,7 @@ class FleetSync:
                 max_resends=max_resends,
                 on_engine_lost=fleet.lose_client,
                 call_timeout_s=ft.timeout_s if ft is not None else None,
+                repeat_send=distributed.world_size() == 1,
             )
             if distributed.world_size() == 1:  # other ranks could not join the gathers
                 fleet.rejoin = self.rejoin
@@ -226,7 +227,7 @@ class FleetSync:
                     report = await self.protocol.push(self.tensors, version, engines)
                     break
                 except EveryEngineLost:
-                    if not fleet.recovering:
+                    if not fleet.recovering or not self.protocol.repeat_send:
                         raise
                     engines = await fleet.restarted_engines()  # they take this push instead
             pushed = version

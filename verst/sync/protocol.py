@@ -66,6 +66,7 @@ class WeightSync:
         max_resends: int = 1,
         on_engine_lost: EngineLost | None = None,
         call_timeout_s: float | None = None,
+        repeat_send: bool = True,
     ) -> None:
         self.engines = list(engines)
         self.transport = transport
@@ -73,6 +74,9 @@ class WeightSync:
         self.max_resends = max_resends
         self.on_engine_lost = on_engine_lost
         self.call_timeout_s = call_timeout_s
+        # False when the tensors can be walked only once a push (under torchrun every walk
+        # is a gather the other ranks join once): a failed send then fails the push
+        self.repeat_send = repeat_send
 
     async def push(
         self, tensors: NamedTensors, version: int, engines: list[EngineClient] | None = None
@@ -148,6 +152,11 @@ class WeightSync:
             except Exception as error:
                 if self.on_engine_lost is None:
                     raise
+                if not self.repeat_send:
+                    raise WeightSyncError(
+                        f"sending version {version} failed ({_describe(error)}), and the send "
+                        "cannot be repeated: the other trainer ranks gathered the weights once"
+                    ) from error
                 alive = await asyncio.gather(*(self._alive(e) for e in report.engines))
                 dead = [e for e, ok in zip(report.engines, alive, strict=True) if not ok]
                 if not dead:
