@@ -157,6 +157,8 @@ class EngineMonitor:
         try:
             ok = await asyncio.wait_for(probe, self.cfg.timeout_s)
         except TimeoutError:
+            if self.fleet.pushes_begun != pushes and not pushing:
+                return None  # a push paused the engine under the probe: no verdict
             if not pushing and await self._busy(client):
                 return None
             return f"no answer to a health check within {self.cfg.timeout_s:g} s"
