@@ -178,6 +178,8 @@ def test_two_trainer_ranks_share_rank_zeros_engines(tmp_path: Path, overrides: l
 
 @pytest.mark.slow
 def test_a_dead_engine_process_is_routed_around(tmp_path: Path) -> None:
+    """Without fault tolerance a dead engine is only routed around (restarts: in
+    tests/test_fault_tolerance.py)."""
     cfg = load_config(
         None,
         [
@@ -187,6 +189,7 @@ def test_a_dead_engine_process_is_routed_around(tmp_path: Path) -> None:
             "placement.num_engines=2",
             "placement.engine_threads=1",
             "sync.transport=disk",
+            "fault_tolerance.enabled=false",
         ],
     )
     run = launch.build(cfg, tmp_path)
