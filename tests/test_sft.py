@@ -196,3 +196,13 @@ def test_rl_starts_from_an_sft_checkpoint_with_the_accuracy_sft_measured(tmp_pat
     ]
     assert main(["train", *rl_args, "--run-dir", str(rl_dir)]) == 0
     assert records(rl_dir)[0]["eval/accuracy"] == measured
+
+
+def test_sft_recipe_runs_its_first_steps(tmp_path: Path) -> None:
+    recipe = Path(__file__).parent.parent / "examples" / "sft.yaml"
+    args = ["sft", str(recipe), "sft.max_steps=2", "sft.eval_data.max_prompts=8"]
+    assert main([*args, "trainer.device=cpu", "--run-dir", str(tmp_path / "run")]) == 0
+    rows = records(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["sft/tokens"] > 128 and rows[-1]["eval/num_examples"] == 8
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_000002"]
