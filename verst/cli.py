@@ -1,4 +1,4 @@
-"""The `verst` command: `verst train`, `verst serve`, `verst route`, `verst sessions`,
+"""The `verst` command: `verst train`, `verst sft`, `verst serve`, `verst route`, `verst sessions`,
 `verst model create-tiny`.
 
 Config errors, missing files, a run directory that cannot be written and non-finite losses end
@@ -25,11 +25,18 @@ config fields (YAML keys / overrides):
 """
 
 
-def _train_parser(subparsers: argparse._SubParsersAction) -> None:
+def _train_parser(subparsers: argparse._SubParsersAction, command: str = "train") -> None:
+    sft = command == "sft"
     parser = subparsers.add_parser(
-        "train",
-        help="run RL training from a YAML config",
-        description="Run the synchronous RL loop: rollout → reward → train → weight sync.",
+        command,
+        help="run supervised fine-tuning from a YAML config (mode=sft)"
+        if sft
+        else "run RL training (or, with mode=sft, SFT) from a YAML config",
+        description="Run supervised fine-tuning on the sft section's data: `verst train` with "
+        "mode=sft."
+        if sft
+        else "Run the RL loop: rollout → reward → train → weight sync (mode=sft: supervised "
+        "fine-tuning instead).",
         epilog=TRAIN_EPILOG + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -226,6 +233,8 @@ def _check_restarts(args: argparse.Namespace) -> None:
 def _train(args: argparse.Namespace) -> int:
     _check_restarts(args)
     config, overrides = _split_config_and_overrides(args)
+    if args.command == "sft":
+        overrides.insert(0, "mode=sft")
     cfg = load_config(config, overrides)
     run_dir = _prepare_run_dir(args, config)
     check_writable(run_dir)
@@ -234,7 +243,11 @@ def _train(args: argparse.Namespace) -> int:
 
         train_args = [*([config] if config else []), *overrides, "--run-dir", str(run_dir)]
         return Supervisor(train_args, run_dir, args.max_restarts).run(resume=args.resume)
-    from verst.loop import train  # heavy imports only once the config is known to be valid
+    # heavy imports only once the config is known to be valid
+    if cfg.mode == "sft":
+        from verst.sft_loop import run_sft as train
+    else:
+        from verst.loop import train
 
     try:
         train(cfg, run_dir, resume=args.resume)
@@ -331,13 +344,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verst", description="RL post-training for LLMs")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _train_parser(subparsers)
+    _train_parser(subparsers, "sft")
     _serve_parser(subparsers)
     _route_parser(subparsers)
     _sessions_parser(subparsers)
     _model_parser(subparsers)
     args = parser.parse_args(argv)
     try:
-        if args.command == "train":
+        if args.command in ("train", "sft"):
             return _train(args)
         if args.command == "serve":
             return _serve(args)

@@ -24,7 +24,7 @@ from verst.rundir import writing
 from verst.sync.fleet_sync import SyncConfig
 from verst.train.algorithms import LossConfig
 from verst.train.checkpoint import CheckpointConfig
-from verst.train.sft import WarmStartConfig
+from verst.train.sft import SFTConfig, WarmStartConfig
 from verst.train.trainer import TrainerConfig
 
 
@@ -35,10 +35,11 @@ class ConfigError(ValueError):
 class RunConfig(ConfigBase):
     seed: int = Field(0, description="seed for model init, data order, sampling and dropout")
     num_steps: int = Field(100, ge=1, description="RL steps (rollout → train → sync) to run")
-    mode: Literal["sync", "fully_async"] = Field(
+    mode: Literal["sync", "fully_async", "sft"] = Field(
         "sync",
         description="sync = rollout, train and sync in turn; fully_async = engines generate "
-        "continuously on their own devices while the trainer consumes finished groups",
+        "continuously on their own devices while the trainer consumes finished groups; sft = "
+        "supervised fine-tuning on the sft section's data (no rollout)",
     )
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads per process; unset = torch's default"
@@ -59,6 +60,9 @@ class RunConfig(ConfigBase):
     sync: SyncConfig = Field(default_factory=SyncConfig, description="weight transport")
     warm_start: WarmStartConfig = Field(
         default_factory=WarmStartConfig, description="optional SFT before RL"
+    )
+    sft: SFTConfig = Field(
+        default_factory=SFTConfig, description="supervised fine-tuning (mode: sft)"
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     checkpoint: CheckpointConfig = Field(

@@ -38,8 +38,10 @@ from verst.rollout.rewards import RewardScorer, load_reward_fn
 from verst.rollout.source import AgentRollout, AsyncRollout, EngineRollout, RolloutSource
 from verst.sync.embedded import EmbeddedSync
 from verst.sync.fleet_sync import FleetSync
+from verst.train.batching import TrainItem
 from verst.train.checkpoint import Checkpointer
 from verst.train.policy import PolicyModels
+from verst.train.sft_data import load_examples
 from verst.train.trainer import Trainer, compute_dtype
 
 ENGINE_INIT_DIR = "engine_init"
@@ -58,8 +60,7 @@ class Run:
     ledger: Ledger
     checkpointer: Checkpointer
     evaluator: Evaluator | None
-    warm_start_data: DataSource | None
-    encode_answer: Callable[[str], list[int]]
+    warm_start_items: list[TrainItem] | None
     dev_accuracy: Callable[[], float]
     fleet: Fleet | None = None
 
@@ -125,9 +126,6 @@ def wire(
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    def encode_answer(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"] + [eos_ids[0]]
-
     def evaluator_for(data_cfg: DataSourceConfig) -> Evaluator:
         prompts = DataSource(data_cfg, tokenizer, n_samples_per_prompt=1, seed=cfg.seed)
         eval_rewards = RewardScorer(eval_reward_fn, timeout_s=timeout_s, field=eval_field)
@@ -173,10 +171,9 @@ def wire(
         ledger=ledger,
         checkpointer=checkpointer,
         evaluator=evaluator_for(cfg.eval.data) if cfg.eval.interval_steps > 0 else None,
-        warm_start_data=DataSource(warm.data, tokenizer, n_samples_per_prompt=1, seed=cfg.seed)
+        warm_start_items=load_examples(warm.data, warm.format, tokenizer, eos_ids[0])[0]
         if warm.enabled
         else None,
-        encode_answer=encode_answer,
         dev_accuracy=dev_accuracy,
         fleet=fleet,
     )

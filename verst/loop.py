@@ -78,14 +78,14 @@ def begin(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, versio
         return version
     dump_config(cfg, run.run_dir / "config.yaml")
     first = {"step": 0}
-    if run.warm_start_data is not None:
+    if run.warm_start_items is not None:
         first |= warm_start(
             cfg.warm_start,
             run.policy.trainer,
-            run.warm_start_data,
-            run.encode_answer,
+            run.warm_start_items,
             run.dev_accuracy,
             log.info,
+            seed=cfg.seed,
         )
     run.policy.start_rl()
     version = int(run.engine.weight_version) + 1  # after the warm start's versions, if any

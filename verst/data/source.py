@@ -90,11 +90,10 @@ def _read_parquet(path: Path) -> list[tuple[int, dict]]:
     return list(enumerate(pq.read_table(path).to_pylist(), start=1))
 
 
-def load_rows(cfg: DataSourceConfig) -> list[dict]:
-    """The rows named by `cfg` in file (or split) order, capped at `max_prompts`.
-
-    Every row is checked for the prompt key here, so a bad row fails before training starts.
-    """
+def read_rows(cfg: DataSourceConfig) -> tuple[list[tuple[int, dict]], str, str]:
+    """The rows named by `cfg` in file (or split) order, capped at `max_prompts`, each with its
+    number (a file's line, a split's row), and the words that locate a row in an error message:
+    where they come from (the file, or the task and split) and what a number counts."""
     if cfg.task is not None:
         rows = make_task(cfg.task, cfg.split, cfg.task_seed, **cfg.task_kwargs)
         numbered = list(enumerate(rows, start=1))
@@ -115,6 +114,15 @@ def load_rows(cfg: DataSourceConfig) -> list[dict]:
         where = str(path)
     if cfg.max_prompts is not None:
         numbered = numbered[: cfg.max_prompts]
+    return numbered, where, unit
+
+
+def load_rows(cfg: DataSourceConfig) -> list[dict]:
+    """The rows named by `cfg` in file (or split) order, capped at `max_prompts`.
+
+    Every row is checked for the prompt key here, so a bad row fails before training starts.
+    """
+    numbered, where, unit = read_rows(cfg)
     for number, row in numbered:
         if cfg.prompt_key not in row:
             raise ValueError(

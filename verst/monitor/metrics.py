@@ -20,8 +20,10 @@ CONSOLE_KEYS = (
     ("rollout/reward_mean", "reward"),
     ("rollout/response_len_mean", "len"),
     ("train/loss", "loss"),
+    ("sft/loss", "sft_loss"),
     ("train/grad_norm", "gnorm"),
     ("train/train_rollout_logprob_abs_diff", "lp_diff"),
+    ("eval/loss", "eval_loss"),
     ("eval/accuracy", "eval_acc"),
     ("buffer/queue_size", "queue"),
     ("buffer/staleness_max", "stale_max"),
@@ -36,12 +38,14 @@ def _format(value: Any) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int) -> None:
+    def __init__(
+        self, run_dir: Path, total_steps: int, start_step: int, *, label: str = "RL"
+    ) -> None:
         self.enabled = distributed.rank() == 0
         self.path = run_dir / "metrics.jsonl"
         self.console = Console(stderr=True)
         self.progress = Progress(
-            TextColumn("[bold]RL"),
+            TextColumn(f"[bold]{label}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeRemainingColumn(),

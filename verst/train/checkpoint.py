@@ -34,7 +34,7 @@ CHECKPOINT_NAME = re.compile(r"step_\d+")
 
 class CheckpointConfig(ConfigBase):
     interval_steps: int = Field(
-        0, ge=0, description="save every N RL steps (and at the end); 0 = only at the end"
+        0, ge=0, description="save every N steps (and at the end); 0 = only at the end"
     )
     keep_last: int = Field(2, ge=1, description="how many checkpoints to keep on disk")
 

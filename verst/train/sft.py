@@ -1,23 +1,57 @@
-"""Supervised warm start before RL: teach the answer format until a dev accuracy is reached.
+"""Supervised fine-tuning: the `sft:` section of `mode: sft`, and the warm start before RL.
 
-RL needs some reward signal to start from; a random tiny model has none. The warm start trains
-on (prompt, label + EOS) pairs with the loss on the answer only, and stops as soon as greedy dev
-accuracy reaches `target_accuracy` (checked every `check_interval_steps`), so RL starts from a
-model that is right sometimes, not always.
+Both train on `TrainItem`s from `verst.train.sft_data` (the loss on what the model is taught to
+write) with `Trainer.sft_step`, batches served by `SFTBatches`. The SFT mode's loop is
+`verst.sft_loop`. The warm start is a short use of the same path: prompt/label pairs, stopped as
+soon as greedy dev accuracy on the rollout engine reaches `target_accuracy` (checked every
+`check_interval_steps`), so RL starts from a model that is right sometimes, not always.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from verst import distributed
 from verst.configbase import ConfigBase
-from verst.data.source import DataSource, DataSourceConfig
+from verst.data.source import DataSourceConfig
 from verst.train.batching import TrainItem
+from verst.train.sft_data import SFTBatches, SFTFormatConfig
 from verst.train.trainer import Trainer
-from verst.types import Sample
+
+
+class SFTConfig(SFTFormatConfig):
+    """`mode: sft`: the data, batches and evaluation; the optimiser is the `trainer:` section."""
+
+    data: DataSourceConfig = Field(
+        default_factory=lambda: DataSourceConfig(task="addition", split="train"),
+        description="training rows: chat messages or prompt/completion pairs",
+    )
+    eval_data: DataSourceConfig | None = Field(
+        default_factory=lambda: DataSourceConfig(task="addition", split="dev", shuffle=False),
+        description="held-out rows for eval/loss and eval/accuracy; null = no evaluation",
+    )
+    batch_size: int = Field(64, ge=1, description="examples per step (unless batch_tokens)")
+    batch_tokens: int | None = Field(
+        None, ge=1, description="tokens per step instead of batch_size (at least one example)"
+    )
+    epochs: float = Field(1.0, gt=0, description="passes over the training data")
+    max_steps: int | None = Field(
+        None, ge=1, description="stop after this many steps even if epochs are not done"
+    )
+    eval_interval_steps: int = Field(
+        50, ge=0, description="evaluate every N steps, at step 0 and at the end; 0 = end only"
+    )
+    target_accuracy: float | None = Field(
+        None, gt=0, le=1, description="stop once eval/accuracy reaches this; unset = never"
+    )
+
+    @model_validator(mode="after")
+    def _target_needs_eval(self) -> SFTConfig:
+        if self.target_accuracy is not None and self.eval_data is None:
+            raise ValueError("sft.target_accuracy needs sft.eval_data to measure accuracy on")
+        return self
 
 
 class WarmStartConfig(ConfigBase):
@@ -38,35 +72,40 @@ class WarmStartConfig(ConfigBase):
     )
     check_interval_steps: int = Field(5, ge=1, description="measure dev accuracy every N steps")
 
+    @property
+    def format(self) -> SFTFormatConfig:
+        """Rows as prompt/completion pairs whose completion is the label."""
+        return SFTFormatConfig(format="prompt_completion", completion_key=self.data.label_key)
 
-def sft_item(sample: Sample, answer_ids: list[int]) -> TrainItem:
-    """prompt + answer, with the loss on the answer tokens only."""
-    return TrainItem(
-        tokens=sample.prompt_tokens + answer_ids,
-        response_length=len(answer_ids),
-        loss_mask=[1] * len(answer_ids),
-        rollout_logprobs=[0.0] * len(answer_ids),
-        advantage=0.0,
-    )
+
+def rank_share(items: list[TrainItem], batch: list[int]) -> list[TrainItem]:
+    """This rank's items of a batch of indices (every rank draws the same batch)."""
+    return [items[i] for i in batch[distributed.rank() :: distributed.world_size()]]
 
 
 def warm_start(
     cfg: WarmStartConfig,
     trainer: Trainer,
-    source: DataSource,
-    encode_answer: Callable[[str], list[int]],
+    items: list[TrainItem],
     dev_accuracy: Callable[[], float],
     log: Callable[[str], None],
+    *,
+    seed: int,
 ) -> dict[str, float]:
-    """Run SFT steps until dev accuracy ≥ target or max_steps; returns what happened."""
+    """Run SFT steps on `items` until dev accuracy ≥ target or max_steps; returns what
+    happened."""
     optimizer = trainer.make_optimizer(cfg.lr)
+    batches = SFTBatches(
+        [len(item.tokens) for item in items],
+        batch_size=cfg.batch_size,
+        shuffle=cfg.data.shuffle,
+        seed=seed,
+    )
     accuracy = 0.0
     loss = float("nan")
     step = 0
     for step in range(1, cfg.max_steps + 1):
-        groups = source.take(cfg.batch_size)[distributed.rank() :: distributed.world_size()]
-        items = [sft_item(g[0], encode_answer(str(g[0].label))) for g in groups]
-        loss = trainer.sft_step(items, optimizer, step=step)
+        loss = trainer.sft_step(rank_share(items, batches.next()), optimizer, step=step)["loss"]
         if step % cfg.check_interval_steps == 0 or step == cfg.max_steps:
             accuracy = dev_accuracy()
             log(f"warm start step {step}: sft loss {loss:.4f}, dev accuracy {accuracy:.3f}")

@@ -310,9 +310,15 @@ class Trainer:
         }
 
     def sft_step(
-        self, items: list[TrainItem], optimizer: torch.optim.Optimizer, *, step: int
-    ) -> float:
-        """One supervised step: mean negative log-likelihood of the masked tokens."""
+        self,
+        items: list[TrainItem],
+        optimizer: torch.optim.Optimizer,
+        *,
+        step: int,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    ) -> dict[str, float]:
+        """One supervised step: mean negative log-likelihood of the masked tokens over all
+        ranks; returns `loss`, `grad_norm` and `tokens` (masked tokens, all ranks)."""
         token_norm, _ = self._global_counts(items)
         total = 0.0
         for is_last, micro in self._micro_batches(items):
@@ -321,10 +327,46 @@ class Trainer:
             loss = -(logprobs * micro.loss_mask_B_T).sum() / token_norm
             loss.backward()
             total += loss.item()
-        self._clip_and_check(self.model, optimizer, total, step)
+        grad_norm = self._clip_and_check(self.model, optimizer, total, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return distributed.all_reduce_sum([total], self.device)[0] / distributed.world_size()
+        if scheduler is not None:
+            scheduler.step()
+        world = distributed.world_size()
+        return {
+            "loss": distributed.all_reduce_sum([total], self.device)[0] / world,
+            "grad_norm": grad_norm,
+            "tokens": token_norm * world,
+        }
+
+    @torch.no_grad()
+    def sft_eval(self, items: list[TrainItem]) -> dict[str, float]:
+        """Held-out NLL of the masked tokens, the share of them that are the argmax, and the
+        share of examples whose every masked token is the argmax (greedy decoding would write
+        the reference exactly), over all ranks' items."""
+        sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # nll, tokens, right tokens, right examples, examples
+        self.model.eval()
+        for _, micro in self._micro_batches(items):
+            logits = self._logits(self.model, micro)
+            mask = micro.loss_mask_B_T
+            logprobs = logprobs_from_logits(logits, micro.response_ids_B_T)
+            right = (logits.argmax(-1) == micro.response_ids_B_T).float()
+            scored = mask.sum(-1) > 0  # a rank's stand-in rows carry no mask
+            whole = ((right * mask).sum(-1) == mask.sum(-1)) & scored
+            batch = [-(logprobs * mask).sum(), mask.sum(), (right * mask).sum(), whole.sum()]
+            for i, value in enumerate([*batch, scored.sum()]):
+                sums[i] += float(value)
+        # a forward without a backward leaves the parameters unsharded (no post-backward hook
+        # reshards them): the optimiser and the next forward must see the sharded ones
+        self.model.reshard()
+        self.model.train()
+        nll, tokens, right_tokens, right, count = distributed.all_reduce_sum(sums, self.device)
+        return {
+            "eval/loss": nll / max(tokens, 1.0),
+            "eval/token_accuracy": right_tokens / max(tokens, 1.0),
+            "eval/accuracy": right / max(count, 1.0),
+            "eval/num_examples": count,
+        }
 
     def _clip_and_check(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: float, step: int

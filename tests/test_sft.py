@@ -1,0 +1,208 @@
+"""SFT mode: assistant-only loss masks, row errors, batches, the run through `verst sft`, resume,
+and RL started from an SFT checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from verst.cli import main
+from verst.data.source import DataSource, DataSourceConfig
+from verst.models.tiny import build_char_tokenizer
+from verst.train.checkpoint import list_checkpoints, load_weights
+from verst.train.sft_data import (
+    SFTBatches,
+    SFTFormatConfig,
+    chat_tokens_and_mask,
+    item_from_mask,
+    load_examples,
+)
+
+TINY = [
+    "trainer.device=cpu",
+    "num_threads=1",
+    "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
+    "intermediate_size: 64, max_position_embeddings: 64}",
+]
+CHAT = [
+    {"role": "system", "content": "s"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "ok"},
+    {"role": "user", "content": "x"},
+    {"role": "assistant", "content": "yz"},
+]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_chat_mask_covers_assistant_content_and_end_of_turn_only() -> None:
+    # ChatML, one id per character: "<|im_start|>system\ns<|im_end|>\n" is tokens 0..10,
+    # the user turn 11..20, the assistant header "<|im_start|>assistant\n" 21..31, then "o" 32,
+    # "k" 33, "<|im_end|>" 34, "\n" 35; user 36..44; header 45..55, "y" 56, "z" 57,
+    # "<|im_end|>" 58, "\n" 59
+    tokenizer = build_char_tokenizer()
+    tokens, mask = chat_tokens_and_mask(tokenizer, CHAT)
+    assert len(tokens) == 60
+    assert [i for i, m in enumerate(mask) if m] == [32, 33, 34, 56, 57, 58]
+    assert tokenizer.convert_ids_to_tokens([tokens[i] for i in (32, 33, 34, 56, 57, 58)]) == [
+        "o",
+        "k",
+        "<|im_end|>",
+        "y",
+        "z",
+        "<|im_end|>",
+    ]
+    item = item_from_mask(tokens, mask)
+    # the prompt ends before "o"; the "\n" after the last trained token is dropped
+    assert item.tokens == tokens[:59] and item.response_length == 27
+    assert item.loss_mask == mask[32:59]
+
+
+def test_prompt_completion_rows_train_on_completion_and_eos(tmp_path: Path) -> None:
+    tokenizer = build_char_tokenizer()
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2=", "completion": "4"}])
+    items, skipped = load_examples(
+        DataSourceConfig(path=str(path)), SFTFormatConfig(), tokenizer, 0
+    )
+    assert skipped == 0
+    (item,) = items
+    assert item.tokens == tokenizer("2+2=4")["input_ids"] + [0]
+    assert item.response_length == 2 and item.loss_mask == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (
+            {"messages": [{"role": "user", "content": "hi"}]},
+            "line 2: 'messages' has no assistant message (roles: ['user'])",
+        ),
+        ({"prompt": "1+1="}, "line 2: has neither a messages key 'messages' nor"),
+        ({"messages": [{"role": "assistant"}]}, "line 2: messages[0] (assistant) has no text"),
+    ],
+)
+def test_bad_rows_name_file_line_and_field(tmp_path: Path, row: dict, message: str) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CHAT}, row])
+    with pytest.raises(ValueError, match="bad.jsonl") as error:
+        load_examples(
+            DataSourceConfig(path=str(path)), SFTFormatConfig(), build_char_tokenizer(), 0
+        )
+    assert message in str(error.value)
+
+
+def test_bad_row_stops_verst_sft_with_exit_code_2(tmp_path: Path, capsys) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    args = ["sft", *TINY, f"sft.data={{path: {path}}}", "sft.format=prompt_completion"]
+    assert main([*args, "--run-dir", str(tmp_path / "run")]) == 2
+    assert "bad.jsonl: line 1: has no 'completion'" in capsys.readouterr().err
+
+
+def test_batches_follow_the_data_source_order_and_token_budget() -> None:
+    tokenizer = build_char_tokenizer()
+    cfg = DataSourceConfig(task="addition", split="dev")
+    source = DataSource(cfg, tokenizer, n_samples_per_prompt=1, seed=3)
+    batches = SFTBatches([1] * 200, batch_size=64, seed=3)
+    for _ in range(7):  # across three epoch boundaries
+        assert batches.next() == [group[0].prompt_id for group in source.take(64)]
+    by_tokens = SFTBatches([3, 5, 2, 9], batch_size=1, batch_tokens=8, shuffle=False)
+    assert [by_tokens.next() for _ in range(4)] == [[0, 1], [2], [3], [0, 1]]
+    assert by_tokens.steps_for(3.0) == 5
+
+
+def test_chat_sft_run_logs_loss_and_eval_and_resumes_exactly(tmp_path: Path) -> None:
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"{i}?"},
+                {"role": "assistant", "content": f"{i}!"},
+            ]
+        }
+        for i in range(12)
+    ]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    args = [
+        "sft",
+        *TINY,
+        f"sft.data={{path: {data}, shuffle: true}}",
+        f"sft.eval_data={{path: {data}, max_prompts: 4}}",
+        "sft.batch_size=4",
+        "sft.eval_interval_steps=2",
+        "trainer.lr=1e-3",
+        "checkpoint.interval_steps=2",
+        "checkpoint.keep_last=5",
+    ]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert main([*args, "sft.epochs=2", "--run-dir", str(whole)]) == 0
+    assert main([*args, "sft.epochs=2", "sft.max_steps=3", "--run-dir", str(cut)]) == 0
+    assert main([*args, "sft.epochs=2", "--run-dir", str(cut), "--resume"]) == 0
+    rows_whole = records(whole)
+    assert [r["step"] for r in rows_whole] == list(range(7))  # 12 rows / 4 × 2 epochs
+    assert rows_whole[0]["eval/num_examples"] == 4 and "sft/loss" not in rows_whole[0]
+    for row in rows_whole[1:]:
+        # every step trains on 4 examples of "<n>!<|im_end|>": 3 tokens each when n < 10
+        assert 12 <= row["sft/tokens"] <= 16 and row["sft/loss"] > 0
+    assert rows_whole[-1]["eval/loss"] < rows_whole[0]["eval/loss"]
+    rows_cut = records(cut)
+    assert [r["step"] for r in rows_cut] == list(range(7))
+    for a, b in zip(rows_whole[3:], rows_cut[3:], strict=True):
+        assert a["sft/loss"] == b["sft/loss"] and a["sft/tokens"] == b["sft/tokens"]
+    final_whole, final_cut = list_checkpoints(whole)[-1], list_checkpoints(cut)[-1]
+    assert final_whole.name == final_cut.name == "step_000006"
+    for name, tensor in load_weights(final_whole).items():
+        assert torch.equal(tensor, load_weights(final_cut)[name]), name
+
+
+def test_rl_starts_from_an_sft_checkpoint_with_the_accuracy_sft_measured(tmp_path: Path) -> None:
+    # eval/accuracy of SFT (teacher-forced: every completion token the argmax) must equal the
+    # greedy accuracy the engine measures at RL's step 0 on the same prompts
+    prompts = "{task: addition, split: train, max_prompts: 8, shuffle: false}"
+    sft_dir, rl_dir = tmp_path / "sft", tmp_path / "rl"
+    sft_args = [
+        *TINY,
+        f"sft.data={prompts}",
+        f"sft.eval_data={prompts}",
+        "sft.batch_size=8",
+        "sft.epochs=200",
+        "sft.max_steps=150",
+        "sft.eval_interval_steps=10",
+        "sft.target_accuracy=0.5",
+        "trainer.lr=1e-2",
+    ]
+    assert main(["sft", *sft_args, "--run-dir", str(sft_dir)]) == 0
+    measured = records(sft_dir)[-1]["eval/accuracy"]
+    assert measured >= 0.5
+    checkpoint = list_checkpoints(sft_dir)[-1]
+    rl_args = [
+        "trainer.device=cpu",
+        "num_threads=1",
+        f"model.path={checkpoint}",
+        "num_steps=1",
+        "rollout.prompts_per_step=2",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.max_new_tokens=4",
+        "eval.interval_steps=1",
+        f"eval.data={prompts}",
+        "eval.max_new_tokens=4",
+    ]
+    assert main(["train", *rl_args, "--run-dir", str(rl_dir)]) == 0
+    assert records(rl_dir)[0]["eval/accuracy"] == measured
+
+
+def test_sft_recipe_runs_its_first_steps(tmp_path: Path) -> None:
+    recipe = Path(__file__).parent.parent / "examples" / "sft.yaml"
+    args = ["sft", str(recipe), "sft.max_steps=2", "sft.eval_data.max_prompts=8"]
+    assert main([*args, "trainer.device=cpu", "--run-dir", str(tmp_path / "run")]) == 0
+    rows = records(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["sft/tokens"] > 128 and rows[-1]["eval/num_examples"] == 8
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_000002"]
