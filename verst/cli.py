@@ -1,5 +1,5 @@
 """The `verst` command: `verst train`, `verst sft`, `verst serve`, `verst route`, `verst sessions`,
-`verst model create-tiny`.
+`verst model create-tiny`, `verst model merge-lora`.
 
 Config errors, missing files, a run directory that cannot be written and non-finite losses end
 the command with a one-line message and an exit code of `verst.exitcodes` (2 bad input, 3 the
@@ -77,6 +77,12 @@ def _model_parser(subparsers: argparse._SubParsersAction) -> None:
     tiny.add_argument("--hidden-size", type=int, default=128)
     tiny.add_argument("--num-layers", type=int, default=4)
     tiny.add_argument("--seed", type=int, default=0)
+    merge = commands.add_parser(
+        "merge-lora", help="merge a LoRA adapter (peft format) into BASE and write an HF OUT"
+    )
+    merge.add_argument("base", type=Path, help="HF model directory the adapter was trained on")
+    merge.add_argument("adapter", type=Path, help="adapter directory, e.g. a LoRA checkpoint")
+    merge.add_argument("out", type=Path, help="directory to write the merged model to")
 
 
 def _add_key_flags(parser: argparse.ArgumentParser, *, admin: bool = True) -> None:
@@ -270,6 +276,14 @@ def _create_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _merge_lora(args: argparse.Namespace) -> int:
+    from verst.models.lora import merge_adapter_dir
+
+    merge_adapter_dir(args.base, args.adapter, args.out)
+    print(f"wrote {args.base} with the adapter of {args.adapter} merged to {args.out}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
@@ -359,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             return _route(args)
         if args.command == "sessions":
             return _sessions(args)
+        if args.model_command == "merge-lora":
+            return _merge_lora(args)
         return _create_tiny(args)
     except RunDirError as error:
         print(f"verst: error: {error}", file=sys.stderr)

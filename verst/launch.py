@@ -32,6 +32,7 @@ from verst.eval.evaluate import Evaluator
 from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
+from verst.models.lora import apply_lora
 from verst.plugins import Generator
 from verst.rollout.ledger import LEDGER_FILE, Ledger
 from verst.rollout.rewards import RewardScorer, load_reward_fn
@@ -82,6 +83,8 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
 
     model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device)
     shell = copy.deepcopy(model)
+    if cfg.model.lora.enabled:  # the engine gets the same adapters: it applies them itself
+        apply_lora(model, cfg.model.lora)
     engine_model = copy.deepcopy(model).to(dtype=compute_dtype(cfg.trainer.dtype, device)).eval()
     trainer = Trainer(
         model,
@@ -93,7 +96,7 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
         constant_normaliser=cfg.loss.constant_normaliser or float(cfg.rollout.max_new_tokens),
         device=device,
     )
-    policy = PolicyModels(trainer, shell, cfg.loss, run_dir)
+    policy = PolicyModels(trainer, shell, cfg.loss, run_dir, cfg.model.lora)
     engine, sync, fleet = build_engine(cfg, run_dir, engine_model, policy, tokenizer)
     try:
         return wire(cfg, run_dir, device, policy, tokenizer, engine, sync, fleet)

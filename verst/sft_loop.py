@@ -21,6 +21,7 @@ import torch
 from verst import distributed
 from verst.config import RunConfig, dump_config
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
+from verst.models.lora import apply_lora
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
 from verst.rundir import check_writable
@@ -54,6 +55,8 @@ def build_sft(cfg: RunConfig, run_dir: Path) -> SFTRun:
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device)
     shell = copy.deepcopy(model)
+    if cfg.model.lora.enabled:
+        apply_lora(model, cfg.model.lora)
     eos_id = eos_token_ids(shell, tokenizer)[0]
     sft = cfg.sft
     items, skipped = load_examples(sft.data, sft, tokenizer, eos_id)
@@ -75,7 +78,7 @@ def build_sft(cfg: RunConfig, run_dir: Path) -> SFTRun:
     checkpointer = Checkpointer(
         cfg.checkpoint,
         run_dir,
-        policy=PolicyModels(trainer, shell, LossConfig(), run_dir),
+        policy=PolicyModels(trainer, shell, LossConfig(), run_dir, cfg.model.lora),
         tokenizer=tokenizer,
         data_state=batches.state_dict,
         load_data_state=batches.load_state_dict,

@@ -18,7 +18,8 @@ layers, reading the same parameters, with:
 
 It serves the architectures whose layers it can read (`LeanDecoder.of` returns None for any
 other model, which then runs HF's forward): Llama, Mistral, Qwen2 and Qwen3 with SiLU MLPs and
-plain `nn.Linear` projections. Derived weights (packed, concatenated) are cached in
+plain `nn.Linear` projections, or peft LoRA layers over them (the adapters run in this forward,
+beside the frozen base). Derived weights (packed, concatenated) are cached in
 `DerivedWeights` and made again whenever a source weight changes. Like HF's layers under the
 engine's attention, it attends over the whole sequence: a model's sliding window is not applied.
 """
@@ -36,20 +37,35 @@ from verst.engine.kernels.fused_norm import FUSABLE
 from verst.engine.kernels.packed_linear import DerivedWeights, pack_weight, packable, packed_linear
 from verst.engine.kv_pool import attention_shape
 from verst.engine.paged_attention import PagedStep, attend
+from verst.models.lora import ADAPTER, is_lora_layer
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 class _Linears:
     """One or more `nn.Linear`s over the same input, run as one packed oneDNN call when the
-    weights are packable (bf16, CPU), else one `F.linear` each; returns one output each."""
+    weights are packable (bf16, CPU), else one `F.linear` each; returns one output each.
 
-    def __init__(self, name: str, modules: list[torch.nn.Linear], derived: DerivedWeights):
-        self.name, self.modules, self.derived = name, modules, derived
-        self.sizes = [m.out_features for m in modules]
-        self.packed = packable(modules[0].weight)
+    A LoRA layer (peft's, `verst.models.lora`) runs as its frozen base linear here, plus its
+    adapter's low-rank update added to that output, in peft's order (base + B(A(x)) · scale),
+    so the adapters are applied in the forward and never merged into the base."""
+
+    def __init__(self, name: str, modules: list[torch.nn.Module], derived: DerivedWeights):
+        self.name, self.derived = name, derived
+        self.modules = [m.base_layer if is_lora_layer(m) else m for m in modules]
+        self.adapted = [m if is_lora_layer(m) else None for m in modules]
+        self.sizes = [m.out_features for m in self.modules]
+        self.packed = packable(self.modules[0].weight)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = self._base(x)
+        for i, layer in enumerate(self.adapted):
+            if layer is not None:
+                a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+                outs[i] = outs[i] + F.linear(F.linear(x, a), b) * layer.scaling[ADAPTER]
+        return outs
+
+    def _base(self, x: torch.Tensor) -> list[torch.Tensor]:
         if not self.packed:
             return [F.linear(x, m.weight, m.bias) for m in self.modules]
         weights = [m.weight for m in self.modules]
@@ -226,6 +242,20 @@ class LeanDecoder:
         return x_B_T_H_D * cos_B_T_1_D + flipped * signed_sin_B_T_1_D
 
 
+def _unadapted(module: torch.nn.Module) -> torch.nn.Module:
+    """A LoRA layer's base linear; the module itself when it has no adapter, or when its
+    adapter is not plain LoRA (DoRA, several adapters, merged), which this forward cannot run."""
+    if not is_lora_layer(module):
+        return module
+    plain = (
+        list(module.lora_A) == [ADAPTER]
+        and not module.merged
+        and not module.disable_adapters
+        and not module.use_dora.get(ADAPTER, False)
+    )
+    return module.base_layer if plain else module
+
+
 def readable(model: torch.nn.Module) -> bool:
     """Whether `LeanDecoder` computes exactly what HF's forward of `model` does."""
     config = model.config
@@ -242,7 +272,7 @@ def readable(model: torch.nn.Module) -> bool:
         linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n]
-        if any(type(m) is not torch.nn.Linear for m in linears):
+        if any(type(_unadapted(m)) is not torch.nn.Linear for m in linears):
             return False
         if any(type(n).__name__ not in FUSABLE for n in norms):
             return False

@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from verst.configbase import ConfigBase
+from verst.models.lora import LoraConfig
 from verst.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 
@@ -29,6 +30,10 @@ class ModelConfig(ConfigBase):
     path: str | None = Field(None, description="local HF model directory to load")
     tiny: TinyModelConfig | None = Field(
         None, description="build a random tiny model in-process instead of loading `path`"
+    )
+
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="train low-rank adapters instead of all weights"
     )
 
     exclusive_fields: ClassVar[tuple[str, ...]] = ("path", "tiny")

@@ -5,7 +5,9 @@ When a rank holds whole parameters (a world of one) in the engine's dtype, the e
 parameters are re-pointed at the trainer's storage once (`verst.sync.colocated.share_storage`),
 and every later update is only a version bump: the optimiser writes the very tensors the engine
 reads. Otherwise each push gathers full tensors bucket by bucket and copies them into the
-engine. Either way the prefix cache, which holds KV of the old weights, is dropped. The loop is
+engine: with LoRA only the adapters, since the engine holds the same frozen base and applies
+the adapters in its own forward. `sync/bytes` is what a push copied (0 when zero-copy).
+Either way the prefix cache, which holds KV of the old weights, is dropped. The loop is
 synchronous, so the engine is idle during a push: there is nothing to pause, and the version
 protocol of serving engines (`verst.sync.protocol`) is not needed.
 """
@@ -13,6 +15,7 @@ protocol of serving engines (`verst.sync.protocol`) is not needed.
 from __future__ import annotations
 
 from verst.engine import Scheduler
+from verst.models.lora import is_adapter
 from verst.sync.buckets import bucketed, full_parameters
 from verst.sync.colocated import share_storage
 from verst.train.trainer import Trainer
@@ -29,10 +32,15 @@ class EmbeddedSync:
 
     def push(self, version: int) -> dict[str, float]:
         """Make the engine generate with the trainer's current weights, stamped `version`."""
+        sent_bytes = 0
         if not self.zero_copy:
             dtype = next(self.engine.model.parameters()).dtype
-            for bucket in bucketed(full_parameters(self.trainer.model, dtype), self.bucket_bytes):
+            named = full_parameters(self.trainer.model, dtype)
+            if self.trainer.lora:
+                named = ((name, t) for name, t in named if is_adapter(name))
+            for bucket in bucketed(named, self.bucket_bytes):
+                sent_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 self.engine.update_weights_from_tensors(bucket, version)
         self.engine.set_weight_version(version)
         self.engine.weights_changed()
-        return {}
+        return {"sync/bytes": float(sent_bytes)}

@@ -1,6 +1,7 @@
 """Checkpoints: HF model directories (safetensors + tokenizer) plus the state to resume exactly.
 
-`run_dir/checkpoints/step_000042/` holds the model as any HF loader reads it, and
+`run_dir/checkpoints/step_000042/` holds the model as any HF loader reads it (with LoRA, the
+adapters as peft reads them: `adapter_config.json`, `adapter_model.safetensors`), and
 `trainer_state.pt` (optimiser, schedule, step, weight version, data order, RNG). A checkpoint is
 written to `step_000042.partial/` and renamed when complete, so a crash never leaves a half
 checkpoint that `--resume` would pick up; a save that fails (a full disk) removes its partial
@@ -21,10 +22,11 @@ from typing import Any
 
 import torch
 from pydantic import Field
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from verst import distributed
 from verst.configbase import ConfigBase
+from verst.models.lora import is_adapter_dir, load_adapter
 from verst.rollout.ledger import LEDGER_FILE, undo_after
 from verst.rundir import writing
 
@@ -61,21 +63,20 @@ def write_checkpoint(
     run_dir: Path,
     step: int,
     *,
-    weights: dict[str, torch.Tensor],
-    shell: PreTrainedModel,
+    save_weights: Callable[[Path], None],
     tokenizer: PreTrainedTokenizerBase,
     state: dict[str, Any],
 ) -> Path:
     """Rank 0 writes checkpoint `step` into its partial directory (returned), which
-    `commit_checkpoint` makes the checkpoint; `shell` is an unsharded model of the same
-    architecture (its config and tied-weight layout are used; its own weights are not)."""
+    `commit_checkpoint` makes the checkpoint; `save_weights` writes the model's files into a
+    directory (`PolicyModels.weights_writer`)."""
     partial = partial_dir(checkpoint_dir(run_dir, step))
     if distributed.rank() == 0:
         with writing(checkpoint_dir(run_dir, step)):
             try:
                 shutil.rmtree(partial, ignore_errors=True)
                 partial.mkdir(parents=True)
-                shell.save_pretrained(partial, state_dict=weights, safe_serialization=True)
+                save_weights(partial)
                 tokenizer.save_pretrained(partial)
                 # through a Python file, so a failed write raises the OSError (with its errno)
                 # that torch's own writer would turn into "file write failed"
@@ -135,8 +136,9 @@ def load_state(path: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The full fp32 weights and the resume state."""
-    return load_weights(path), load_state(path)
+    """The full fp32 weights (with LoRA, the adapters alone) and the resume state."""
+    weights = load_adapter(path) if is_adapter_dir(path) else load_weights(path)
+    return weights, load_state(path)
 
 
 class Checkpointer:
@@ -191,8 +193,7 @@ class Checkpointer:
         write_checkpoint(
             self.run_dir,
             step,
-            weights=self.policy.trainer.full_state_dict(),
-            shell=self.policy.shell,
+            save_weights=self.policy.weights_writer(),
             tokenizer=self.tokenizer,
             state=state,
         )

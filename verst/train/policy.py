@@ -3,12 +3,15 @@
 reference and the PPO critic.
 
 The reference is the policy as RL starts (after any warm start); it is also written to
-`run_dir/reference` so that `--resume` restores the very same reference.
+`run_dir/reference` so that `--resume` restores the very same reference. With LoRA
+(`model.lora`) the reference is that policy with its adapters merged, a plain HF model, and
+checkpoints hold the adapters alone, in peft's format.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from verst import distributed
+from verst.models.lora import LoraConfig, save_adapter
 from verst.train.algorithms import LossConfig
 from verst.train.checkpoint import load_weights
 from verst.train.critic import ValueModel
@@ -30,6 +34,19 @@ class PolicyModels:
     shell: PreTrainedModel
     loss: LossConfig
     run_dir: Path
+    lora: LoraConfig | None = None  # set when the trainer's model carries adapters
+
+    def weights_writer(self) -> Callable[[Path], None]:
+        """Gather the policy's weights now (a collective: every rank calls it) and return what
+        writes them into a directory: peft's adapter files with LoRA, else an HF model."""
+        if self.trainer.lora:
+            assert self.lora is not None, "a LoRA trainer needs PolicyModels.lora"
+            adapters, lora = self.trainer.adapter_state_dict(), self.lora
+            return lambda out: save_adapter(out, adapters, lora)
+        weights = self.trainer.full_state_dict()
+        return lambda out: self.shell.save_pretrained(
+            out, state_dict=weights, safe_serialization=True
+        )
 
     def start_rl(self) -> None:
         """After any warm start: snapshot the policy as the KL reference (also on disk, for

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from verst import distributed
 from verst.configbase import ConfigBase
+from verst.models import lora
 from verst.train.algorithms import LossConfig
 from verst.train.batching import (
     MicroBatch,
@@ -143,6 +144,8 @@ class Trainer:
         distributed.init_distributed(device)
         model.to(device=device, dtype=torch.float32)  # master weights stay fp32
         model.train()
+        # with LoRA (`verst.models.lora.apply_lora`), the adapted modules' scales; else empty
+        self.lora_scalings = lora.scalings(model)
         _shard(model, self.dtype, device)
         self.model = model
         self.optimizer = self.make_optimizer(cfg.lr)
@@ -155,8 +158,9 @@ class Trainer:
     def make_optimizer(
         self, lr: float, model: torch.nn.Module | None = None
     ) -> torch.optim.Optimizer:
+        # only trainable parameters get optimiser state (with LoRA: the adapters)
         return torch.optim.AdamW(
-            (model or self.model).parameters(),
+            [p for p in (model or self.model).parameters() if p.requires_grad],
             lr=lr,
             betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
             eps=self.cfg.adam_eps,
@@ -181,10 +185,27 @@ class Trainer:
             self.critic_optimizer, _lr_lambda(self.cfg, self.total_steps)
         )
 
+    @property
+    def lora(self) -> bool:
+        return bool(self.lora_scalings)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded fp32 weights on the CPU (a collective: every rank must call it)."""
+        """Unsharded fp32 weights on the CPU, named as in the plain HF model (with LoRA, the
+        adapters merged in); a collective: every rank must call it."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)
+        weights = get_model_state_dict(self.model, options=options)
+        return lora.merged_weights(weights, self.lora_scalings) if self.lora else weights
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters, unsharded, on the CPU (a collective: every rank must call it)."""
+        return {
+            name: (param.data.full_tensor() if isinstance(param.data, DTensor) else param.data)
+            .detach()
+            .cpu()
+            .clone()
+            for name, param in self.model.named_parameters()
+            if lora.is_adapter(name)
+        }
 
     def named_local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's shard of each parameter, as plain tensors sharing the trainer's storage."""
@@ -404,7 +425,9 @@ class Trainer:
         return state
 
     def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
-        options = StateDictOptions(full_state_dict=True)
+        """Weights as `full_state_dict` gave them, or with LoRA the adapters alone (the frozen
+        base is the one the model was built with)."""
+        options = StateDictOptions(full_state_dict=True, strict=not self.lora)
         set_model_state_dict(self.model, weights, options=options)
         if optimizer_state is not None:
             set_optimizer_state_dict(
