@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from tests.test_lean_decoder import build, prompt_then_decode, runner_for
 from tests.test_loop import SMALL, records
+from tests.test_sft import TINY, write_jsonl
 from tests.test_trainer import embedded_engine, items, make_trainer, tiny_model
 from verst.cli import main
 from verst.config import ConfigError, load_config
@@ -208,3 +209,15 @@ def test_full_state_dict_is_the_policy_with_adapters_merged() -> None:
     trainer.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, trainer.model(ids).logits)
+
+
+def test_sft_with_lora_trains_and_saves_an_adapter(tmp_path: Path) -> None:
+    rows = [{"prompt": f"{i}?", "completion": f"{i}!"} for i in range(8)]
+    data = write_jsonl(tmp_path / "pc.jsonl", rows)
+    args = ["sft", *TINY, f"sft.data={{path: {data}}}", "sft.batch_size=4", "sft.epochs=2"]
+    args += ["model.lora.rank=4", "trainer.lr=1e-2", "--run-dir", str(tmp_path / "run")]
+    assert main(args) == 0
+    losses = [r["sft/loss"] for r in records(tmp_path / "run") if "sft/loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    adapters, _ = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])
+    assert adapters and all(is_adapter(name) for name in adapters)
