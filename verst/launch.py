@@ -36,6 +36,7 @@ from verst.plugins import Generator
 from verst.rollout.ledger import LEDGER_FILE, Ledger
 from verst.rollout.rewards import RewardScorer, load_reward_fn
 from verst.rollout.source import AgentRollout, AsyncRollout, EngineRollout, RolloutSource
+from verst.rollout.teacher import TeacherScorer
 from verst.sync.embedded import EmbeddedSync
 from verst.sync.fleet_sync import FleetSync
 from verst.train.batching import TrainItem
@@ -63,6 +64,7 @@ class Run:
     warm_start_items: list[TrainItem] | None
     dev_accuracy: Callable[[], float]
     fleet: Fleet | None = None
+    teacher: TeacherScorer | None = None  # loss.opd's teachers
 
     def close(self) -> None:
         self.rollout.close()
@@ -81,6 +83,10 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
     torch.manual_seed(cfg.seed)
 
     model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device)
+    teacher = None
+    if cfg.loss.opd is not None:  # checked before any engine starts: a bad teacher fails fast
+        teacher = TeacherScorer(cfg.loss.opd, tokenizer.encode, temperature=cfg.rollout.temperature)
+        teacher.check()
     shell = copy.deepcopy(model)
     engine_model = copy.deepcopy(model).to(dtype=compute_dtype(cfg.trainer.dtype, device)).eval()
     trainer = Trainer(
@@ -96,11 +102,13 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
     policy = PolicyModels(trainer, shell, cfg.loss, run_dir)
     engine, sync, fleet = build_engine(cfg, run_dir, engine_model, policy, tokenizer)
     try:
-        return wire(cfg, run_dir, device, policy, tokenizer, engine, sync, fleet)
+        run = wire(cfg, run_dir, device, policy, tokenizer, engine, sync, fleet)
     except BaseException:
         if fleet is not None:
             fleet.close()
         raise
+    run.teacher = teacher
+    return run
 
 
 def wire(
