@@ -288,6 +288,9 @@ def describe_fields(
             rows.extend(describe_fields(value, prefix=f"{dotted}."))
         elif section_type is not None:  # an optional section, unset by default
             rows.append((dotted, "null", field.description or ""))
+            # its fields as they are once it is set (built unvalidated: a section may require
+            # a value, such as loss.opd's teachers, that has no useful default)
+            rows.extend(describe_fields(section_type.model_construct(), prefix=f"{dotted}."))
         else:
             rows.append((dotted, _show(value), field.description or ""))
     return rows
