@@ -82,6 +82,7 @@ class RunConfig(ConfigBase):
                 "relative to the group, so a group of one has advantage 0 and learns nothing"
             )
         check_placement(self)
+        check_no_reward(self)
         return self
 
     @property
@@ -90,6 +91,28 @@ class RunConfig(ConfigBase):
         if self.rollout.pause_mode is not None:
             return self.rollout.pause_mode
         return "in_place" if self.mode == "fully_async" else "retract"
+
+
+def check_no_reward(cfg: RunConfig) -> None:
+    """Refuse `rollout.reward: none` where nothing would be learned or measured."""
+    if cfg.rollout.reward != "none":
+        return
+    if cfg.loss.opd is None:
+        raise ValueError(
+            "rollout.reward=none: with no reward, only a teacher gives a signal; set "
+            "loss.opd.teacher_urls (pure distillation) or choose a reward function"
+        )
+    if cfg.rollout.dynamic_sampling:
+        raise ValueError(
+            "rollout.dynamic_sampling drops groups of equal rewards, and rollout.reward=none "
+            "gives every sample 0: every group would be dropped; turn one of them off"
+        )
+    evaluates = cfg.eval.interval_steps > 0 or cfg.warm_start.enabled
+    if evaluates and cfg.eval.reward is None:
+        raise ValueError(
+            "eval.reward: evaluation scores with the rollout's reward when unset, and "
+            "rollout.reward=none scores 0; set eval.reward (e.g. exact_match)"
+        )
 
 
 def check_placement(cfg: RunConfig) -> None:
@@ -270,6 +293,9 @@ def describe_fields(
             rows.extend(describe_fields(value, prefix=f"{dotted}."))
         elif section_type is not None:  # an optional section, unset by default
             rows.append((dotted, "null", field.description or ""))
+            # its fields as they are once it is set (built unvalidated: a section may require
+            # a value, such as loss.opd's teachers, that has no useful default)
+            rows.extend(describe_fields(section_type.model_construct(), prefix=f"{dotted}."))
         else:
             rows.append((dotted, _show(value), field.description or ""))
     return rows

@@ -37,6 +37,7 @@ from verst.plugins import Generator
 from verst.rollout.ledger import LEDGER_FILE, Ledger
 from verst.rollout.rewards import RewardScorer, load_reward_fn
 from verst.rollout.source import AgentRollout, AsyncRollout, EngineRollout, RolloutSource
+from verst.rollout.teacher import TeacherScorer
 from verst.sync.embedded import EmbeddedSync
 from verst.sync.fleet_sync import FleetSync
 from verst.train.batching import TrainItem
@@ -64,6 +65,7 @@ class Run:
     warm_start_items: list[TrainItem] | None
     dev_accuracy: Callable[[], float]
     fleet: Fleet | None = None
+    teacher: TeacherScorer | None = None  # loss.opd's teachers
 
     def close(self) -> None:
         self.rollout.close()
@@ -82,6 +84,10 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
     torch.manual_seed(cfg.seed)
 
     model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device)
+    teacher = None
+    if cfg.loss.opd is not None:  # checked before any engine starts: a bad teacher fails fast
+        teacher = TeacherScorer(cfg.loss.opd, tokenizer.encode, temperature=cfg.rollout.temperature)
+        teacher.check()
     shell = copy.deepcopy(model)
     if cfg.model.lora.enabled:  # the engine gets the same adapters: it applies them itself
         apply_lora(model, cfg.model.lora)
@@ -99,11 +105,13 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
     policy = PolicyModels(trainer, shell, cfg.loss, run_dir, cfg.model.lora)
     engine, sync, fleet = build_engine(cfg, run_dir, engine_model, policy, tokenizer)
     try:
-        return wire(cfg, run_dir, device, policy, tokenizer, engine, sync, fleet)
+        run = wire(cfg, run_dir, device, policy, tokenizer, engine, sync, fleet)
     except BaseException:
         if fleet is not None:
             fleet.close()
         raise
+    run.teacher = teacher
+    return run
 
 
 def wire(

@@ -6,7 +6,9 @@ Each phase is one line under the step's `PhaseTimer`, which logs `perf/<phase>_t
 
 After the reward phase the rollout settles the step: groups with too few scored samples go back
 to the data source, and every group's fate goes into the prompt ledger (`prompts.jsonl`, see
-`verst.rollout.ledger`), stamped with the step `run.ledger.step` names.
+`verst.rollout.ledger`), stamped with the step `run.ledger.step` names. With `loss.opd`, the
+teachers then score the trainable samples' tokens (`verst.rollout.teacher`), and the trainer
+moves each token's advantage by the teacher's verdict.
 
 The synchronous loop draws each step's groups after the previous update; the fully
 asynchronous one (`mode: fully_async`) takes finished groups from engines that never stop
@@ -107,6 +109,9 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
         run.rewards.score_groups(groups)
     trainable = only_scored(run.rollout.settle(groups))
     if distributed.all_reduce_sum([float(len(trainable))], run.device)[0] > 0:
+        if run.teacher is not None:
+            with timer("teacher"):
+                metrics |= run.teacher.score_groups(trainable, run.device)
         with timer("advantages"):
             items = train_items(trainable, cfg.loss)
         with timer("train"):
@@ -127,7 +132,7 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
     if checkpoint:
         with timer("checkpoint"):
             run.checkpointer.write(step, version)
-    step_phases = (rollout_phase, "reward", "advantages", "train", "sync")
+    step_phases = (rollout_phase, "reward", "teacher", "advantages", "train", "sync")
     log.log(
         {"step": step, "weight_version": version} | metrics | timer.metrics(step_phases=step_phases)
     )

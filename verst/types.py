@@ -1,8 +1,9 @@
 """The data model shared by every part: `Sample` (one trajectory), its `Status`, and groups;
 and the shape letters that end every tensor's name.
 
-Per-token arrays (`loss_mask`, `rollout_logprobs`) cover the response only: they have length
-`response_length`, and the response is the last `response_length` ids of `tokens`.
+Per-token arrays (`loss_mask`, `rollout_logprobs`, `teacher_logprobs`) cover the response only:
+they have length `response_length`, and the response is the last `response_length` ids of
+`tokens`.
 
 A tensor's name ends with one letter per axis, so `logprobs_B_T` is [B, T]:
 
@@ -51,6 +52,8 @@ class Sample:
     response_length: int = 0
     loss_mask: list[int] = field(default_factory=list)
     rollout_logprobs: list[float] = field(default_factory=list)
+    # loss.opd: the teacher's log-prob of each response token (None until a teacher scores it)
+    teacher_logprobs: list[float] | None = None
     reward: float | None = None
     status: Status = Status.PENDING
     weight_versions: list[int] = field(default_factory=list)  # one per generation call (turn)
@@ -86,9 +89,9 @@ class Sample:
             raise ValueError(
                 f"response_length {self.response_length} outside 0..len(tokens)={len(self.tokens)}"
             )
-        for name in ("loss_mask", "rollout_logprobs"):
+        for name in ("loss_mask", "rollout_logprobs", "teacher_logprobs"):
             values = getattr(self, name)
-            if len(values) != self.response_length:
+            if values is not None and len(values) != self.response_length:
                 raise ValueError(
                     f"{name} has length {len(values)}, "
                     f"expected response_length {self.response_length}"

@@ -47,7 +47,8 @@ class RolloutConfig(AsyncConfig, AgentConfig):
     )
     reward: str = Field(
         "exact_match",
-        description="reward function: a built-in name (exact_match, numeric_match) or pkg.mod:fn",
+        description="reward function: a built-in name (exact_match, numeric_match; none = 0 "
+        "for every sample, for pure distillation with loss.opd) or pkg.mod:fn",
     )
     reward_timeout_s: float | None = Field(
         60.0,

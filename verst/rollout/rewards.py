@@ -76,9 +76,16 @@ def numeric_match(sample: Sample) -> float:
     return float(abs(got - want) <= 1e-6)
 
 
+def no_reward(sample: Sample) -> float:
+    """0.0 for every sample: `rollout.reward: none`, for pure distillation (`loss.opd`), where
+    the teacher's verdict on each token is the whole signal."""
+    return 0.0
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
+    "none": no_reward,
 }
 
 

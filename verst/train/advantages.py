@@ -145,3 +145,22 @@ def masked_whiten(
         (advantages_B_T - mean) / (var**0.5 + 1e-8) * mask_B_T
         for advantages_B_T, mask_B_T in zip(advantages, masks, strict=True)
     ]
+
+
+def opd_advantages(
+    advantages_B_T: Tensor,
+    student_logprobs_B_T: Tensor,
+    teacher_logprobs_B_T: Tensor,
+    mask_B_T: Tensor,
+    *,
+    coef: float,
+) -> Tensor:
+    """On-policy distillation: A_t − coef·(log π_student(y_t) − log π_teacher(y_t)), 0 where
+    masked.
+
+    The student's log-prob is the one it sampled the token with (the rollout's), so the
+    penalty is a per-token sample of the reverse KL(student ‖ teacher): tokens the teacher
+    finds less likely than the student did are pushed down, likelier ones pulled up.
+    """
+    penalty_B_T = student_logprobs_B_T.float() - teacher_logprobs_B_T.float()
+    return (advantages_B_T - coef * penalty_B_T) * mask_B_T

@@ -31,6 +31,7 @@ from verst.train.advantages import (
     terminal_token_rewards,
 )
 from verst.train.losses import Aggregation, KLType, gspo_log_ratio, policy_loss_from_log_ratio
+from verst.train.opd import OPDConfig
 from verst.types import Sample
 
 MisLevel = Literal["token", "sequence", "geometric"]
@@ -337,6 +338,11 @@ class LossConfig(ConfigBase):
     )
     mis_low: float = Field(0.0, ge=0, description="MIS lower bound of the accepted weight")
     mis_high: float = Field(2.0, gt=0, description="MIS upper bound of the accepted weight")
+    opd: OPDConfig | None = Field(
+        None,
+        description="on-policy distillation: teachers score the sampled tokens and each "
+        "token's advantage moves by -coef*(logp_student - logp_teacher); unset = off",
+    )
 
     @field_validator("advantage_estimator")
     @classmethod

@@ -27,6 +27,7 @@ class TrainItem:
     rollout_logprobs: list[float]
     advantage: float
     reward: float = 0.0
+    teacher_logprobs: list[float] | None = None  # loss.opd: the teacher's, per response token
 
     @classmethod
     def from_sample(cls, sample: Sample, advantage: float) -> TrainItem:
@@ -37,6 +38,7 @@ class TrainItem:
             sample.rollout_logprobs,
             advantage,
             sample.reward or 0.0,
+            sample.teacher_logprobs,
         )
 
 
@@ -62,6 +64,8 @@ class MicroBatch:
     # and the GAE returns they are trained towards
     old_values_B_T: torch.Tensor | None = None
     returns_B_T: torch.Tensor | None = None
+    # loss.opd: the teacher's log-prob of each response token; None when no item has them
+    teacher_logprobs_B_T: torch.Tensor | None = None
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -123,7 +127,13 @@ def collate(items: list[TrainItem], pad_token_id: int, device: torch.device) -> 
         advantages_B[:, None].expand(-1, width_t).clone(),  # padding is masked out of sums
         torch.tensor([item.reward for item in items], dtype=torch.float32),
     )
-    return MicroBatch(*(t.to(device) for t in tensors))
+    micro = MicroBatch(*(t.to(device) for t in tensors))
+    if any(item.teacher_logprobs is not None for item in items):
+        # an item the teacher did not score (a masked-out stand-in) gets a penalty of 0
+        rows = [item.teacher_logprobs or item.rollout_logprobs for item in items]
+        teacher = torch.tensor(_pad_right(rows, width_t, 0.0), dtype=torch.float32)
+        micro.teacher_logprobs_B_T = teacher.to(device)
+    return micro
 
 
 def response_outputs(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from verst.plugins import TokenInputs
-from verst.train.advantages import masked_whiten
+from verst.train.advantages import masked_whiten, opd_advantages
 from verst.train.algorithms import LossConfig
 from verst.train.batching import MicroBatch
 from verst.train.correction import ess_ratio, mis_weights, tis_weights, train_rollout_kl
@@ -36,7 +36,9 @@ class Normalisers:
 
 def needs_advantage_pass(cfg: LossConfig) -> bool:
     """Whether advantages depend on more than the sequence's own reward and group."""
-    return cfg.estimator.token_level or cfg.kl_coef > 0 or cfg.whiten_advantages
+    return (
+        cfg.estimator.token_level or cfg.kl_coef > 0 or cfg.whiten_advantages or cfg.opd is not None
+    )
 
 
 def set_token_advantages(
@@ -46,7 +48,9 @@ def set_token_advantages(
     values_B_T: torch.Tensor | None,
 ) -> None:
     """Fill `micro.advantages_B_T` (and, with a critic, its values and returns) from rewards,
-    the KL to the reference (zeros when unused) and the critic's values."""
+    the KL to the reference (zeros when unused) and the critic's values; then, with `loss.opd`,
+    move each token's advantage by the teacher's verdict (after any estimator, before
+    whitening)."""
     inputs = TokenInputs(
         rewards_B=micro.rewards_B,
         sequence_advantages_B_T=micro.advantages_B_T,
@@ -58,6 +62,18 @@ def set_token_advantages(
     if returns is not None:
         micro.old_values_B_T, micro.returns_B_T = values_B_T, returns
     micro.advantages_B_T = advantages * micro.loss_mask_B_T
+    if cfg.opd is not None:
+        if micro.teacher_logprobs_B_T is None:
+            if micro.loss_mask_B_T.any():  # a masked-out stand-in has nothing to move
+                raise ValueError("loss.opd is set but the batch carries no teacher log-probs")
+            return
+        micro.advantages_B_T = opd_advantages(
+            micro.advantages_B_T,
+            micro.rollout_logprobs_B_T,
+            micro.teacher_logprobs_B_T,
+            micro.loss_mask_B_T,
+            coef=cfg.opd.coef,
+        )
 
 
 def whiten_globally(micros: list[MicroBatch], device: torch.device) -> None:
