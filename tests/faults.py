@@ -47,13 +47,19 @@ def engine_pids(trainer_pid: int) -> list[int]:
     return pids
 
 
+def complete_records(path: Path) -> list[dict]:
+    """The records of a JSONL file another process is appending to: whole lines only (the
+    last one may be half written)."""
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line]
+
+
 def last_step(run_dir: Path) -> int:
     """The last step in metrics.jsonl (-1 before the first record)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return -1
-    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
-    return steps[-1] if steps else -1
+    records = complete_records(run_dir / "metrics.jsonl")
+    return records[-1]["step"] if records else -1
 
 
 def trainer_pid(supervisor_pid: int) -> int | None:
@@ -158,8 +164,7 @@ class TrainProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def records(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return complete_records(self.run_dir / "metrics.jsonl")
 
 
 def served_order(overrides: list[str], steps: int) -> list[list[tuple[int, int]]]:
