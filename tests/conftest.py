@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import transformers
 
+from tests.servers import LoopThread
 from verst.engine.kv_pool import KVPool
 
 
@@ -47,3 +50,11 @@ def tiny_qwen3_pool(dtype: torch.dtype, num_pages: int = 64) -> KVPool:
 @pytest.fixture(scope="module")
 def model() -> transformers.Qwen3ForCausalLM:
     return tiny_qwen3()
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    """An event loop on a thread, for tests that drive servers and clients from sync code."""
+    thread = LoopThread()
+    yield thread
+    thread.close()

@@ -56,12 +56,6 @@ def complete_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line]
 
 
-def last_step(run_dir: Path) -> int:
-    """The last step in metrics.jsonl (-1 before the first record)."""
-    records = complete_records(run_dir / "metrics.jsonl")
-    return records[-1]["step"] if records else -1
-
-
 def trainer_pid(supervisor_pid: int) -> int | None:
     """The trainer a `verst train --max-restarts` supervisor runs now, if any."""
     children = child_pids(supervisor_pid)
@@ -94,19 +88,12 @@ class TrainProcess:
         return self.process.pid
 
     def wait_for_step(self, step: int, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while last_step(self.run_dir) < step:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise AssertionError(f"the run exited before step {step}:\n{self.output()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no step {step} after {timeout_s} s:\n{self.output()}")
-            time.sleep(0.05)
+        self.wait_until(lambda row: row["step"] >= step, f"step {step}", timeout_s)
 
     def wait_until(self, ready: Callable[[dict], bool], what: str, timeout_s: float = 120) -> None:
         """Until the last metrics record satisfies `ready`."""
         deadline = time.monotonic() + timeout_s
-        while not ready(self.records()[-1]):
+        while not ((rows := self.records()) and ready(rows[-1])):
             assert self.process is not None
             if self.process.poll() is not None:
                 raise AssertionError(f"the run exited before {what}:\n{self.output()}")

@@ -7,22 +7,11 @@ from pathlib import Path
 
 import torch
 
+from tests.test_disk_errors import TINY as DISK_ERRORS_RUN
 from verst.cli import main
 from verst.train.checkpoint import list_checkpoints
 
-TINY = [
-    "num_steps=1",
-    "trainer.device=cpu",
-    "num_threads=1",
-    "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
-    "intermediate_size: 64, max_position_embeddings: 32}",
-    "rollout.prompts_per_step=2",
-    "rollout.n_samples_per_prompt=2",
-    "rollout.max_new_tokens=2",
-    "eval.interval_steps=0",
-    "eval.data.max_prompts=2",
-    "eval.max_new_tokens=2",
-]
+TINY = ["num_steps=1", *DISK_ERRORS_RUN]  # one step: its checkpoint is the last one
 
 
 class _Payload:

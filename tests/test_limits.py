@@ -44,13 +44,6 @@ LONG = {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("models"), config=TINY)
 

@@ -114,13 +114,6 @@ def test_config_refuses_what_cannot_work() -> None:
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
-@pytest.fixture(scope="module")
 def two_teachers(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("teachers")
     engines = [loop.run(start_engine(tiny_model(root, f"t{seed}", seed=seed))) for seed in (1, 2)]

@@ -75,22 +75,32 @@ class Run:
             self.fleet.close()
 
 
-def build(cfg: RunConfig, run_dir: Path) -> Run:
+def load_policy(
+    cfg: RunConfig,
+) -> tuple[torch.device, PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """This process's threads, device, process group and seeds, then the policy: (device, the
+    model to train, with its LoRA adapters when `model.lora` is on, an unadapted copy of it to
+    save checkpoints through, the tokenizer)."""
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     device = distributed.resolve_device(cfg.trainer.device)
     distributed.init_distributed(device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-
     model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device)
+    shell = copy.deepcopy(model)
+    if cfg.model.lora.enabled:
+        apply_lora(model, cfg.model.lora)
+    return device, model, shell, tokenizer
+
+
+def build(cfg: RunConfig, run_dir: Path) -> Run:
+    device, model, shell, tokenizer = load_policy(cfg)
     teacher = None
     if cfg.loss.opd is not None:  # checked before any engine starts: a bad teacher fails fast
         teacher = TeacherScorer(cfg.loss.opd, tokenizer.encode, temperature=cfg.rollout.temperature)
         teacher.check()
-    shell = copy.deepcopy(model)
-    if cfg.model.lora.enabled:  # the engine gets the same adapters: it applies them itself
-        apply_lora(model, cfg.model.lora)
+    # the engine's copy carries the same adapters: it applies them itself
     engine_model = copy.deepcopy(model).to(dtype=compute_dtype(cfg.trainer.dtype, device)).eval()
     trainer = Trainer(
         model,

@@ -11,17 +11,13 @@ checkpoints are HF model directories that `verst train` starts RL from (`model.p
 
 from __future__ import annotations
 
-import copy
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from verst import distributed
 from verst.config import RunConfig, dump_config
-from verst.models.loading import eos_token_ids, load_model_and_tokenizer
-from verst.models.lora import apply_lora
+from verst.launch import load_policy
+from verst.models.loading import eos_token_ids
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
 from verst.rundir import check_writable
@@ -47,16 +43,7 @@ class SFTRun:
 
 
 def build_sft(cfg: RunConfig, run_dir: Path) -> SFTRun:
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
-    device = distributed.resolve_device(cfg.trainer.device)
-    distributed.init_distributed(device)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device)
-    shell = copy.deepcopy(model)
-    if cfg.model.lora.enabled:
-        apply_lora(model, cfg.model.lora)
+    device, model, shell, tokenizer = load_policy(cfg)
     eos_id = eos_token_ids(shell, tokenizer)[0]
     sft = cfg.sft
     items, skipped = load_examples(sft.data, sft, tokenizer, eos_id)

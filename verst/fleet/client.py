@@ -179,20 +179,18 @@ class HttpEngineClient:
         return (await self._request("POST", "/generate", payload))[1]
 
     async def health(self) -> bool:
-        import aiohttp
-
-        try:
-            status, _ = await self._request("GET", "/health", ok=(200, 503))
-        except (aiohttp.ClientError, OSError, EngineError):
-            return False
-        return status == 200
+        return await self._answers_ok("/health")
 
     async def health_generate(self) -> bool:
         """SGLang's `/health_generate`: the engine generated a token (False if unreachable)."""
+        return await self._answers_ok("/health_generate")
+
+    async def _answers_ok(self, path: str) -> bool:
+        """Whether GET `path` answers 200 (503, an error or no answer: False)."""
         import aiohttp
 
         try:
-            status, _ = await self._request("GET", "/health_generate", ok=(200, 503))
+            status, _ = await self._request("GET", path, ok=(200, 503))
         except (aiohttp.ClientError, OSError, EngineError):
             return False
         return status == 200
