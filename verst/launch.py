@@ -237,6 +237,7 @@ def build_engine(
             generator=engine,
             engine_dtype=next(engine_model.parameters()).dtype,
             run_dir=run_dir,
+            lora=cfg.model.lora,
         )
     except BaseException:
         if fleet is not None:

@@ -40,6 +40,18 @@ NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 """A fresh pass over the policy's (name, tensor) pairs, in Hugging Face names."""
 
 
+@dataclass(frozen=True)
+class AdapterUpdate:
+    """One LoRA adapter's new weights for the engines' adapter registry, not their model:
+    `tensors` are named as in peft's files without the `base_model.model.` prefix
+    (`model.layers.0.self_attn.q_proj.lora_A.weight`), `config` holds peft's keys (`r`,
+    `lora_alpha`, `target_modules`). Engines create the adapter `name` or replace its weights."""
+
+    name: str
+    config: dict[str, Any]
+    tensors: NamedTensors
+
+
 # ---- rewards and filters ----------------------------------------------------------------------
 
 
@@ -258,8 +270,15 @@ class WeightTransport(Protocol):
     flush, send, stamp the version, continue, confirm) is the same for every transport."""
 
     async def send(
-        self, engines: list[EngineClient], tensors: NamedTensors, version: int
-    ) -> None: ...
+        self,
+        engines: list[EngineClient],
+        tensors: NamedTensors,
+        version: int,
+        adapter: AdapterUpdate | None = None,
+    ) -> None:
+        """Install `tensors` on `engines`; with `adapter` (LoRA), they are that adapter's
+        weights (`adapter.tensors`), for the engines' adapter registry, all in one call."""
+        ...
 
 
 # ---- the algorithm -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import peft
 
 ADAPTER = "default"  # peft's adapter name; verst trains exactly one
+POLICY_ADAPTER = "policy"  # the name engines hold the trained adapter under (`lora_path`)
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # the key prefix peft's own files carry
@@ -52,15 +53,22 @@ class LoraConfig(ConfigBase):
     def enabled(self) -> bool:
         return self.rank > 0
 
-    def peft_config(self) -> peft.LoraConfig:
+    def wire_config(self) -> dict[str, Any]:
+        """The adapter's shape as engines take it (peft's `adapter_config.json` keys)."""
         targets = self.target_modules
-        return _peft().LoraConfig(
-            r=self.rank,
-            lora_alpha=self.alpha,
-            lora_dropout=self.dropout,
-            target_modules=targets if isinstance(targets, str) else list(targets),
-            bias="none",
-        )
+        return {
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": targets if isinstance(targets, str) else list(targets),
+        }
+
+    def peft_config(self) -> peft.LoraConfig:
+        return peft_config_of({**self.wire_config(), "lora_dropout": self.dropout})
+
+
+def peft_config_of(config: dict[str, Any]) -> peft.LoraConfig:
+    """peft's config for an adapter described by peft's own keys (`r`, `lora_alpha`, ...)."""
+    return _peft().LoraConfig(**config, bias="none")
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> None:
@@ -145,8 +153,14 @@ def merged_weights(
     return merged
 
 
+def wire_name(name: str) -> str:
+    """An adapter tensor's name as engines take it (`verst.plugins.AdapterUpdate`): peft's file
+    key without its prefix (`...q_proj.lora_A.weight`)."""
+    return name.replace(f".{ADAPTER}.", ".")
+
+
 def _peft_key(name: str) -> str:
-    return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
+    return PEFT_PREFIX + wire_name(name)
 
 
 def _verst_key(key: str) -> str:

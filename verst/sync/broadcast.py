@@ -17,12 +17,13 @@ import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from verst.plugins import EngineClient
-from verst.sync.buckets import bucketed
+from verst.plugins import AdapterUpdate, EngineClient
+from verst.sync.buckets import adapter_fields, bucket_limit, bucketed
 
 
 @dataclass(frozen=True)
@@ -195,20 +196,24 @@ class BroadcastTransport:
         engines: list[EngineClient],
         tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
         version: int,
+        adapter: AdapterUpdate | None = None,
     ) -> None:
         if self.group is None or not _same_members(self.members, engines):
             await self.connect(engines)
         self.buckets_sent = []
         try:
             # tensors are taken (for FSDP2: gathered) as the buckets fill, never all at once
-            for bucket in bucketed(tensors(), self.bucket_bytes):
-                await self._send_bucket(engines, bucket)
+            for bucket in bucketed(tensors(), bucket_limit(self.bucket_bytes, adapter)):
+                await self._send_bucket(engines, bucket, adapter_fields(adapter))
         except BaseException:
             self.group = None  # a broken collective: the next send forms a new group
             raise
 
     async def _send_bucket(
-        self, engines: list[EngineClient], bucket: list[tuple[str, torch.Tensor]]
+        self,
+        engines: list[EngineClient],
+        bucket: list[tuple[str, torch.Tensor]],
+        fields: dict[str, Any],
     ) -> None:
         specs = [TensorSpec.of(name, t) for name, t in bucket]
         body = {
@@ -217,6 +222,7 @@ class BroadcastTransport:
             "shapes": [list(s.shape) for s in specs],
             "group_name": self.group_name,
             "load_format": "flattened_bucket",
+            **fields,
         }
         await asyncio.gather(
             asyncio.to_thread(send_bucket, self.group, [t for _, t in bucket], flattened=True),

@@ -1,21 +1,32 @@
-"""What every transport sends: the model's full parameters, one at a time, in bounded buckets."""
+"""What every transport sends: the model's full parameters, one at a time, in bounded buckets;
+or (LoRA) one adapter, whole, in one bucket, with the fields that address it to the engines'
+adapter registry."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from verst.plugins import AdapterUpdate
 
 NamedTensor = tuple[str, torch.Tensor]
 
 
 def full_parameters(
-    model: torch.nn.Module, dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    dtype: torch.dtype | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[NamedTensor]:
-    """Every parameter as a full tensor (an FSDP2 shard is gathered, a collective, one tensor at
-    a time, never the whole model at once), cast to `dtype` when given."""
+    """Every parameter (or those whose name `keep` accepts) as a full tensor (an FSDP2 shard is
+    gathered, a collective, one tensor at a time, never the whole model at once), cast to
+    `dtype` when given."""
     for name, param in model.named_parameters():
+        if keep is not None and not keep(name):
+            continue
         data = param.data
         full = data.full_tensor() if isinstance(data, DTensor) else data
         yield name, full if dtype is None else full.to(dtype)
@@ -35,3 +46,16 @@ def bucketed(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[N
         size += nbytes
     if bucket:
         yield bucket
+
+
+def bucket_limit(bucket_bytes: int, adapter: AdapterUpdate | None) -> int:
+    """`bucket_bytes`, or no limit for an adapter: it goes in one call, so that an engine never
+    holds an adapter half old and half new, or one missing modules while it is being made."""
+    return bucket_bytes if adapter is None else sys.maxsize
+
+
+def adapter_fields(adapter: AdapterUpdate | None) -> dict[str, Any]:
+    """The fields of an update request's body that address it to `adapter` (none without)."""
+    if adapter is None:
+        return {}
+    return {"lora_name": adapter.name, "lora_config": adapter.config}

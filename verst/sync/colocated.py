@@ -21,8 +21,8 @@ import torch
 
 from verst import distributed
 from verst.fleet.client import InProcessEngineClient
-from verst.plugins import EngineClient, NamedTensors
-from verst.sync.buckets import bucketed
+from verst.plugins import AdapterUpdate, EngineClient, NamedTensors
+from verst.sync.buckets import adapter_fields, bucket_limit, bucketed
 from verst.sync.ipc import IpcBucketSender
 from verst.train.trainer import Trainer
 
@@ -89,7 +89,13 @@ class ColocatedTransport:
         ]
         return cls(bucket_bytes=bucket_bytes, dtype=dtype, shared=shared)
 
-    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
+    async def send(
+        self,
+        engines: list[EngineClient],
+        tensors: NamedTensors,
+        version: int,
+        adapter: AdapterUpdate | None = None,
+    ) -> None:
         copied, processes = [], []
         for engine in engines:
             if not hasattr(engine, "update_weights_from_tensors"):
@@ -97,10 +103,13 @@ class ColocatedTransport:
             elif id(engine) not in self.shared:
                 copied.append(engine)
         if copied:  # every engine from one pass over the tensors
-            for bucket in bucketed(tensors(), self.bucket_bytes):
-                await asyncio.gather(*(e.update_weights_from_tensors(bucket) for e in copied))
+            fields = adapter_fields(adapter)
+            for bucket in bucketed(tensors(), bucket_limit(self.bucket_bytes, adapter)):
+                await asyncio.gather(
+                    *(e.update_weights_from_tensors(bucket, **fields) for e in copied)
+                )
         if processes:
-            await self.ipc.send(processes, tensors, version)
+            await self.ipc.send(processes, tensors, version, adapter)
 
     def close(self) -> None:
         """Free the staging buffers of engine processes."""

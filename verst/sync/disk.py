@@ -52,7 +52,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from verst.plugins import EngineClient, NamedTensors
+from verst.plugins import AdapterUpdate, EngineClient, NamedTensors
+from verst.sync.disk_adapters import AdapterPublisher
 from verst.sync.disk_format import (
     CHECKSUM_ALGORITHM,
     COMPLETE,
@@ -304,10 +305,22 @@ class DiskTransport:
 
     def __init__(self, publisher: DiskPublisher) -> None:
         self.publisher = publisher
+        self.adapters = AdapterPublisher(publisher.root)
 
-    async def send(self, engines: list[EngineClient], tensors: NamedTensors, version: int) -> None:
+    async def send(
+        self,
+        engines: list[EngineClient],
+        tensors: NamedTensors,
+        version: int,
+        adapter: AdapterUpdate | None = None,
+    ) -> None:
         """Publish `version` (once: a resend, or a restarted engine's first push, loads what is
-        published; an engine that holds no base of a delta rebuilds it by `load_full`)."""
+        published; an engine that holds no base of a delta rebuilds it by `load_full`). An
+        adapter is published as a peft directory and loaded by name."""
+        if adapter is not None:
+            path = await asyncio.to_thread(self.adapters.publish, adapter, version)
+            await asyncio.gather(*(e.load_lora_adapter(adapter.name, str(path)) for e in engines))
+            return
         if self.publisher.last_version == version:
             path = version_dir(self.publisher.root, version)
         else:

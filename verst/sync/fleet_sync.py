@@ -12,7 +12,9 @@ every engine of the fleet with the transport `sync.transport` names, one class p
   loaded by every engine).
 
 The tensors sent are the trainer's full parameters, in the engines' dtype, gathered one at a
-time (FSDP2 shards become full tensors tensor by tensor, never the whole model at once).
+time (FSDP2 shards become full tensors tensor by tensor, never the whole model at once). With
+LoRA (`model.lora`) they are the adapter's alone, sent as one `AdapterUpdate` that engines hold
+under `POLICY_ADAPTER` beside the frozen base they loaded at start.
 """
 
 from __future__ import annotations
@@ -31,12 +33,20 @@ from verst.configbase import ConfigBase
 from verst.fleet.fleet import Fleet
 from verst.fleet.launcher import free_port
 from verst.fleet.placement import PlacementConfig
-from verst.plugins import EngineClient, WeightTransport
+from verst.models.lora import POLICY_ADAPTER, LoraConfig, is_adapter, wire_name
+from verst.plugins import AdapterUpdate, EngineClient, WeightTransport
 from verst.sync.broadcast import BroadcastTransport
 from verst.sync.buckets import full_parameters
 from verst.sync.colocated import ColocatedTransport
 from verst.sync.disk import DiskPublisher, DiskTransport
-from verst.sync.protocol import EveryEngineLost, PauseMode, PushReport, WeightSync, WeightSyncError
+from verst.sync.protocol import (
+    EveryEngineLost,
+    PauseMode,
+    PushReport,
+    Weights,
+    WeightSync,
+    WeightSyncError,
+)
 from verst.train.trainer import Trainer
 
 TransportName = Literal["auto", "colocated", "broadcast", "disk"]
@@ -79,8 +89,10 @@ class FleetSync:
         engine_dtype: torch.dtype,
         generator: Any,
         max_resends: int = 1,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.trainer = trainer
+        self.lora = lora if trainer.lora else None
         self.fleet = fleet
         self.engine_dtype = engine_dtype
         self.transport = transport
@@ -100,6 +112,7 @@ class FleetSync:
             if distributed.world_size() == 1:  # other ranks could not join the gathers
                 fleet.rejoin = self.rejoin
         self.last_push: dict[str, float] = {}
+        self.sent_bytes = 0  # bytes taken from the trainer for engines (every walk of a push)
 
     @classmethod
     def build(
@@ -113,8 +126,10 @@ class FleetSync:
         generator: Any,
         engine_dtype: torch.dtype,
         run_dir: Path,
+        lora: LoraConfig | None = None,
     ) -> FleetSync:
-        """`fleet` is rank 0's; other ranks pass None and follow."""
+        """`fleet` is rank 0's; other ranks pass None and follow. `lora`: the trainer's adapter
+        config when it trains LoRA adapters."""
         if fleet is None:
             return cls(
                 trainer,
@@ -123,6 +138,7 @@ class FleetSync:
                 pause_mode=pause_mode,
                 engine_dtype=engine_dtype,
                 generator=generator,
+                lora=lora,
             )
         name = cfg.resolve(placement)
         bucket_bytes = cfg.bucket_mb << 20
@@ -167,11 +183,26 @@ class FleetSync:
             engine_dtype=engine_dtype,
             generator=generator,
             max_resends=max_resends,
+            lora=lora,
         )
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The trainer's full parameters in the engines' dtype, one tensor at a time."""
-        return full_parameters(self.trainer.model, self.engine_dtype)
+        """The trainer's full parameters in the engines' dtype, one tensor at a time; with LoRA
+        its adapter's, named as engines take them."""
+        if self.lora is None:
+            named = full_parameters(self.trainer.model, self.engine_dtype)
+        else:
+            adapters = full_parameters(self.trainer.model, self.engine_dtype, keep=is_adapter)
+            named = ((wire_name(name), tensor) for name, tensor in adapters)
+        for name, tensor in named:
+            self.sent_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def weights(self) -> Weights:
+        """What a push installs: the whole model, or (LoRA) the adapter."""
+        if self.lora is None:
+            return self.tensors
+        return [AdapterUpdate(POLICY_ADAPTER, self.lora.wire_config(), self.tensors)]
 
     def close(self) -> None:
         close = getattr(self.transport, "close", None)
@@ -192,6 +223,7 @@ class FleetSync:
         serving engine and every restarted engine waiting to join gets `version`."""
         assert self.fleet is not None
         started = time.perf_counter()
+        self.sent_bytes = 0
         joining = list(self.fleet.joining_engines().values())
         report = await self._push(self.fleet.clients + joining, version)
         self.generator.weight_version = version
@@ -200,6 +232,7 @@ class FleetSync:
             "sync/resent_engines": float(len(report.resent)),
             "sync/live_engines": float(len(report.engines)),
             "sync/lost_engines": float(len(report.lost)),
+            "sync/bytes": float(self.sent_bytes),
         }
         return self.last_push
 
@@ -224,7 +257,7 @@ class FleetSync:
         try:
             while True:
                 try:
-                    report = await self.protocol.push(self.tensors, version, engines)
+                    report = await self.protocol.push(self.weights(), version, engines)
                     break
                 except EveryEngineLost:
                     if not fleet.recovering or not self.protocol.repeat_send:

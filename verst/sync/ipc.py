@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from verst.plugins import AdapterUpdate
+from verst.sync.buckets import adapter_fields, bucket_limit
 from verst.sync.shared_tensors import (
     LOAD_FORMATS,
     FlattenedTensorMetadata,
@@ -123,6 +125,7 @@ class IpcBucketSender:
         engines: list[Any],
         tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
         version: int,
+        adapter: AdapterUpdate | None = None,
     ) -> None:
         if self._executor is None:
             # One thread stages every bucket: gathers stay in order, and the event loop keeps
@@ -134,7 +137,7 @@ class IpcBucketSender:
         self.timings = {"stage": [], "engines": []}
         try:
             for index, bucket in enumerate(
-                plan_shared_buckets(tensors(), self.bucket_bytes, self.dtype)
+                plan_shared_buckets(tensors(), bucket_limit(self.bucket_bytes, adapter), self.dtype)
             ):
                 slot = index % self.num_buffers
                 if in_flight[slot] is not None:
@@ -143,6 +146,7 @@ class IpcBucketSender:
                 bodies = await loop.run_in_executor(
                     self._executor, self._stage, slot, bucket, len(engines)
                 )
+                bodies = [{**body, **adapter_fields(adapter)} for body in bodies]
                 in_flight[slot] = asyncio.ensure_future(self._post(engines, bodies))
                 self.buckets_sent.append(bucket[-1].start + bucket[-1].nbytes)
         finally:

@@ -12,6 +12,9 @@ One update, in order:
    weights again (at most `max_resends` times) and, if it still disagrees, reported.
 
 An engine that joins (or rejoins) gets a full push before it serves: `add_engine`.
+
+With LoRA the weights of a push are adapters (`AdapterUpdate`s): the frozen base never moves,
+and step 3 sends each adapter in turn, addressed to the engines' adapter registry.
 The version is the trainer's integer; engines carry it as a string, as SGLang does.
 
 Engines that fail during a push: with `on_engine_lost`, an engine whose control call raises or
@@ -30,9 +33,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from verst.plugins import EngineClient, NamedTensors, WeightTransport
+from verst.plugins import AdapterUpdate, EngineClient, NamedTensors, WeightTransport
 
 PauseMode = Literal["retract", "in_place", "abort"]
+Weights = NamedTensors | list[AdapterUpdate]
+"""What a push installs: the whole model's tensors, or (LoRA) some adapters."""
 
 
 class WeightSyncError(RuntimeError):
@@ -79,7 +84,7 @@ class WeightSync:
         self.repeat_send = repeat_send
 
     async def push(
-        self, tensors: NamedTensors, version: int, engines: list[EngineClient] | None = None
+        self, tensors: Weights, version: int, engines: list[EngineClient] | None = None
     ) -> PushReport:
         """Run the whole protocol for `version` on `engines` (default: every engine)."""
         started = time.perf_counter()
@@ -142,12 +147,12 @@ class WeightSync:
                 f"every engine failed during the push of version {report.version}; last: {reason}"
             ) from error
 
-    async def _send(self, report: PushReport, tensors: NamedTensors, version: int) -> None:
+    async def _send(self, report: PushReport, tensors: Weights, version: int) -> None:
         """The transport's send to the push's engines; after a failure, the engines found dead
         are lost and the send is repeated for the others (each retry loses at least one)."""
         while True:
             try:
-                await self.transport.send(list(report.engines), tensors, version)
+                await self._transport_send(list(report.engines), tensors, version)
                 return
             except Exception as error:
                 if self.on_engine_lost is None:
@@ -173,7 +178,7 @@ class WeightSync:
         except Exception:
             return False
 
-    async def _confirm(self, tensors: NamedTensors, version: int, report: PushReport) -> None:
+    async def _confirm(self, tensors: Weights, version: int, report: PushReport) -> None:
         for attempt in range(self.max_resends + 1):
             engines = list(report.engines)
             versions = await self._each(report, "get_version", lambda e: e.get_weight_version())
@@ -189,18 +194,25 @@ class WeightSync:
             report.resent += stale
             await self._full_push([engines[i] for i in stale], tensors, version)
 
-    async def add_engine(self, engine: EngineClient, tensors: NamedTensors, version: int) -> None:
+    async def add_engine(self, engine: EngineClient, tensors: Weights, version: int) -> None:
         """A joining engine gets the current weights and version before it serves."""
         await self._full_push([engine], tensors, version)
         self.engines.append(engine)
 
-    async def _full_push(
-        self, engines: list[EngineClient], tensors: NamedTensors, version: int
-    ) -> None:
+    async def _full_push(self, engines: list[EngineClient], tensors: Weights, version: int) -> None:
         await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in engines))
-        await self.transport.send(engines, tensors, version)
+        await self._transport_send(engines, tensors, version)
         await asyncio.gather(*(e.update_weight_version(str(version)) for e in engines))
         await asyncio.gather(*(e.continue_generation() for e in engines))
+
+    async def _transport_send(
+        self, engines: list[EngineClient], tensors: Weights, version: int
+    ) -> None:
+        if callable(tensors):
+            await self.transport.send(engines, tensors, version)
+            return
+        for adapter in tensors:
+            await self.transport.send(engines, adapter.tensors, version, adapter=adapter)
 
 
 def _false(results: list[object]) -> list[int]:
