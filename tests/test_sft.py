@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_loop import torchrun_train
 from verst.cli import main
 from verst.data.source import DataSource, DataSourceConfig
 from verst.models.tiny import build_char_tokenizer
@@ -160,6 +161,32 @@ def test_chat_sft_run_logs_loss_and_eval_and_resumes_exactly(tmp_path: Path) -> 
     assert final_whole.name == final_cut.name == "step_000006"
     for name, tensor in load_weights(final_whole).items():
         assert torch.equal(tensor, load_weights(final_cut)[name]), name
+
+
+def test_sft_under_torchrun_matches_one_process(tmp_path: Path) -> None:
+    """Two FSDP2 ranks over gloo, each with half of every batch and of the held-out rows, log
+    what one process logs (the same batches, the loss averaged over both halves)."""
+    rows = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(16)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    args = [
+        *TINY,
+        f"sft.data={{path: {data}, shuffle: true}}",
+        f"sft.eval_data={{path: {data}, max_prompts: 8}}",
+        "sft.batch_size=8",
+        "sft.epochs=2",
+        "sft.eval_interval_steps=4",
+        "trainer.lr=1e-3",
+    ]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["sft", *args, "--run-dir", str(one)]) == 0
+    torchrun_train(args, two, command="sft")
+    rows_one, rows_two = records(one), records(two)
+    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == list(range(5))
+    for a, b in zip(rows_one[1:], rows_two[1:], strict=True):
+        assert a["sft/tokens"] == b["sft/tokens"]
+        assert b["sft/loss"] == pytest.approx(a["sft/loss"], rel=1e-4)
+    assert rows_two[-1]["eval/loss"] == pytest.approx(rows_one[-1]["eval/loss"], rel=1e-4)
+    assert list_checkpoints(two)
 
 
 def test_rl_starts_from_an_sft_checkpoint_with_the_accuracy_sft_measured(tmp_path: Path) -> None:
