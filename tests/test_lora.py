@@ -82,6 +82,20 @@ def test_lora_trains_only_adapters_and_the_engine_follows_exactly() -> None:
         assert torch.equal(engine_params[name].detach(), tensor), name
 
 
+def test_a_bf16_trainer_keeps_the_frozen_base_in_bf16_and_the_adapters_in_fp32() -> None:
+    model = tiny_model()
+    apply_lora(model, LORA)
+    randomise_adapters(model)
+    trainer = make_trainer(model, dtype="bfloat16")
+    dtypes = {n: t.dtype for n, t in trainer.named_local_parameters()}
+    assert all((d == torch.float32) == is_adapter(n) for n, d in dtypes.items()), dtypes
+    before = trainer.adapter_state_dict()
+    trainer.step(items(1), step=1)
+    after = trainer.adapter_state_dict()
+    assert all(t.dtype == torch.float32 for t in after.values())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
 def test_a_bf16_engine_is_sent_only_the_adapters() -> None:
     model = tiny_model()
     apply_lora(model, LORA)

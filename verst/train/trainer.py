@@ -146,6 +146,10 @@ class Trainer:
         model.train()
         # with LoRA (`verst.models.lora.apply_lora`), the adapted modules' scales; else empty
         self.lora_scalings = lora.scalings(model)
+        if self.lora:  # a frozen base needs no fp32 master: it stays in the compute dtype
+            for param in model.parameters():
+                if not param.requires_grad:
+                    param.data = param.data.to(self.dtype)
         _shard(model, self.dtype, device)
         self.model = model
         self.optimizer = self.make_optimizer(cfg.lr)
