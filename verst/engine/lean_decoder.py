@@ -19,7 +19,8 @@ layers, reading the same parameters, with:
 It serves the architectures whose layers it can read (`LeanDecoder.of` returns None for any
 other model, which then runs HF's forward): Llama, Mistral, Qwen2 and Qwen3 with SiLU MLPs and
 plain `nn.Linear` projections, or peft LoRA layers over them (the adapters run in this forward,
-beside the frozen base). Derived weights (packed, concatenated) are cached in
+beside the frozen base), and the LoRA adapters of the engine's own registry (`adapters`), a
+row's adapter chosen per request. Derived weights (packed, concatenated) are cached in
 `DerivedWeights` and made again whenever a source weight changes. Like HF's layers under the
 engine's attention, it attends over the whole sequence: a model's sliding window is not applied.
 """
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from verst.engine.adapters import AdapterRows
 from verst.engine.kernels.cpu import CpuKernels
 from verst.engine.kernels.cuda import CudaKernels
 from verst.engine.kernels.fused_norm import FUSABLE
@@ -50,19 +52,31 @@ class _Linears:
     adapter's low-rank update added to that output, in peft's order (base + B(A(x)) · scale),
     so the adapters are applied in the forward and never merged into the base."""
 
-    def __init__(self, name: str, modules: list[torch.nn.Module], derived: DerivedWeights):
+    def __init__(
+        self,
+        name: str,
+        modules: list[torch.nn.Module],
+        derived: DerivedWeights,
+        module_names: list[str] | None = None,
+    ):
         self.name, self.derived = name, derived
+        self.module_names = module_names or []  # HF's names, for the engine's adapter registry
         self.modules = [m.base_layer if is_lora_layer(m) else m for m in modules]
         self.adapted = [m if is_lora_layer(m) else None for m in modules]
         self.sizes = [m.out_features for m in self.modules]
         self.packed = packable(self.modules[0].weight)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> list[torch.Tensor]:
         outs = self._base(x)
         for i, layer in enumerate(self.adapted):
             if layer is not None:
                 a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
                 outs[i] = outs[i] + F.linear(F.linear(x, a), b) * layer.scaling[ADAPTER]
+        if adapters is not None:
+            for i, module in enumerate(self.module_names):
+                delta = adapters.delta(module, x)
+                if delta is not None:
+                    outs[i] = outs[i] + delta
         return outs
 
     def _base(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -127,6 +141,7 @@ class LeanDecoder:
         self.decoder = model.get_decoder()
         self.heads, self.kv_heads, self.head_dim = attention_shape(model.config)
         self.derived = DerivedWeights()
+        self.module_names = {id(m): name for name, m in model.named_modules()}
         self.layers = [self._layer(i, layer) for i, layer in enumerate(self.decoder.layers)]
         self.final_norm = self._norm(self.decoder.norm)
         self.head = _Linears("lm_head", [model.get_output_embeddings()], self.derived)
@@ -144,9 +159,14 @@ class LeanDecoder:
         self.derived.stale()
 
     def hidden(
-        self, ids_B_T: torch.Tensor, positions_B_T: torch.Tensor, step: PagedStep
+        self,
+        ids_B_T: torch.Tensor,
+        positions_B_T: torch.Tensor,
+        step: PagedStep,
+        adapters: AdapterRows | None = None,
     ) -> torch.Tensor:
-        """The final-norm hidden states [B, T, E] of the fed tokens (K/V written to the pool)."""
+        """The final-norm hidden states [B, T, E] of the fed tokens (K/V written to the pool),
+        each row with its LoRA adapter from the engine's registry where `adapters` says."""
         x_B_T_E = self.decoder.embed_tokens(ids_B_T)
         cos_B_T_D, sin_B_T_D = self.decoder.rotary_emb(x_B_T_E, positions_B_T)
         if self.kernels is not None:
@@ -162,9 +182,11 @@ class LeanDecoder:
         h_B_T_E = self.layers[0].input_norm(residual_B_T_E)
         after = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         for layer, next_norm in zip(self.layers, after, strict=True):
-            attn_B_T_E = self._attention(layer, h_B_T_E, rotary, step)
+            attn_B_T_E = self._attention(layer, h_B_T_E, rotary, step, adapters)
             residual_B_T_E, h_B_T_E = layer.post_norm.add(attn_B_T_E, residual_B_T_E)
-            residual_B_T_E, h_B_T_E = next_norm.add(self._mlp(layer, h_B_T_E), residual_B_T_E)
+            residual_B_T_E, h_B_T_E = next_norm.add(
+                self._mlp(layer, h_B_T_E, adapters), residual_B_T_E
+            )
         return h_B_T_E
 
     def logits(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
@@ -179,15 +201,19 @@ class LeanDecoder:
         return _Layer(
             index=index,
             input_norm=self._norm(layer.input_layernorm),
-            qkv=_Linears(f"{index}.qkv", [attn.q_proj, attn.k_proj, attn.v_proj], self.derived),
+            qkv=self._linears(f"{index}.qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
             q_norm=self._norm(q_norm) if q_norm is not None else None,
             k_norm=self._norm(k_norm) if k_norm is not None else None,
-            o=_Linears(f"{index}.o", [attn.o_proj], self.derived),
+            o=self._linears(f"{index}.o", [attn.o_proj]),
             post_norm=self._norm(layer.post_attention_layernorm),
-            gate_up=_Linears(f"{index}.gate_up", [mlp.gate_proj, mlp.up_proj], self.derived),
-            down=_Linears(f"{index}.down", [mlp.down_proj], self.derived),
+            gate_up=self._linears(f"{index}.gate_up", [mlp.gate_proj, mlp.up_proj]),
+            down=self._linears(f"{index}.down", [mlp.down_proj]),
             scaling=attn.scaling,
         )
+
+    def _linears(self, name: str, modules: list[torch.nn.Module]) -> _Linears:
+        names = [self.module_names[id(m)] for m in modules]
+        return _Linears(name, modules, self.derived, names)
 
     def _norm(self, module: torch.nn.Module) -> _Norm:
         return _Norm(module, self.kernels)
@@ -198,11 +224,12 @@ class LeanDecoder:
         h_B_T_E: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         step: PagedStep,
+        adapters: AdapterRows | None,
     ) -> torch.Tensor:
         """The attention block's output [B, T, E] for normed input h (K/V written to the pool)."""
         B, T, _ = h_B_T_E.shape
         D = self.head_dim
-        q, k, v = layer.qkv(h_B_T_E)
+        q, k, v = layer.qkv(h_B_T_E, adapters)
         out_B_T_H_D = attend(
             step,
             layer.index,
@@ -211,16 +238,18 @@ class LeanDecoder:
             v.view(B, T, self.kv_heads, D),
             layer.scaling,
         )
-        (attn_B_T_E,) = layer.o(out_B_T_H_D.reshape(B, T, -1))
+        (attn_B_T_E,) = layer.o(out_B_T_H_D.reshape(B, T, -1), adapters)
         return attn_B_T_E
 
-    def _mlp(self, layer: _Layer, h_B_T_E: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(h_B_T_E)
+    def _mlp(
+        self, layer: _Layer, h_B_T_E: torch.Tensor, adapters: AdapterRows | None
+    ) -> torch.Tensor:
+        gate, up = layer.gate_up(h_B_T_E, adapters)
         if isinstance(self.kernels, CudaKernels):
             act = self.kernels.silu_mul(gate, up)
         else:  # PyTorch's two ops measured faster than a C loop on the CPU
             act = F.silu(gate) * up
-        (mlp_B_T_E,) = layer.down(act)
+        (mlp_B_T_E,) = layer.down(act, adapters)
         return mlp_B_T_E
 
     def _position(

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry, AdapterRows
 from verst.engine.kernels.cpu import CpuKernels
 from verst.engine.kernels.cpu import load as load_cpu_kernels
 from verst.engine.kernels.cuda import CudaKernels
@@ -42,6 +43,7 @@ from verst.engine.paged_attention import (
     triton,
 )
 
+_META = 5  # decode meta columns before the page table: token, position, slot, length, adapter
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 
@@ -53,6 +55,7 @@ class Row:
     past: int  # tokens of this request already in the pool
     pages: list[int]  # covers past + len(tokens)
     all_logits: bool = False  # logits of every fed position, not only the last
+    adapter: int | None = None  # its LoRA adapter's slot in the runner's registry; None: base
 
 
 @dataclass
@@ -73,6 +76,7 @@ class ModelRunner:
         graph_max_len: int | None = None,
         lean: bool = True,
         fused_kernels: bool = True,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -115,6 +119,9 @@ class ModelRunner:
         hf = self.lean is None
         self.fused = fusable_norms(model) if hf and self.use_triton else []
         self.packed = PackedLinears.of(model) if hf and not on_cuda else None
+        # LoRA adapters served beside the frozen base, run by the lean forward
+        self.adapters = AdapterRegistry.of(model, max_adapters) if self.lean is not None else None
+        self._graphs_structure = 0  # the registry's structure the graphs were captured with
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -166,36 +173,42 @@ class ModelRunner:
         bucket = self._bucket(B)
         graphed = self.cuda_graphs and bucket is not None and width <= self.graph_pages
         size = bucket if graphed else B
-        # one host tensor: token, position, slot, sequence length, page table
+        base = self._base_slot()
+        # one host tensor: token, position, slot, sequence length, adapter, page table
         meta = [
             [
                 r.tokens[0],
                 r.past,
                 r.pages[r.past // page] * page + r.past % page,
                 r.past + 1,
+                base if r.adapter is None else r.adapter,
                 *r.pages[:width],
                 *([0] * (width - min(len(r.pages), width))),
             ]
             for r in rows
         ]
-        pad_row = [0, 0, self.pool.scratch_slot, 1] + [0] * width
+        pad_row = [0, 0, self.pool.scratch_slot, 1, base] + [0] * width
         meta += [pad_row] * (size - B)
         meta_B_M = torch.tensor(meta, dtype=torch.long)
         if graphed:
+            self._drop_graphs_of_old_adapters()
             if bucket not in self._graphs:
                 self._capture(bucket)
             assert self._meta is not None
-            self._meta[:size, : 4 + width].copy_(meta_B_M, non_blocking=True)
+            self._meta[:size, : _META + width].copy_(meta_B_M, non_blocking=True)
             entry = self._graphs[bucket]
             entry.graph.replay()
             return entry.logits_B_V[:B]
-        return self._decode_eager(meta_B_M.to(self.device, non_blocking=True))[:B]
+        meta_B_M = meta_B_M.to(self.device, non_blocking=True)
+        return self._decode_eager(meta_B_M, any(r.adapter is not None for r in rows))[:B]
 
-    def _decode_eager(self, meta_B_M: torch.Tensor) -> torch.Tensor:
+    def _decode_eager(self, meta_B_M: torch.Tensor, adapted: bool) -> torch.Tensor:
+        """One decode step from its meta rows; `adapted`: run the adapters' terms (rows whose
+        adapter column is the base slot get zero from them)."""
         ids_B_1 = meta_B_M[:, 0:1]
         positions_B_1 = meta_B_M[:, 1:2]
         seq_lens_B = meta_B_M[:, 3].contiguous()
-        table_B_P = meta_B_M[:, 4:].contiguous()
+        table_B_P = meta_B_M[:, _META:].contiguous()
         step = PagedStep(
             pool=self.pool,
             slots_N=meta_B_M[:, 2].contiguous(),
@@ -208,7 +221,8 @@ class ModelRunner:
             step.mask_B_1_Q_S = decode_mask(
                 seq_lens_B, table_B_P.shape[1], self.group, self.pool.page_size
             )
-        hidden_B_1_E = self._run_decoder(ids_B_1, positions_B_1, step)
+        adapters = self._adapter_rows(meta_B_M[:, 4]) if adapted else None
+        hidden_B_1_E = self._run_decoder(ids_B_1, positions_B_1, step, adapters)
         return self._logits(hidden_B_1_E[:, 0])
 
     def _bucket(self, batch: int) -> int | None:
@@ -221,25 +235,43 @@ class ModelRunner:
         if self._meta is None:
             rows = self.graph_batch_sizes[-1]
             self._meta = torch.zeros(
-                (rows, 4 + self.graph_pages), dtype=torch.long, device=self.device
+                (rows, _META + self.graph_pages), dtype=torch.long, device=self.device
             )
             self._graph_pool = torch.cuda.graph_pool_handle()
         meta = self._meta[:size]
         meta.zero_()
         meta[:, 2] = self.pool.scratch_slot
         meta[:, 3] = 1
+        meta[:, 4] = self._base_slot()
+        adapted = self.adapters is not None and not self.adapters.empty
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up (Triton compiles, cuBLAS picks kernels)
             for _ in range(2):
-                self._decode_eager(meta)
+                self._decode_eager(meta, adapted)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads (another in-process engine, the trainer) may sync the
         # device while this one captures
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            logits = self._decode_eager(meta)
+            logits = self._decode_eager(meta, adapted)
         self._graphs[size] = _Graph(graph, logits)
+
+    def _drop_graphs_of_old_adapters(self) -> None:
+        """Graphs read the adapters' stacked buffers by address: capture again once the
+        registry made new ones (or holds its first adapter)."""
+        structure = self.adapters.structure if self.adapters is not None else 0
+        if structure != self._graphs_structure:
+            self._graphs.clear()
+            self._graphs_structure = structure
+
+    # --- adapters -------------------------------------------------------------------------------
+
+    def _base_slot(self) -> int:
+        return self.adapters.base_slot if self.adapters is not None else 0
+
+    def _adapter_rows(self, slots_B: torch.Tensor) -> AdapterRows | None:
+        return self.adapters.rows(slots_B) if self.adapters is not None else None
 
     # --- prefill and mixed steps ----------------------------------------------------------------
 
@@ -275,7 +307,12 @@ class ModelRunner:
             mask_B_1_Q_S=None if fresh else step_mask(past_B, T, width, self.group, page),
             fresh=fresh,
         )
-        hidden_B_T_E = self._run_decoder(ids_B_T, positions_B_T, step)
+        adapters = None
+        if any(r.adapter is not None for r in rows):
+            base = self._base_slot()
+            slots_B = torch.tensor([base if r.adapter is None else r.adapter for r in rows])
+            adapters = self._adapter_rows(slots_B.to(device, non_blocking=True))
+        hidden_B_T_E = self._run_decoder(ids_B_T, positions_B_T, step, adapters)
         # the LM head only where logits are wanted
         wanted: list[int] = []
         spans: dict[int, tuple[int, int]] = {}
@@ -296,10 +333,14 @@ class ModelRunner:
     # --- shared ---------------------------------------------------------------------------------
 
     def _run_decoder(
-        self, ids_B_T: torch.Tensor, positions_B_T: torch.Tensor, step: PagedStep
+        self,
+        ids_B_T: torch.Tensor,
+        positions_B_T: torch.Tensor,
+        step: PagedStep,
+        adapters: AdapterRows | None = None,
     ) -> torch.Tensor:
         if self.lean is not None:
-            return self.lean.hidden(ids_B_T, positions_B_T, step)
+            return self.lean.hidden(ids_B_T, positions_B_T, step, adapters)
         with paged_attention_mode(self.model), fused_norms(self.fused):
             out = self.decoder(
                 input_ids=ids_B_T, position_ids=positions_B_T, use_cache=False, verst_paged=step

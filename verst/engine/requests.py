@@ -24,6 +24,7 @@ class GenerateRequest:
     rid: str = field(default_factory=lambda: uuid4().hex)
     return_logprob: bool = True
     logprob_start_len: int = -1  # >= 0: also score the prompt from this position (no prefix cache)
+    lora_path: str | None = None  # the name of a LoRA adapter the engine holds; None: the base
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterError, AdapterRegistry
 from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.radix_cache import PrefixMatch, RadixCache
@@ -33,6 +34,7 @@ from verst.engine.requests import FINISH_LENGTH, FINISH_STOP, GenerateOutput, Ge
 from verst.engine.sampling import sample_rows
 
 FINISH_ABORT = "abort"
+ADAPTER_KEY_SHIFT = 40  # adapter uid << this, added to token ids, namespaces the prefix cache
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
@@ -53,6 +55,8 @@ class _Running:
     input_logprobs: list[float | None] = field(default_factory=list)
     token_versions: list[int | str] = field(default_factory=list)
     leader: _Running | None = None  # a running request prefilling this very prompt
+    adapter: int | None = None  # its LoRA adapter's slot (`ModelRunner.adapters`); None: base
+    cache_offset: int = 0  # added to token ids in prefix-cache keys: an adapter's KV is its own
 
     @property
     def output_ids(self) -> list[int]:
@@ -74,6 +78,7 @@ class Scheduler:
         cuda_graphs: bool | None = None,
         lean_forward: bool = True,
         fused_kernels: bool = True,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -84,6 +89,7 @@ class Scheduler:
             cuda_graphs=cuda_graphs,
             lean=lean_forward,
             fused_kernels=fused_kernels,
+            max_adapters=max_adapters,
         )
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.eos_token_ids = list(eos_token_ids)
@@ -139,6 +145,9 @@ class Scheduler:
                 f"length {len(request.input_ids)} (rid {request.rid})"
             )
         r = _Running(request, list(request.input_ids), prompt_length=len(request.input_ids))
+        if request.lora_path is not None:
+            held = self.adapter_registry().slot(request.lora_path)
+            r.adapter, r.cache_offset = held.index, held.uid << ADAPTER_KEY_SHIFT
         seed = request.sampling_params.sampling_seed
         if seed is not None:
             r.generator = torch.Generator(device=self.device)
@@ -232,6 +241,31 @@ class Scheduler:
         self.set_weight_version(version)
         self.weights_changed()
 
+    def adapter_registry(self) -> AdapterRegistry:
+        if self.runner.adapters is None:
+            raise AdapterError(
+                "LoRA adapters need a model the engine's lean forward runs (Llama, Mistral, "
+                "Qwen2, Qwen3); this one runs HF's layers"
+            )
+        return self.runner.adapters
+
+    def load_adapter(
+        self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], source: str
+    ) -> None:
+        """Hold LoRA adapter `name` (or its new weights), checked whole first
+        (`AdapterRegistry.load`); cached prefixes computed with its old weights are dropped."""
+        self.adapter_registry().load(name, config, tensors, source)
+        self.weights_changed()
+
+    def unload_adapter(self, name: str) -> None:
+        """Drop adapter `name`; refused while a request uses it."""
+        held = self.adapter_registry().slot(name)
+        users = [r.request.rid for r in [*self.running, *self.waiting] if r.adapter == held.index]
+        if users:
+            raise AdapterError(f"adapter {name!r} is in use by {len(users)} requests")
+        self.adapter_registry().unload(name)
+        self.weights_changed()
+
     def parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter by name, tied ones under each name (walked once: the module tree
         does not change, and weight updates write into these very tensors)."""
@@ -293,7 +327,7 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_running:
             return finished
         prefilling = {self._prompt_key(r) for r in self.running if r.computed < r.prompt_length}
-        leaders = {tuple(r.tokens): r for r in self.running if self._may_lead(r)}
+        leaders = {self._lead_key(r): r for r in self.running if self._may_lead(r)}
         self._has_followers = False
         deferred = []
         while self.waiting and len(self.running) < self.max_running:
@@ -301,7 +335,7 @@ class Scheduler:
             if self._remaining(r) <= 0 and r.request.logprob_start_len < 0:
                 finished.append(self._output(r, FINISH_LENGTH))
                 continue
-            r.leader = leaders.get(tuple(r.tokens)) if self._may_follow(r) else None
+            r.leader = leaders.get(self._lead_key(r)) if self._may_follow(r) else None
             if r.leader is not None:
                 # the same prompt is being prefilled: r copies its KV and its last logits when
                 # that prefill ends (the samples of a group), rather than compute it again
@@ -311,7 +345,7 @@ class Scheduler:
             # scoring the prompt needs its logits, so it cannot skip cached positions
             if self.cache is not None and r.computed == 0 and r.request.logprob_start_len < 0:
                 # keep one token to compute: the last prompt token's logits start decoding
-                match = self.cache.match_prefix(r.tokens[:-1])
+                match = self.cache.match_prefix(self._keyed(r, r.tokens[:-1]))
                 key = self._prompt_key(r)
                 if key in prefilling and match.length < len(key):
                     # the same prompt is being prefilled now: wait one step and take it from
@@ -325,7 +359,7 @@ class Scheduler:
                 prefilling.add(key)
             self.running.append(r)
             if self._may_lead(r):
-                leaders.setdefault(tuple(r.tokens), r)
+                leaders.setdefault(self._lead_key(r), r)
         self.waiting.extendleft(reversed(deferred))
         return finished
 
@@ -386,9 +420,22 @@ class Scheduler:
         return True
 
     def _prompt_key(self, r: _Running) -> tuple[int, ...]:
-        """The whole pages of r's prompt that a cache hit can cover (all but its last token)."""
+        """The whole pages of r's prompt that a cache hit can cover (all but its last token),
+        as the prefix cache keys them."""
         ps = self.pool.page_size
-        return tuple(r.tokens[: (r.prompt_length - 1) // ps * ps])
+        return tuple(self._keyed(r, r.tokens[: (r.prompt_length - 1) // ps * ps]))
+
+    @staticmethod
+    def _keyed(r: _Running, tokens: list[int]) -> list[int]:
+        """Token ids as prefix-cache keys: a request with an adapter has keys of its own (the
+        same tokens under another adapter, or none, have other KV)."""
+        if not r.cache_offset:
+            return tokens
+        return [t + r.cache_offset for t in tokens]
+
+    @staticmethod
+    def _lead_key(r: _Running) -> tuple[int | None, tuple[int, ...]]:
+        return r.adapter, tuple(r.tokens)
 
     def _share_prompt(self, r: _Running) -> None:
         """Put r's freshly prefilled prompt pages in the prefix cache now, not when r ends, so
@@ -456,6 +503,7 @@ class Scheduler:
                 past=r.computed,
                 pages=r.pages,
                 all_logits=r.request.logprob_start_len >= 0 and r.computed < r.prompt_length,
+                adapter=r.adapter,
             )
             for r, n in batch
         ]
@@ -515,7 +563,8 @@ class Scheduler:
         """Give r's KV back: whole pages to the prefix cache, the rest to the pool."""
         if self.cache is not None and r.pages:
             full = r.computed // self.pool.page_size
-            duplicates = self.cache.insert(r.tokens[: full * self.pool.page_size], r.pages[:full])
+            keys = self._keyed(r, r.tokens[: full * self.pool.page_size])
+            duplicates = self.cache.insert(keys, r.pages[:full])
             self.pool.free(duplicates + r.pages[full:])
         elif r.pages:
             self.pool.free(r.pages)

@@ -29,6 +29,8 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     }
     if request.logprob_start_len >= 0:
         body["logprob_start_len"] = request.logprob_start_len
+    if request.lora_path is not None:
+        body["lora_path"] = request.lora_path
     return body
 
 
