@@ -134,11 +134,6 @@ def test_bad_lora_settings_name_the_field(override: str, field: str) -> None:
         load_config(None, [override])
 
 
-def test_lora_with_serving_engines_is_refused_for_now() -> None:
-    with pytest.raises(ConfigError, match="model.lora"):
-        load_config(None, ["model.lora.rank=4", "placement.engines=in_process"])
-
-
 def test_cli_refuses_targets_that_match_nothing(tmp_path: Path, capsys) -> None:
     args = ["train", *SMALL, "model.lora={rank: 4, target_modules: [nope]}"]
     assert main([*args, "--run-dir", str(tmp_path / "run")]) == 2
@@ -158,16 +153,7 @@ def lora_args(base: Path) -> list[str]:
 
 
 def test_lora_rl_is_on_policy_resumes_exactly_and_merges(tmp_path: Path) -> None:
-    base = tmp_path / "base"
-    shape = TinyModelConfig(
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
-    create_tiny(base, shape)
+    base = tiny_base(tmp_path / "base")
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     assert main(["train", *lora_args(base), "--run-dir", str(straight)]) == 0
     rows = records(straight)[1:]
@@ -208,6 +194,52 @@ def test_lora_rl_is_on_policy_resumes_exactly_and_merges(tmp_path: Path) -> None
         want, got = adapted(ids).logits, merged(ids).logits
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert (plain(ids).logits - got).abs().max() > 1e-4
+
+
+def tiny_base(path: Path) -> Path:
+    shape = TinyModelConfig(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    create_tiny(path, shape)
+    return path
+
+
+def adapter_bytes(run_dir: Path) -> int:
+    saved = load_file(list_checkpoints(run_dir)[-1] / ADAPTER_WEIGHTS_FILE)
+    return sum(t.numel() * t.element_size() for t in saved.values())
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        ["placement.engines=in_process", "sync.transport=colocated"],
+        ["placement.engines=in_process", "sync.transport=disk"],
+        ["placement.engines=processes", "sync.transport=broadcast"],
+        ["placement.engines=processes", "sync.transport=colocated"],
+    ],
+    ids=["in_process-copy", "in_process-disk", "processes-broadcast", "processes-shm"],
+)
+def test_serving_engines_hold_the_adapter_and_are_sent_only_it(
+    tmp_path: Path, placement: list[str]
+) -> None:
+    """Serving engines keep the frozen base they loaded and take the adapter alone each step,
+    under `policy` (/generate's lora_path): the trainer's log-probs match theirs as with the
+    embedded engine, and `sync/bytes` is the adapter's size."""
+    base = tiny_base(tmp_path / "base")
+    run = tmp_path / "run"
+    args = [*lora_args(base), "num_steps=3", *placement, "checkpoint.interval_steps=3"]
+    assert main(["train", *args, "--run-dir", str(run)]) == 0
+    rows = records(run)[1:]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-5, row
+        assert row["sync/bytes"] == adapter_bytes(run), row
+    assert rows[-1]["train/grad_norm"] > 0
 
 
 def test_full_state_dict_is_the_policy_with_adapters_merged() -> None:

@@ -142,6 +142,19 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="how long /init_weights_update_group waits for the trainer's rendezvous",
     )
+    parser.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=8,
+        help="most LoRA adapters held at once (/load_lora_adapter); a batch mixes any of them",
+    )
+    parser.add_argument(
+        "--lora-paths",
+        nargs="*",
+        default=[],
+        metavar="NAME=DIR",
+        help="peft adapter directories to hold from the start, each under NAME (lora_path)",
+    )
 
 
 def _route_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -311,8 +324,17 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
         allowed_weight_dirs=[d.strip() for d in args.allowed_weight_dirs.split(",") if d.strip()],
         group_join_timeout_s=args.weight_group_timeout_s,
+        max_loras=args.max_loras_per_batch,
+        lora_paths=_lora_paths(args.lora_paths),
     )
     return 0
+
+
+def _lora_paths(pairs: list[str]) -> dict[str, str]:
+    named = dict(pair.partition("=")[::2] for pair in pairs)
+    if any(not name or not path for name, path in named.items()) or len(named) != len(pairs):
+        raise ValueError(f"--lora-paths: give distinct NAME=DIR pairs, got {pairs}")
+    return named
 
 
 def _route(args: argparse.Namespace) -> int:

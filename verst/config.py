@@ -151,11 +151,6 @@ def check_placement(cfg: RunConfig) -> None:
             "placement.mode=disaggregated needs placement.engines=processes: engines on devices "
             "of their own run in processes of their own"
         )
-    if cfg.model.lora.enabled and placement.engines != "embedded":
-        raise ValueError(
-            f"model.lora (rank {cfg.model.lora.rank}) needs placement.engines=embedded for now: "
-            f"engines placed {placement.engines} cannot load adapters yet"
-        )
     if placement.engines == "embedded":
         if transport != "colocated":
             raise ValueError(

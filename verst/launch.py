@@ -32,7 +32,7 @@ from verst.eval.evaluate import Evaluator
 from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
-from verst.models.lora import apply_lora
+from verst.models.lora import POLICY_ADAPTER, apply_lora
 from verst.plugins import Generator
 from verst.rollout.ledger import LEDGER_FILE, Ledger
 from verst.rollout.rewards import RewardScorer, load_reward_fn
@@ -100,8 +100,11 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
     if cfg.loss.opd is not None:  # checked before any engine starts: a bad teacher fails fast
         teacher = TeacherScorer(cfg.loss.opd, tokenizer.encode, temperature=cfg.rollout.temperature)
         teacher.check()
-    # the engine's copy carries the same adapters: it applies them itself
-    engine_model = copy.deepcopy(model).to(dtype=compute_dtype(cfg.trainer.dtype, device)).eval()
+    # the embedded engine's copy carries the same adapters and applies them itself; serving
+    # engines start from the frozen base and hold the adapter in their registry
+    serving_lora = cfg.model.lora.enabled and cfg.placement.serving
+    engine_model = copy.deepcopy(shell if serving_lora else model)
+    engine_model = engine_model.to(dtype=compute_dtype(cfg.trainer.dtype, device)).eval()
     trainer = Trainer(
         model,
         cfg.trainer,
@@ -225,6 +228,8 @@ def build_engine(
     fleet = None
     if distributed.rank() == 0:
         fleet = start_fleet(cfg, run_dir, engine_model, policy.shell, tokenizer, trainer.device)
+        if cfg.model.lora.enabled:  # each request runs with the adapter the trainer pushes
+            fleet.lora_path = POLICY_ADAPTER
     distributed.barrier()
     engine = fleet if distributed.world_size() == 1 else RankedFleet(fleet)
     try:

@@ -262,6 +262,14 @@ class EngineClient(Protocol):
         """SGLang's `/v1/loads` body: `{"timestamp", "version", "loads": [per DP rank]}`."""
         ...
 
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Hold the peft adapter directory `path` as LoRA adapter `name`, or replace the weights
+        of the one held as `name` (SGLang's /load_lora_adapter); requests pick it by
+        `lora_path`."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]: ...
+
     async def close(self) -> None: ...
 
 

@@ -23,16 +23,29 @@ place and keeps them.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from verst.models.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, PEFT_PREFIX
 
 DEFAULT_MAX_ADAPTERS = 8
 # peft adapter_config.json keys that change what an adapter computes beyond plain LoRA
-_UNSUPPORTED = {"use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "lora_bias": False}
+_UNSUPPORTED = {
+    "use_dora": False,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "lora_bias": False,
+    "bias": "none",
+    "modules_to_save": [],
+}
 
 
 class AdapterError(ValueError):
@@ -256,3 +269,20 @@ def _rank_and_scale(name: str, config: dict[str, Any]) -> tuple[int, float]:
             raise AdapterError(f"adapter {name!r}: {key}={config[key]!r} is not supported")
     root = math.sqrt(rank) if config.get("use_rslora") else rank
     return rank, float(alpha) / root
+
+
+def read_adapter_dir(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A peft adapter directory as (its config, its tensors named as `AdapterRegistry.load`
+    takes them); AdapterError when it is not one."""
+    config_file, weights_file = path / ADAPTER_CONFIG_FILE, path / ADAPTER_WEIGHTS_FILE
+    if not config_file.is_file() or not weights_file.is_file():
+        raise AdapterError(
+            f"{str(path)!r} is no peft adapter directory (it needs {ADAPTER_CONFIG_FILE} and "
+            f"{ADAPTER_WEIGHTS_FILE})"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+        tensors = load_file(weights_file)
+    except (OSError, ValueError, SafetensorError) as error:
+        raise AdapterError(f"cannot read the adapter in {str(path)!r}: {error}") from error
+    return config, {key.removeprefix(PEFT_PREFIX): t for key, t in tensors.items()}

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from verst.engine.adapters import DEFAULT_MAX_ADAPTERS
 from verst.engine.requests import GenerateOutput, GenerateRequest
 from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
 from verst.engine.sampling import SamplingParams
@@ -125,6 +126,7 @@ class ServingEngine(WeightUpdates):
         batch_wait_s: float = 0.002,
         kv_cache_bytes: int | None = None,
         page_size: int = 16,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
     ) -> ServingEngine:
         """Load a local HF directory behind a scheduler that stops on the model's EOS ids.
 
@@ -145,6 +147,7 @@ class ServingEngine(WeightUpdates):
             kv_cache_bytes=kv_cache_bytes,
             page_size=page_size,
             model_path=model_path,
+            max_adapters=max_adapters,
         )
 
     @classmethod
@@ -159,8 +162,10 @@ class ServingEngine(WeightUpdates):
         kv_cache_bytes: int | None = None,
         page_size: int = 16,
         model_path: str = "",
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
     ) -> ServingEngine:
-        """Serve a loaded model (its device and dtype); the scheduler stops on its EOS ids."""
+        """Serve a loaded model (its device and dtype); the scheduler stops on its EOS ids.
+        It can hold up to `max_adapters` LoRA adapters (`load_lora_adapter`)."""
         from verst.models.loading import eos_token_ids
 
         eos = eos_token_ids(model, tokenizer)
@@ -173,6 +178,7 @@ class ServingEngine(WeightUpdates):
             page_size=page_size,
             max_running=max_batch_size,
             seed=seed,
+            max_adapters=max_adapters,
         )
         return cls(scheduler, tokenizer, batch_wait_s=batch_wait_s, model_path=model_path)
 
@@ -230,11 +236,13 @@ class ServingEngine(WeightUpdates):
         return_logprob: bool,
         detokenize: DetokenizeParams | None = None,
         logprob_start_len: int = -1,
+        lora_path: str | None = None,
     ) -> GenerateResult:
-        """Queue one request and wait for its result (SGLang's `/generate` item shape)."""
+        """Queue one request and wait for its result (SGLang's `/generate` item shape);
+        `lora_path` names the LoRA adapter it runs with (None: the base model)."""
         cond = self._started()
         submitted_s = time.perf_counter()
-        self.check_request(input_ids, params)
+        self.check_request(input_ids, params, lora_path)
         async with cond:
             await cond.wait_for(lambda: not self._paused and not self._updating)
             if not self.rid_is_free(rid):
@@ -246,6 +254,7 @@ class ServingEngine(WeightUpdates):
                     rid=rid,
                     return_logprob=return_logprob,
                     logprob_start_len=logprob_start_len,
+                    lora_path=lora_path,
                 ),
                 detokenize or DetokenizeParams(),
                 submitted_s,
@@ -267,9 +276,13 @@ class ServingEngine(WeightUpdates):
                 cond.notify_all()
             raise
 
-    def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self, input_ids: list[int], params: SamplingParams, lora_path: str | None = None
+    ) -> None:
         """Raise ValueError for a request the engine cannot run (before it reaches a batch)."""
         params.validate()
+        if lora_path is not None:
+            self.scheduler.adapter_registry().slot(lora_path)  # AdapterError names the held ones
         if not input_ids:
             raise ValueError("input_ids must be non-empty")
         if self.vocab_size and (min(input_ids) < 0 or max(input_ids) >= self.vocab_size):

@@ -1,6 +1,8 @@
 """The weight-update half of `ServingEngine`: new weights from disk, from tensors, from shared
 memory or CUDA IPC handles, and over a torch.distributed group, each installed between two
 scheduler steps with a new version stamped; plus reading a weight back and the version alone.
+Each path can carry a LoRA adapter instead (`lora_name`, for the engine's adapter registry),
+and adapters load from and unload to peft directories (`load_lora_adapter`).
 
 `WeightUpdates` is a base class of `ServingEngine` and uses its state (the scheduler, the
 serving loop's lock and condition, the queue); it exists so each file reads as one job: the
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from verst.engine.adapters import AdapterError, read_adapter_dir
 from verst.engine.weight_loading import checkpoint_files, checkpoint_tensors, load_published
 from verst.engine.weight_paths import allowed_weight_path, load_quietly
 from verst.engine.weight_paths import refusal as weight_path_refusal
@@ -90,15 +93,63 @@ class WeightUpdates:
         return ok, message
 
     async def update_weights_from_tensors(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        weight_version: str | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_config: dict[str, Any] | None = None,
     ) -> tuple[bool, str]:
-        """Copy in-process tensors into the model (the in-process transport of weight sync)."""
+        """Copy in-process tensors into the model (the in-process transport of weight sync);
+        with `lora_name`, they are that LoRA adapter's, for the adapter registry."""
 
         def copy() -> tuple[bool, str]:
+            if lora_name is not None:
+                return self._load_adapter(lora_name, lora_config, dict(named_tensors), "tensors")
             self.scheduler.update_weights_from_tensors(named_tensors, self.scheduler.weight_version)
             return True, "Succeeded to update model weights."
 
         return await self._update_weights(copy, weight_version)
+
+    async def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str]:
+        """SGLang's `/load_lora_adapter`: hold the peft adapter directory `path` as `name` (or
+        replace the weights of the adapter held as `name`), between two steps."""
+        allowed = allowed_weight_path(path, self.allowed_weight_dirs)
+        if allowed is None:
+            return False, weight_path_refusal(path)
+
+        def load() -> tuple[bool, str]:
+            try:
+                config, tensors = read_adapter_dir(allowed)
+            except AdapterError as error:
+                return False, str(error)
+            return self._load_adapter(name, config, tensors, path)
+
+        return await self._update_weights(load, None)
+
+    async def unload_lora_adapter(self, name: str) -> tuple[bool, str]:
+        def unload() -> tuple[bool, str]:
+            try:
+                self.scheduler.unload_adapter(name)
+            except AdapterError as error:
+                return False, str(error)
+            return True, f"Unloaded LoRA adapter {name!r}."
+
+        return await self._update_weights(unload, None)
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """The adapters held, by name: where each came from (a path, or "tensors")."""
+        registry = self.scheduler.runner.adapters
+        return registry.loaded() if registry is not None else {}
+
+    def _load_adapter(
+        self, name: str, config: Any, tensors: dict[str, torch.Tensor], source: str
+    ) -> tuple[bool, str]:
+        try:
+            self.scheduler.load_adapter(name, config, tensors, source)
+        except AdapterError as error:
+            return False, str(error)
+        return True, f"Loaded LoRA adapter {name!r}."
 
     async def update_weights_from_shared(
         self,
@@ -106,9 +157,12 @@ class WeightUpdates:
         *,
         load_format: str | None = None,
         weight_version: str | None = None,
+        lora_name: str | None = None,
+        lora_config: dict[str, Any] | None = None,
     ) -> tuple[bool, str]:
         """Copy tensors another process shares (CUDA IPC handles or /dev/shm files, pickled as
-        SGLang's `/update_weights_from_tensor` carries them) into the model in place.
+        SGLang's `/update_weights_from_tensor` carries them) into the model in place, or with
+        `lora_name` into that LoRA adapter.
 
         Names, shapes and devices are all checked before the first copy; the copy is complete
         (CUDA synchronised) when this returns, so the trainer may reuse its buffers."""
@@ -119,9 +173,14 @@ class WeightUpdates:
         def load() -> tuple[bool, str]:
             try:
                 named = shared_tensors.named_tensors_from_payload(payload, load_format)
-                shared_tensors.check_targets(named, params)
+                if lora_name is None:
+                    shared_tensors.check_targets(named, params)
             except shared_tensors.SharedTensorError as error:
                 return False, str(error)
+            if lora_name is not None:
+                ok, message = self._load_adapter(lora_name, lora_config, dict(named), "tensors")
+                shared_tensors.finish_receive(named)
+                return ok, message
             with torch.no_grad():  # one multi-tensor copy for the bucket
                 torch._foreach_copy_([params[n] for n, _ in named], [t for _, t in named])
             self.scheduler.weights_changed()
@@ -188,9 +247,17 @@ class WeightUpdates:
         return True, f"Destroyed weights update group {group_name!r}."
 
     async def update_weights_from_distributed(
-        self, specs: list, *, group_name: str, flattened: bool, weight_version: str | None = None
+        self,
+        specs: list,
+        *,
+        group_name: str,
+        flattened: bool,
+        weight_version: str | None = None,
+        lora_name: str | None = None,
+        lora_config: dict[str, Any] | None = None,
     ) -> tuple[bool, str]:
-        """Receive one bucket (`specs`: `TensorSpec`s) broadcast by the trainer (rank 0)."""
+        """Receive one bucket (`specs`: `TensorSpec`s) broadcast by the trainer (rank 0): model
+        weights, or with `lora_name` the whole of that LoRA adapter."""
         from verst.sync.broadcast import receive_bucket
 
         group = self._groups.get(group_name)
@@ -198,12 +265,15 @@ class WeightUpdates:
             return False, f"no weights update group {group_name!r}: call init first"
         params = self.scheduler.parameters()
         unknown = [s.name for s in specs if s.name not in params]
-        if unknown:
+        if unknown and lora_name is None:
             return False, f"unknown parameter names {unknown}"
         device = next(iter(params.values())).device
 
         def load() -> tuple[bool, str]:
+            # received whatever its names: the trainer's side of the broadcast is under way
             received = receive_bucket(group, specs, device, flattened=flattened)
+            if lora_name is not None:
+                return self._load_adapter(lora_name, lora_config, dict(received), "tensors")
             self.scheduler.update_weights_from_tensors(received, self.scheduler.weight_version)
             return True, "Succeeded to update model weights."
 

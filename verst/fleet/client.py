@@ -89,12 +89,37 @@ class InProcessEngineClient:
         return self.serving.weight_version
 
     async def update_weights_from_tensors(
-        self, named_tensors: Any, weight_version: str | None = None
+        self,
+        named_tensors: Any,
+        weight_version: str | None = None,
+        *,
+        lora_name: str | None = None,
+        lora_config: dict[str, Any] | None = None,
     ) -> None:
-        """In-process only: copy tensors straight into the engine (no serialisation)."""
-        ok, message = await self.serving.update_weights_from_tensors(named_tensors, weight_version)
+        """In-process only: copy tensors straight into the engine (no serialisation); with
+        `lora_name`, into that LoRA adapter."""
+        ok, message = await self.serving.update_weights_from_tensors(
+            named_tensors, weight_version, lora_name=lora_name, lora_config=lora_config
+        )
         if not ok:
             raise EngineError(400, {"success": False, "message": message})
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        return await self._adapter_call(
+            control.run_load_lora_adapter, {"lora_name": name, "lora_path": path}
+        )
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        return await self._adapter_call(control.run_unload_lora_adapter, {"lora_name": name})
+
+    async def _adapter_call(self, run: Any, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            status, reply = await run(self.serving, body)
+        except protocol.ProtocolError as error:
+            raise EngineError(error.status, error.body) from error
+        if status != 200:
+            raise EngineError(status, reply)
+        return reply
 
     async def init_weights_update_group(self, **body: Any) -> None:
         status, reply = await control.run_init_weights_update_group(self.serving, body)
@@ -236,6 +261,13 @@ class HttpEngineClient:
 
     async def get_load(self) -> dict[str, Any]:
         return (await self._request("GET", "/v1/loads"))[1]
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        body = {"lora_name": name, "lora_path": path}
+        return (await self._request("POST", "/load_lora_adapter", body))[1]
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        return (await self._request("POST", "/unload_lora_adapter", {"lora_name": name}))[1]
 
     async def close(self) -> None:
         if self._session is not None:

@@ -88,6 +88,7 @@ class Fleet:
         self._key_refs: dict[str, int] = {}
         self._retried_keys: set[str] = set()
         self._sessions_url: str | None = None
+        self.lora_path: str | None = None  # the LoRA adapter every request runs with, if any
         self._changed = asyncio.Event()  # replaced after each change of the engines
         self.weight_version = 0
         self.pushing = False
@@ -370,6 +371,8 @@ class Fleet:
         `NoEngineAvailable` when none is left."""
         request.sampling_params.validate()
         body = request_body(request)
+        if self.lora_path is not None:
+            body.setdefault("lora_path", self.lora_path)
         while True:
             target = await self._wait_for_engine(key)
             try:
@@ -426,7 +429,13 @@ class Fleet:
         router_url = await self._serve(make_router_app(self.router, api_keys=self.api_keys))
         chat = ChatTokenizer(self.tokenizer)
         # The session server stays open (on loopback): agents are user code given a base_url.
-        app = make_session_app(router_url, chat, model_name="policy", upstream_keys=self.api_keys)
+        app = make_session_app(
+            router_url,
+            chat,
+            model_name="policy",
+            upstream_keys=self.api_keys,
+            lora_path=self.lora_path,
+        )
         return await self._serve(app)
 
     async def _serve(self, app: Any) -> str:

@@ -141,11 +141,13 @@ class SessionHandlers:
         upstream: UpstreamClient,
         *,
         model_name: str,
+        lora_path: str | None = None,
     ) -> None:
         self.store = store
         self.chat_tokenizer = chat_tokenizer
         self.upstream = upstream
         self.model_name = model_name
+        self.lora_path = lora_path  # the LoRA adapter every turn runs with (None: the base)
 
     async def create(self, request: web.Request) -> web.Response:
         return web.json_response({"session_id": self.store.create().session_id})
@@ -198,6 +200,8 @@ class SessionHandlers:
         # Rendering and tokenizing a long history takes seconds: never on the event loop.
         plan = await asyncio.to_thread(self.store.plan_turn, session, messages, tools)
         payload = {"input_ids": plan.input_ids, "sampling_params": params}
+        if self.lora_path is not None:
+            payload["lora_path"] = self.lora_path
         result = await self.upstream.generate(sid, {**payload, "return_logprob": True})
         record = turn_record(plan.input_ids, result)
         text = result.get("text")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from verst.auth import ApiKeys, auth_middleware, warn_if_open
+from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, read_adapter_dir
 from verst.engine.serving import ServingEngine
 from verst.http_limits import HttpLimits, limited_app
 
@@ -123,6 +124,8 @@ def make_app(
     routes.add_post("/update_weights_from_tensor", h.update_weights_from_tensor)
     for method in ("GET", "POST"):
         routes.add_route(method, "/get_weights_by_name", h.get_weights_by_name)
+    routes.add_post("/load_lora_adapter", h.load_lora_adapter)
+    routes.add_post("/unload_lora_adapter", h.unload_lora_adapter)
     routes.add_get("/get_weight_version", h.get_weight_version)
     routes.add_post("/update_weight_version", h.update_weight_version)
     app.cleanup_ctx.append(h.lifecycle)
@@ -145,6 +148,8 @@ def run_server(
     api_keys: ApiKeys | None = None,
     allowed_weight_dirs: Sequence[str] = (),
     group_join_timeout_s: float = 30.0,
+    max_loras: int = DEFAULT_MAX_ADAPTERS,
+    lora_paths: dict[str, str] | None = None,
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
@@ -162,7 +167,11 @@ def run_server(
         device=device,
         dtype=getattr(torch, dtype),
         max_batch_size=max_batch_size,
+        max_adapters=max_loras,
     )
+    for name, path in (lora_paths or {}).items():  # the operator's own: no directory limit
+        config, tensors = read_adapter_dir(Path(path))
+        serving.scheduler.load_adapter(name, config, tensors, path)
     # Weights from disk only under the model's parent (a trainer's run directory) and these.
     roots = [Path(model_path).expanduser().resolve().parent, *map(Path, allowed_weight_dirs)]
     serving.allowed_weight_dirs = tuple(roots)

@@ -184,6 +184,7 @@ async def run_update_weights_from_distributed(
         group_name=str(body.get("group_name") or "weight_update_group"),
         flattened=load_format == "flattened_bucket",
         weight_version=None if version is None else str(version),
+        **_adapter_target(body),
     )
     return (200 if ok else 400), {"success": ok, "message": message}
 
@@ -217,8 +218,56 @@ async def run_update_weights_from_tensor(
         entries[0],
         load_format=load_format,
         weight_version=None if version is None else str(version),
+        **_adapter_target(body),
     )
     return (200 if ok else 400), {"success": ok, "message": message}
+
+
+def _adapter_target(body: dict[str, Any]) -> dict[str, Any]:
+    """verst's fields on an update that address it to a LoRA adapter of the registry:
+    `lora_name` (and its peft `lora_config`); none for the model's own weights."""
+    name = body.get("lora_name")
+    if name is None:
+        return {}
+    if not isinstance(name, str) or not name:
+        raise validation_error("lora_name must be a non-empty string")
+    config = body.get("lora_config")
+    if not isinstance(config, dict):
+        raise validation_error("lora_config: Field required with lora_name (peft's keys)")
+    return {"lora_name": name, "lora_config": config}
+
+
+def _lora_name(body: dict[str, Any]) -> str:
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise validation_error("lora_name: Field required (a non-empty string)")
+    return name
+
+
+async def run_load_lora_adapter(serving: ServingEngine, payload: Any) -> tuple[int, dict[str, Any]]:
+    """SGLang's `/load_lora_adapter`: `{lora_name, lora_path, pinned}` (a peft directory)."""
+    body = _body_dict(payload)
+    name, path = _lora_name(body), body.get("lora_path")
+    if not isinstance(path, str) or not path:
+        raise validation_error("lora_path: Field required (a peft adapter directory)")
+    ok, message = await serving.load_lora_adapter(name, path)
+    return _adapter_reply(serving, ok, message)
+
+
+async def run_unload_lora_adapter(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    ok, message = await serving.unload_lora_adapter(_lora_name(_body_dict(payload)))
+    return _adapter_reply(serving, ok, message)
+
+
+def _adapter_reply(serving: ServingEngine, ok: bool, message: str) -> tuple[int, dict[str, Any]]:
+    body = {
+        "success": ok,
+        "error_message": "" if ok else message,
+        "loaded_adapters": serving.loaded_adapters(),
+    }
+    return (200 if ok else 400), body
 
 
 async def run_get_weights_by_name(serving: ServingEngine, payload: Any) -> tuple[int, Any]:

@@ -29,7 +29,9 @@ from verst.engine.server.control_api import (
     run_destroy_weights_update_group,
     run_get_weights_by_name,
     run_init_weights_update_group,
+    run_load_lora_adapter,
     run_pause,
+    run_unload_lora_adapter,
     run_update_weight_version,
     run_update_weights_from_disk,
     run_update_weights_from_distributed,
@@ -281,6 +283,12 @@ class EngineHandlers:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         return await self._weights(run_update_weights_from_tensor, request)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._weights(run_load_lora_adapter, request)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._weights(run_unload_lora_adapter, request)
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         return await self._weights(run_get_weights_by_name, request)

@@ -32,7 +32,6 @@ OPENAI_OFF: dict[str, Any] = {
     "regex": None,
     "ebnf": None,
     "json_schema": None,
-    "lora_path": None,
     "tools": None,
     "echo": False,
     "suffix": None,
@@ -147,6 +146,9 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
         "sampling_seed": payload.get("seed"),
     }
     prompts = _openai_prompts(payload, tokenizer, chat)
+    lora_path = payload.get("lora_path")
+    if lora_path is not None and (not isinstance(lora_path, str) or not lora_path):
+        raise openai_error("lora_path must be the name of a loaded adapter")
     parsed = []
     for prompt in prompts:
         sampling = {k: v for k, v in raw.items() if v is not None}
@@ -168,6 +170,7 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
             detok,
             rid=base if len(prompts) * n == 1 else f"{base}_{i * n + j}",
             return_logprob=logprobs,
+            lora_path=lora_path,
         )
         for i, (prompt, (params, detok, _)) in enumerate(zip(prompts, parsed, strict=True))
         for j in range(n)

@@ -66,7 +66,6 @@ SAMPLING_OFF: dict[str, Any] = {
 # Top-level /generate fields the engine cannot honour yet: a non-null value is a 400.
 GENERATE_UNSUPPORTED = (
     "input_embeds",
-    "lora_path",
     "session_params",
     "session_id",
     "custom_logit_processor",
@@ -118,6 +117,7 @@ class GenerateItem:
     rid: str
     return_logprob: bool
     logprob_start_len: int = -1  # >= 0: also score the prompt from here (input_token_logprobs)
+    lora_path: str | None = None  # the LoRA adapter it runs with (a name the engine holds)
 
 
 @dataclass
@@ -273,6 +273,20 @@ def _per_prompt_fields(payload: dict[str, Any], n_prompts: int) -> tuple[Any, An
     return return_logprob, rid
 
 
+def _lora_paths(payload: dict[str, Any], n_prompts: int) -> list[str | None]:
+    """`lora_path`: one adapter name for every prompt, or a list with one (or null) each."""
+    value = payload.get("lora_path")
+    if isinstance(value, list):
+        if len(value) != n_prompts:
+            raise contract_error("lora_path list must have one entry per prompt")
+        paths = value
+    else:
+        paths = [value] * n_prompts
+    if not all(p is None or (isinstance(p, str) and p) for p in paths):
+        raise contract_error("lora_path must be an adapter name, or a list of names or nulls")
+    return paths
+
+
 def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJob:
     """A `/generate` body → one item per (prompt, sample), prompt-major."""
     if not isinstance(payload, dict):
@@ -296,6 +310,7 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
     if params_list is not None and len(params_list) != len(prompts):
         raise contract_error("sampling_params list must have one entry per prompt")
     return_logprob, rid = _per_prompt_fields(payload, len(prompts))
+    lora_paths = _lora_paths(payload, len(prompts))
     text_in_logprobs = _flag(payload, "return_text_in_logprobs", False)
 
     parsed = []
@@ -334,6 +349,7 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
                     rid=prompt_rid if n == 1 else f"{prompt_rid}_{j}",
                     return_logprob=bool(logprob),
                     logprob_start_len=start if logprob else -1,
+                    lora_path=lora_paths[i],
                 )
             )
     return GenerateJob(
@@ -349,7 +365,7 @@ def check_job(serving: ServingEngine, job: GenerateJob) -> None:
     flight is a 400, and the good items batched with it never start."""
     for item in job.items:
         try:
-            serving.check_request(item.input_ids, item.params)
+            serving.check_request(item.input_ids, item.params, item.lora_path)
         except ValueError as error:
             raise value_error(str(error)) from error
         if not serving.rid_is_free(item.rid):
@@ -370,6 +386,7 @@ async def run_job(serving: ServingEngine, job: GenerateJob) -> list[dict[str, An
                 return_logprob=item.return_logprob,
                 detokenize=item.detokenize,
                 logprob_start_len=item.logprob_start_len,
+                lora_path=item.lora_path,
             )
         except ValueError as error:
             raise value_error(str(error)) from error
