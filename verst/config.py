@@ -83,6 +83,7 @@ class RunConfig(ConfigBase):
             )
         check_placement(self)
         check_no_reward(self)
+        check_multi_lora(self)
         return self
 
     @property
@@ -91,6 +92,44 @@ class RunConfig(ConfigBase):
         if self.rollout.pause_mode is not None:
             return self.rollout.pause_mode
         return "in_place" if self.mode == "fully_async" else "retract"
+
+
+MAX_ADAPTERS = 8  # what the engines hold by default (`verst serve --max-loras-per-batch`)
+
+
+def check_multi_lora(cfg: RunConfig) -> None:
+    """Refuse `model.lora.adapters` settings that cannot run (each error names the field)."""
+    lora = cfg.model.lora
+    if not lora.adapters:
+        return
+    names = [a.name for a in lora.adapters]
+    refusals = {
+        "model.lora.rank must be >= 1 to train adapters": not lora.enabled,
+        f"names must be distinct, got {names}": len(set(names)) != len(names),
+        f"at most {MAX_ADAPTERS} adapters (what an engine holds)": len(names) > MAX_ADAPTERS,
+        "each adapter has its own data: leave the top-level data unset": cfg.data
+        != RunConfig.model_fields["data"].get_default(call_default_factory=True),
+        "eval.interval_steps > 0 evaluates adapters' eval_data, and none has any": (
+            cfg.eval.interval_steps > 0 and all(a.eval_data is None for a in lora.adapters)
+        ),
+        "every adapter's data needs the same apply_chat_template": len(
+            {a.data.apply_chat_template for a in lora.adapters}
+        )
+        > 1,
+        "a KL reference or a critic is one model; multi-LoRA has one per adapter (not yet)": (
+            cfg.loss.needs_reference_model or cfg.loss.needs_critic
+        ),
+        "loss.opd is not supported with several adapters yet": cfg.loss.opd is not None,
+        "rollout.agent_function is not supported with several adapters yet": bool(
+            cfg.rollout.agent_function
+        ),
+        "warm_start would train which adapter? run verst sft for the base first": (
+            cfg.warm_start.enabled
+        ),
+    }
+    for reason, refused in refusals.items():
+        if refused:
+            raise ValueError(f"model.lora.adapters: {reason}")
 
 
 def check_no_reward(cfg: RunConfig) -> None:
@@ -282,10 +321,16 @@ def describe_fields(
     rows = []
     for name, field in type(section).model_fields.items():
         dotted = f"{prefix}{name}"
+        if field.is_required():  # in an item of a list, or of an optional section
+            rows.append((dotted, "required", field.description or ""))
+            continue
         value = getattr(section, name)
         section_type = _section_type(field.annotation)
         if isinstance(value, BaseModel):
             rows.extend(describe_fields(value, prefix=f"{dotted}."))
+        elif section_type is not None and isinstance(value, list):  # a list of sections
+            rows.append((dotted, _show(value), field.description or ""))
+            rows.extend(describe_fields(section_type.model_construct(), prefix=f"{dotted}[]."))
         elif section_type is not None:  # an optional section, unset by default
             rows.append((dotted, "null", field.description or ""))
             # its fields as they are once it is set (built unvalidated: a section may require

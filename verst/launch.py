@@ -26,16 +26,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from verst import distributed
 from verst.config import RunConfig
-from verst.data.source import DataSource, DataSourceConfig
+from verst.data.source import DataSource, DataSourceConfig, adapter_rows
 from verst.engine import Scheduler
-from verst.eval.evaluate import Evaluator
+from verst.eval.evaluate import AdapterEvaluators, Evaluator
 from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
 from verst.models.lora import POLICY_ADAPTER, apply_lora
-from verst.plugins import Generator
+from verst.plugins import Generator, RewardFunction
 from verst.rollout.ledger import LEDGER_FILE, Ledger
-from verst.rollout.rewards import RewardScorer, load_reward_fn
+from verst.rollout.rewards import AdapterRewards, RewardScorer, load_reward_fn
 from verst.rollout.source import AgentRollout, AsyncRollout, EngineRollout, RolloutSource
 from verst.rollout.teacher import TeacherScorer
 from verst.sync.embedded import EmbeddedSync
@@ -61,7 +61,7 @@ class Run:
     rewards: RewardScorer
     ledger: Ledger
     checkpointer: Checkpointer
-    evaluator: Evaluator | None
+    evaluator: Evaluator | AdapterEvaluators | None
     warm_start_items: list[TrainItem] | None
     dev_accuracy: Callable[[], float]
     fleet: Fleet | None = None
@@ -100,10 +100,12 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
     if cfg.loss.opd is not None:  # checked before any engine starts: a bad teacher fails fast
         teacher = TeacherScorer(cfg.loss.opd, tokenizer.encode, temperature=cfg.rollout.temperature)
         teacher.check()
-    # the embedded engine's copy carries the same adapters and applies them itself; serving
-    # engines start from the frozen base and hold the adapter in their registry
-    serving_lora = cfg.model.lora.enabled and cfg.placement.serving
-    engine_model = copy.deepcopy(shell if serving_lora else model)
+    # the embedded engine's copy carries the same adapter and applies it itself; serving
+    # engines, and every engine of a multi-LoRA run, start from the frozen base and hold the
+    # adapters in their registry
+    lora = cfg.model.lora
+    registry = lora.enabled and (cfg.placement.serving or bool(lora.adapters))
+    engine_model = copy.deepcopy(shell if registry else model)
     engine_model = engine_model.to(dtype=compute_dtype(cfg.trainer.dtype, device)).eval()
     trainer = Trainer(
         model,
@@ -114,6 +116,7 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
         temperature=cfg.rollout.temperature,
         constant_normaliser=cfg.loss.constant_normaliser or float(cfg.rollout.max_new_tokens),
         device=device,
+        adapter_lrs={a.name: a.lr or cfg.trainer.lr for a in lora.adapters} or None,
     )
     policy = PolicyModels(trainer, shell, cfg.loss, run_dir, cfg.model.lora)
     engine, sync, fleet = build_engine(cfg, run_dir, engine_model, policy, tokenizer)
@@ -139,11 +142,7 @@ def wire(
 ) -> Run:
     """The rollout source, rewards, evaluators and checkpointer around a built engine."""
     timeout_s = cfg.rollout.reward_timeout_s
-    rewards = RewardScorer(load_reward_fn(cfg.rollout.reward), timeout_s=timeout_s)
-    eval_reward_fn = (
-        load_reward_fn(cfg.eval.reward, field="eval.reward") if cfg.eval.reward else rewards.fn
-    )
-    eval_field = "eval.reward" if cfg.eval.reward else "rollout.reward (in eval)"
+    rewards = RewardScorer(rollout_reward(cfg), timeout_s=timeout_s)
     ledger = Ledger(run_dir / LEDGER_FILE)
     eos_ids = eos_token_ids(policy.shell, tokenizer)
 
@@ -151,9 +150,7 @@ def wire(
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     def evaluator_for(data_cfg: DataSourceConfig) -> Evaluator:
-        prompts = DataSource(data_cfg, tokenizer, n_samples_per_prompt=1, seed=cfg.seed)
-        eval_rewards = RewardScorer(eval_reward_fn, timeout_s=timeout_s, field=eval_field)
-        return Evaluator(cfg.eval, prompts.prompts_in_order(), eval_rewards, decode, device)
+        return build_evaluator(cfg, data_cfg, rewards.fn, tokenizer, decode, device)
 
     warm = cfg.warm_start
     dev_evaluator = evaluator_for(warm.dev_data) if warm.enabled else None
@@ -163,9 +160,12 @@ def wire(
         sync.push(int(engine.weight_version) + 1)  # every weight change is a new version
         return dev_evaluator.run(engine)["eval/accuracy"]
 
-    data = DataSource(
-        cfg.data, tokenizer, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, seed=cfg.seed
-    )
+    data = training_prompts(cfg, tokenizer)
+    evaluator: Evaluator | AdapterEvaluators | None = None
+    if cfg.eval.interval_steps > 0 and cfg.model.lora.adapters:
+        evaluator = adapter_evaluators(cfg, tokenizer, decode, device)
+    elif cfg.eval.interval_steps > 0:
+        evaluator = evaluator_for(cfg.eval.data)
     rollout: RolloutSource
     parts = (cfg.rollout, data, rewards, device, ledger)
     if cfg.mode == "fully_async":
@@ -194,12 +194,80 @@ def wire(
         rewards=rewards,
         ledger=ledger,
         checkpointer=checkpointer,
-        evaluator=evaluator_for(cfg.eval.data) if cfg.eval.interval_steps > 0 else None,
+        evaluator=evaluator,
         warm_start_items=load_examples(warm.data, warm.format, tokenizer, eos_ids[0])[0]
         if warm.enabled
         else None,
         dev_accuracy=dev_accuracy,
         fleet=fleet,
+    )
+
+
+def rollout_reward(cfg: RunConfig) -> RewardFunction:
+    """`rollout.reward`; with multi-LoRA each adapter's own (`AdapterRewards`)."""
+    adapters = cfg.model.lora.adapters
+    if not adapters:
+        return load_reward_fn(cfg.rollout.reward)
+    return AdapterRewards(
+        {
+            a.name: load_reward_fn(
+                a.reward or cfg.rollout.reward, field=f"model.lora.adapters[{a.name}].reward"
+            )
+            for a in adapters
+        }
+    )
+
+
+def training_prompts(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> DataSource:
+    """`data`'s prompts; with multi-LoRA every adapter's, as one shuffled set of tagged rows."""
+    n, seed = cfg.rollout.n_samples_per_prompt, cfg.seed
+    adapters = cfg.model.lora.adapters
+    if not adapters:
+        return DataSource(cfg.data, tokenizer, n_samples_per_prompt=n, seed=seed)
+    mixed, rows = adapter_rows({a.name: a.data for a in adapters})
+    return DataSource(mixed, tokenizer, n_samples_per_prompt=n, seed=seed, rows=rows)
+
+
+def build_evaluator(
+    cfg: RunConfig,
+    data_cfg: DataSourceConfig,
+    rollout_reward_fn: RewardFunction,
+    tokenizer: PreTrainedTokenizerBase,
+    decode: Callable[[list[int]], str],
+    device: torch.device,
+    *,
+    adapter: str | None = None,
+) -> Evaluator:
+    """Greedy evaluation of `data_cfg`'s prompts, scored by `eval.reward` (else the rollout's
+    reward); with `adapter`, generated with that LoRA adapter (`eval/<adapter>/...`)."""
+    if cfg.eval.reward:
+        fn, field = load_reward_fn(cfg.eval.reward, field="eval.reward"), "eval.reward"
+    else:
+        fn, field = rollout_reward_fn, "rollout.reward (in eval)"
+    rows = None if adapter is None else adapter_rows({adapter: data_cfg})[1]
+    prompts = DataSource(data_cfg, tokenizer, n_samples_per_prompt=1, seed=cfg.seed, rows=rows)
+    scorer = RewardScorer(fn, timeout_s=cfg.rollout.reward_timeout_s, field=field)
+    prefix = "eval" if adapter is None else f"eval/{adapter}"
+    return Evaluator(cfg.eval, prompts.prompts_in_order(), scorer, decode, device, prefix)
+
+
+def adapter_evaluators(
+    cfg: RunConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    decode: Callable[[list[int]], str],
+    device: torch.device,
+) -> AdapterEvaluators:
+    """Multi-LoRA: every adapter with `eval_data`, on its prompts with its reward."""
+    rewards = rollout_reward(cfg)
+    assert isinstance(rewards, AdapterRewards)
+    return AdapterEvaluators(
+        {
+            a.name: build_evaluator(
+                cfg, a.eval_data, rewards.fns[a.name], tokenizer, decode, device, adapter=a.name
+            )
+            for a in cfg.model.lora.adapters
+            if a.eval_data is not None
+        }
     )
 
 
@@ -224,12 +292,12 @@ def build_engine(
             max_running=cfg.placement.max_batch_size,
             seed=cfg.seed + distributed.rank(),
         )
-        return scheduler, EmbeddedSync(trainer, scheduler), None
+        return scheduler, EmbeddedSync(trainer, scheduler, lora=cfg.model.lora), None
     fleet = None
     if distributed.rank() == 0:
         fleet = start_fleet(cfg, run_dir, engine_model, policy.shell, tokenizer, trainer.device)
-        if cfg.model.lora.enabled:  # each request runs with the adapter the trainer pushes
-            fleet.lora_path = POLICY_ADAPTER
+        if cfg.model.lora.enabled and not cfg.model.lora.adapters:
+            fleet.lora_path = POLICY_ADAPTER  # each request runs with the adapter pushed
     distributed.barrier()
     engine = fleet if distributed.world_size() == 1 else RankedFleet(fleet)
     try:

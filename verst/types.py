@@ -42,6 +42,9 @@ class Status(str, enum.Enum):
     FAILED = "failed"  # an error (engine, agent or reward) spoiled the trajectory
 
 
+LORA_ADAPTER_KEY = "lora_adapter"  # a prompt row's adapter in a multi-LoRA run
+
+
 @dataclass
 class Sample:
     """One trajectory: a prompt and the model's response to it."""
@@ -66,6 +69,12 @@ class Sample:
     prompt_id: int | None = None
     epoch: int | None = None
     retries: int = 0
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter this trajectory belongs to in a multi-LoRA run (its prompt row's
+        `lora_adapter`), else None."""
+        return self.metadata.get(LORA_ADAPTER_KEY)
 
     @property
     def prompt_length(self) -> int:

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verst.configbase import ConfigBase
 from verst.data.tasks import make_task
-from verst.types import Group, Sample
+from verst.types import LORA_ADAPTER_KEY, Group, Sample
 
 
 class DataSourceConfig(ConfigBase):
@@ -134,6 +134,23 @@ def load_rows(cfg: DataSourceConfig) -> list[dict]:
     return [row for _, row in numbered]
 
 
+def adapter_rows(data: dict[str, DataSourceConfig]) -> tuple[DataSourceConfig, list[dict]]:
+    """Multi-LoRA: every adapter's prompt rows as one prompt set, in adapter order, each row
+    tagged with its adapter (`lora_adapter`) and holding its prompt and label under `prompt`
+    and `label`; and the config a `DataSource` over these rows renders and orders them by
+    (the first adapter's, with those keys)."""
+    rows: list[dict] = []
+    for name, cfg in data.items():
+        for row in load_rows(cfg):
+            tagged = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.label_key)}
+            tagged |= {"prompt": row[cfg.prompt_key], LORA_ADAPTER_KEY: name}
+            if cfg.label_key in row:
+                tagged["label"] = row[cfg.label_key]
+            rows.append(tagged)
+    first = next(iter(data.values()))
+    return first.model_copy(update={"prompt_key": "prompt", "label_key": "label"}), rows
+
+
 class DataSource:
     """Serves groups of fresh Samples, epoch after epoch, in a reproducible order."""
 
@@ -144,14 +161,16 @@ class DataSource:
         *,
         n_samples_per_prompt: int,
         seed: int,
+        rows: list[dict] | None = None,
     ) -> None:
+        """Prompts from the rows `cfg` names, or from `rows` when given (`adapter_rows`)."""
         if n_samples_per_prompt < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.n_samples_per_prompt = n_samples_per_prompt
         self.seed = seed
-        self.rows = load_rows(cfg)
+        self.rows = load_rows(cfg) if rows is None else rows
         self._epoch = 0
         self._offset = 0  # position in this epoch's order of the next prompt to serve
         self._returned: list[dict] = []  # prompt sides of given-back groups, served first

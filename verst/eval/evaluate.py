@@ -54,7 +54,10 @@ class Evaluator:
         rewards: RewardScorer,
         decode: Callable[[list[int]], str],
         device: torch.device,
+        prefix: str = "eval",
     ) -> None:
+        """`prefix`: of the metric names (`eval/<adapter>` for an adapter of multi-LoRA)."""
+        self.prefix = prefix
         self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
         self.prompts = prompts[distributed.rank() :: distributed.world_size()]
         self.rewards = rewards
@@ -71,7 +74,27 @@ class Evaluator:
             [sum(rewards), float(len(rewards)), float(sum(lengths))], self.device
         )
         return {
-            "eval/accuracy": total / max(count, 1.0),
-            "eval/response_len_mean": length_sum / max(count, 1.0),
-            "eval/num_prompts": count,
+            f"{self.prefix}/accuracy": total / max(count, 1.0),
+            f"{self.prefix}/response_len_mean": length_sum / max(count, 1.0),
+            f"{self.prefix}/num_prompts": count,
         }
+
+
+class AdapterEvaluators:
+    """Multi-LoRA: each adapter evaluated on its own held-out prompts with its own reward
+    (`eval/<name>/...`), and `eval/accuracy`, the mean over all their prompts."""
+
+    def __init__(self, evaluators: dict[str, Evaluator]) -> None:
+        self.evaluators = evaluators
+
+    def run(self, engine: Generator) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for evaluator in self.evaluators.values():
+            metrics |= evaluator.run(engine)
+        counts = {name: metrics[f"eval/{name}/num_prompts"] for name in self.evaluators}
+        total = sum(counts.values())
+        metrics["eval/accuracy"] = (
+            sum(metrics[f"eval/{name}/accuracy"] * n for name, n in counts.items()) / total
+        )
+        metrics["eval/num_prompts"] = total
+        return metrics

@@ -16,6 +16,8 @@ is imported only when LoRA is used (the `lora` extra installs it).
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,15 +27,35 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verst.configbase import ConfigBase
+from verst.data.source import DataSourceConfig
 
 if TYPE_CHECKING:
     import peft
 
-ADAPTER = "default"  # peft's adapter name; verst trains exactly one
+ADAPTER = "default"  # peft's adapter name of the one adapter of a plain LoRA run
 POLICY_ADAPTER = "policy"  # the name engines hold the trained adapter under (`lora_path`)
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # the key prefix peft's own files carry
+
+
+class AdapterSpec(ConfigBase):
+    """One adapter of a multi-LoRA run: its own prompts, reward, learning rate and optimizer,
+    on the base the run shares."""
+
+    name: str = Field(
+        ...,
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="the adapter's name: requests' lora_path, its checkpoint subdirectory",
+    )
+    data: DataSourceConfig = Field(..., description="its training prompts")
+    reward: str | None = Field(
+        None, description="its reward function (import path or built-in); unset = rollout.reward"
+    )
+    lr: float | None = Field(None, gt=0, description="its learning rate; unset = trainer.lr")
+    eval_data: DataSourceConfig | None = Field(
+        None, description="its held-out prompts (eval/<name>/accuracy); unset = not evaluated"
+    )
 
 
 class LoraConfig(ConfigBase):
@@ -48,10 +70,20 @@ class LoraConfig(ConfigBase):
         "all-linear",
         description="module names (suffixes) that get adapters, or all-linear (all but lm_head)",
     )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        description="multi-LoRA: several adapters of this shape trained at once, each on its own "
+        "data; empty = one adapter trained on `data`",
+    )
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def names(self) -> list[str]:
+        """peft's names of the adapters the policy carries."""
+        return [a.name for a in self.adapters] or [ADAPTER]
 
     def wire_config(self) -> dict[str, Any]:
         """The adapter's shape as engines take it (peft's `adapter_config.json` keys)."""
@@ -79,7 +111,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> None:
     if isinstance(cfg.target_modules, list) and not cfg.target_modules:
         raise ValueError("model.lora.target_modules is empty; name modules or use all-linear")
     try:
-        _peft().inject_adapter_in_model(cfg.peft_config(), model, adapter_name=ADAPTER)
+        with warnings.catch_warnings():  # a second adapter is what multi-LoRA asks for
+            warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
+            for name in cfg.names:
+                _peft().inject_adapter_in_model(cfg.peft_config(), model, adapter_name=name)
     except ValueError as error:  # peft checks every module before it replaces any
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _linear(m)})
         raise ValueError(
@@ -114,8 +149,21 @@ def has_lora(model: torch.nn.Module) -> bool:
     return any(is_lora_layer(m) for m in model.modules())
 
 
-def is_adapter(name: str) -> bool:
-    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+_ADAPTER_PART = re.compile(r"\.(lora_[AB])\.([^.]+)\.")
+
+
+def is_adapter(name: str, adapter: str | None = None) -> bool:
+    """Whether parameter `name` belongs to an adapter (to `adapter`, when given)."""
+    found = _ADAPTER_PART.search(name)
+    return found is not None and (adapter is None or found.group(2) == adapter)
+
+
+def set_active_adapter(model: torch.nn.Module, name: str) -> None:
+    """Make `name` the adapter every LoRA layer applies (multi-LoRA: one adapter a forward);
+    every adapter stays trainable, so sharded parameters never change `requires_grad`."""
+    for module in model.modules():
+        if is_lora_layer(module) and name in module.lora_A:
+            module._active_adapter = [name]  # peft's own field: its set_adapter would freeze
 
 
 def scalings(model: torch.nn.Module) -> dict[str, float]:
@@ -123,7 +171,7 @@ def scalings(model: torch.nn.Module) -> dict[str, float]:
     return {
         name: float(module.scaling[ADAPTER])
         for name, module in model.named_modules()
-        if is_lora_layer(module)
+        if is_lora_layer(module) and ADAPTER in module.scaling
     }
 
 
@@ -156,17 +204,17 @@ def merged_weights(
 def wire_name(name: str) -> str:
     """An adapter tensor's name as engines take it (`verst.plugins.AdapterUpdate`): peft's file
     key without its prefix (`...q_proj.lora_A.weight`)."""
-    return name.replace(f".{ADAPTER}.", ".")
+    return _ADAPTER_PART.sub(r".\1.", name)
 
 
 def _peft_key(name: str) -> str:
     return PEFT_PREFIX + wire_name(name)
 
 
-def _verst_key(key: str) -> str:
+def _verst_key(key: str, adapter: str = ADAPTER) -> str:
     name = key.removeprefix(PEFT_PREFIX)
     for part in ("lora_A", "lora_B"):
-        name = name.replace(f".{part}.", f".{part}.{ADAPTER}.")
+        name = name.replace(f".{part}.", f".{part}.{adapter}.")
     return name
 
 
@@ -182,9 +230,20 @@ def is_adapter_dir(path: Path) -> bool:
     return (path / ADAPTER_CONFIG_FILE).is_file() and (path / ADAPTER_WEIGHTS_FILE).is_file()
 
 
-def load_adapter(path: Path) -> dict[str, torch.Tensor]:
-    """The adapter tensors of a peft directory, named as in a model `apply_lora` adapted."""
-    return {_verst_key(k): t for k, t in load_file(path / ADAPTER_WEIGHTS_FILE).items()}
+def load_adapter(path: Path, adapter: str = ADAPTER) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a peft directory, named as in a model `apply_lora` adapted, as
+    its adapter `adapter`."""
+    return {_verst_key(k, adapter): t for k, t in load_file(path / ADAPTER_WEIGHTS_FILE).items()}
+
+
+def save_adapters(out: Path, adapters: dict[str, torch.Tensor], cfg: LoraConfig) -> None:
+    """Every adapter of the policy in peft's format: the one adapter of a plain LoRA run in
+    `out`, each adapter of a multi-LoRA run in `out/<name>`."""
+    if not cfg.adapters:
+        save_adapter(out, adapters, cfg)
+        return
+    for name in cfg.names:
+        save_adapter(out / name, {n: t for n, t in adapters.items() if is_adapter(n, name)}, cfg)
 
 
 def merge_adapter_dir(base: Path, adapter: Path, out: Path) -> None:

@@ -129,9 +129,13 @@ def generate_groups(
     groups: list[Group],
     params: SamplingParams,
 ) -> list[Group]:
-    """Generate every sample in one engine call and fill it in place."""
+    """Generate every sample in one engine call and fill it in place (with multi-LoRA, each
+    with its adapter)."""
     samples = [sample for group in groups for sample in group]
-    requests = [GenerateRequest(input_ids=s.prompt_tokens, sampling_params=params) for s in samples]
+    requests = [
+        GenerateRequest(input_ids=s.prompt_tokens, sampling_params=params, lora_path=s.adapter)
+        for s in samples
+    ]
     for sample, out in zip(samples, engine.generate(requests), strict=True):
         fill_sample(sample, out, decode(out.output_ids))
     return groups

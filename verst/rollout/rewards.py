@@ -102,6 +102,20 @@ def load_reward_fn(path: str, *, field: str = "rollout.reward") -> RewardFunctio
     return load_plugin(path, RewardFunction, field=field)
 
 
+class AdapterRewards:
+    """Multi-LoRA: each sample scored by the reward function of its adapter (`Sample.adapter`);
+    an async adapter reward returns its awaitable, which the scorer awaits."""
+
+    def __init__(self, fns: dict[str, RewardFunction]) -> None:
+        self.fns = fns
+
+    def __call__(self, sample: Sample) -> Any:
+        fn = self.fns.get(sample.adapter or "")
+        if fn is None:
+            raise KeyError(f"sample of adapter {sample.adapter!r}: no reward for it")
+        return fn(sample)
+
+
 class RewardFailure(Exception):
     """Why one reward call gave no usable reward; `kind` groups failures for the log."""
 

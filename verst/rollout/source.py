@@ -332,7 +332,9 @@ class AsyncRollout:
                 max_seq_len=self.cfg.agent_max_seq_len,
             )
         request = GenerateRequest(
-            input_ids=sample.prompt_tokens, sampling_params=copy.copy(self.sampling_params)
+            input_ids=sample.prompt_tokens,
+            sampling_params=copy.copy(self.sampling_params),
+            lora_path=sample.adapter,
         )
         out = await self.fleet.agenerate(request, key=prompt_key(sample.prompt_tokens))
         fill_sample(sample, out, self.decode(out.output_ids))

@@ -6,7 +6,9 @@ parameters are re-pointed at the trainer's storage once (`verst.sync.colocated.s
 and every later update is only a version bump: the optimiser writes the very tensors the engine
 reads. Otherwise each push gathers full tensors bucket by bucket and copies them into the
 engine: with LoRA only the adapters, since the engine holds the same frozen base and applies
-the adapters in its own forward. `sync/bytes` is what a push copied (0 when zero-copy).
+the adapters in its own forward; with multi-LoRA the engine holds the frozen base and takes the
+adapters the last step trained into its adapter registry. `sync/bytes` is what a push copied
+(0 when zero-copy).
 Either way the prefix cache, which holds KV of the old weights, is dropped. The loop is
 synchronous, so the engine is idle during a push: there is nothing to pause, and the version
 protocol of serving engines (`verst.sync.protocol`) is not needed.
@@ -14,8 +16,10 @@ protocol of serving engines (`verst.sync.protocol`) is not needed.
 
 from __future__ import annotations
 
+import functools
+
 from verst.engine import Scheduler
-from verst.models.lora import is_adapter
+from verst.models.lora import LoraConfig, is_adapter, wire_name
 from verst.sync.buckets import bucketed, full_parameters
 from verst.sync.colocated import share_storage
 from verst.train.trainer import Trainer
@@ -23,17 +27,26 @@ from verst.train.trainer import Trainer
 
 class EmbeddedSync:
     def __init__(
-        self, trainer: Trainer, engine: Scheduler, *, bucket_bytes: int = 512 << 20
+        self,
+        trainer: Trainer,
+        engine: Scheduler,
+        *,
+        bucket_bytes: int = 512 << 20,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.trainer = trainer
         self.engine = engine
         self.bucket_bytes = bucket_bytes
-        self.zero_copy = share_storage(trainer, engine.model)
+        self.multi_lora = lora is not None and bool(lora.adapters)
+        self.lora = lora
+        self.zero_copy = False if self.multi_lora else share_storage(trainer, engine.model)
 
     def push(self, version: int) -> dict[str, float]:
         """Make the engine generate with the trainer's current weights, stamped `version`."""
         sent_bytes = 0
-        if not self.zero_copy:
+        if self.multi_lora:
+            sent_bytes = self._push_adapters()
+        elif not self.zero_copy:
             dtype = next(self.engine.model.parameters()).dtype
             named = full_parameters(self.trainer.model, dtype)
             if self.trainer.lora:
@@ -44,3 +57,17 @@ class EmbeddedSync:
         self.engine.set_weight_version(version)
         self.engine.weights_changed()
         return {"sync/bytes": float(sent_bytes)}
+
+    def _push_adapters(self) -> int:
+        """Multi-LoRA: the adapters the last step trained (all of them before the first) into
+        the engine's adapter registry, beside the frozen base it holds; the bytes copied."""
+        assert self.lora is not None
+        dtype = next(self.engine.model.parameters()).dtype
+        sent = 0
+        for name in self.trainer.stepped_adapters or self.lora.names:
+            keep = functools.partial(is_adapter, adapter=name)
+            named = full_parameters(self.trainer.model, dtype, keep=keep)
+            tensors = {wire_name(n): t for n, t in named}
+            sent += sum(t.numel() * t.element_size() for t in tensors.values())
+            self.engine.load_adapter(name, self.lora.wire_config(), tensors, "trainer")
+        return sent

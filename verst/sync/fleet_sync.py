@@ -19,6 +19,7 @@ under `POLICY_ADAPTER` beside the frozen base they loaded at start.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 from collections.abc import Iterator
@@ -186,23 +187,33 @@ class FleetSync:
             lora=lora,
         )
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, adapter: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The trainer's full parameters in the engines' dtype, one tensor at a time; with LoRA
-        its adapter's, named as engines take them."""
+        its adapter's (`adapter`'s, with multi-LoRA), named as engines take them."""
         if self.lora is None:
             named = full_parameters(self.trainer.model, self.engine_dtype)
         else:
-            adapters = full_parameters(self.trainer.model, self.engine_dtype, keep=is_adapter)
+            adapters = full_parameters(
+                self.trainer.model, self.engine_dtype, keep=lambda n: is_adapter(n, adapter)
+            )
             named = ((wire_name(name), tensor) for name, tensor in adapters)
         for name, tensor in named:
             self.sent_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
 
-    def weights(self) -> Weights:
-        """What a push installs: the whole model, or (LoRA) the adapter."""
+    def weights(self, *, every_adapter: bool = False) -> Weights:
+        """What a push installs: the whole model, or (LoRA) the adapter; with multi-LoRA the
+        adapters the last step trained (`every_adapter`: all of them, for engines that hold
+        none yet; before the first step, and in a world of several ranks, always all)."""
         if self.lora is None:
             return self.tensors
-        return [AdapterUpdate(POLICY_ADAPTER, self.lora.wire_config(), self.tensors)]
+        if not self.lora.adapters:
+            return [AdapterUpdate(POLICY_ADAPTER, self.lora.wire_config(), self.tensors)]
+        names = self.trainer.stepped_adapters
+        if every_adapter or not names or distributed.world_size() > 1:
+            names = self.lora.names
+        config = self.lora.wire_config()
+        return [AdapterUpdate(n, config, functools.partial(self.tensors, n)) for n in names]
 
     def close(self) -> None:
         close = getattr(self.transport, "close", None)
@@ -212,8 +223,10 @@ class FleetSync:
     def push(self, version: int) -> dict[str, float]:
         """Install the trainer's weights as `version` on every engine; returns sync metrics."""
         if self.fleet is None:  # another rank: join each tensor's gather, send nothing
-            for _ in self.tensors():
-                pass
+            weights = self.weights()
+            for tensors in [weights] if callable(weights) else [a.tensors for a in weights]:
+                for _ in tensors():
+                    pass
             self.generator.weight_version = version
             return {}
         return self.fleet.loop.run(self.apush(version))
@@ -225,7 +238,7 @@ class FleetSync:
         started = time.perf_counter()
         self.sent_bytes = 0
         joining = list(self.fleet.joining_engines().values())
-        report = await self._push(self.fleet.clients + joining, version)
+        report = await self._push(self.fleet.clients + joining, version, bool(joining))
         self.generator.weight_version = version
         self.last_push = {
             "sync/update_s": time.perf_counter() - started,
@@ -242,9 +255,11 @@ class FleetSync:
         assert self.fleet is not None
         joining = list(self.fleet.joining_engines().values())
         if joining:
-            self.fleet.loop.run(self._push(joining, self.fleet.weight_version))
+            self.fleet.loop.run(self._push(joining, self.fleet.weight_version, True))
 
-    async def _push(self, engines: list[EngineClient], version: int) -> PushReport:
+    async def _push(
+        self, engines: list[EngineClient], version: int, every_adapter: bool = False
+    ) -> PushReport:
         assert self.protocol is not None and self.fleet is not None
         fleet = self.fleet
         fleet.raise_failure()
@@ -257,7 +272,8 @@ class FleetSync:
         try:
             while True:
                 try:
-                    report = await self.protocol.push(self.weights(), version, engines)
+                    weights = self.weights(every_adapter=every_adapter)
+                    report = await self.protocol.push(weights, version, engines)
                     break
                 except EveryEngineLost:
                     if not fleet.recovering or not self.protocol.repeat_send:

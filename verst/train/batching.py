@@ -28,6 +28,7 @@ class TrainItem:
     advantage: float
     reward: float = 0.0
     teacher_logprobs: list[float] | None = None  # loss.opd: the teacher's, per response token
+    adapter: str | None = None  # multi-LoRA: the adapter it trains
 
     @classmethod
     def from_sample(cls, sample: Sample, advantage: float) -> TrainItem:
@@ -39,6 +40,7 @@ class TrainItem:
             advantage,
             sample.reward or 0.0,
             sample.teacher_logprobs,
+            sample.adapter,
         )
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from verst import distributed
-from verst.models.lora import LoraConfig, save_adapter
+from verst.models.lora import LoraConfig, save_adapters
 from verst.train.algorithms import LossConfig
 from verst.train.checkpoint import load_weights
 from verst.train.critic import ValueModel
@@ -38,11 +38,12 @@ class PolicyModels:
 
     def weights_writer(self) -> Callable[[Path], None]:
         """Gather the policy's weights now (a collective: every rank calls it) and return what
-        writes them into a directory: peft's adapter files with LoRA, else an HF model."""
+        writes them into a directory: peft's adapter files with LoRA (a directory an adapter with
+        multi-LoRA), else an HF model."""
         if self.trainer.lora:
             assert self.lora is not None, "a LoRA trainer needs PolicyModels.lora"
             adapters, lora = self.trainer.adapter_state_dict(), self.lora
-            return lambda out: save_adapter(out, adapters, lora)
+            return lambda out: save_adapters(out, adapters, lora)
         weights = self.trainer.full_state_dict()
         return lambda out: self.shell.save_pretrained(
             out, state_dict=weights, safe_serialization=True

@@ -132,7 +132,10 @@ class Trainer:
         temperature: float = 1.0,
         constant_normaliser: float = 1.0,
         device: torch.device,
+        adapter_lrs: dict[str, float] | None = None,
     ) -> None:
+        """`adapter_lrs` (multi-LoRA): the learning rate of each LoRA adapter of `model`, each
+        given an optimizer and schedule of its own; a step trains each adapter on its items."""
         self.cfg = cfg
         self.loss_cfg = loss_cfg
         self.device = device
@@ -146,6 +149,7 @@ class Trainer:
         model.train()
         # with LoRA (`verst.models.lora.apply_lora`), the adapted modules' scales; else empty
         self.lora_scalings = lora.scalings(model)
+        self.lora = lora.has_lora(model)
         if self.lora:  # a frozen base needs no fp32 master: it stays in the compute dtype
             for param in model.parameters():
                 if not param.requires_grad:
@@ -156,6 +160,10 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(cfg, total_steps)
         )
+        self.adapter_optimizers = {
+            name: self._adapter_optimizer(name, lr) for name, lr in (adapter_lrs or {}).items()
+        }
+        self.stepped_adapters: list[str] = []  # multi-LoRA: the adapters the last step trained
         self.reference: torch.nn.Module | None = None
         self.critic: torch.nn.Module | None = None
 
@@ -171,6 +179,23 @@ class Trainer:
             foreach=True,
             weight_decay=self.cfg.weight_decay,
         )
+
+    def _adapter_optimizer(
+        self, name: str, lr: float
+    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        params = [p for n, p in self.model.named_parameters() if lora.is_adapter(n, name)]
+        if not params:
+            raise ValueError(f"model.lora.adapters: the model carries no adapter {name!r}")
+        optimizer = torch.optim.AdamW(
+            params,
+            lr=lr,
+            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+            eps=self.cfg.adam_eps,
+            foreach=True,
+            weight_decay=self.cfg.weight_decay,
+        )
+        schedule = _lr_lambda(self.cfg, self.total_steps)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
     def set_reference(self, reference: torch.nn.Module) -> None:
         """Freeze `reference` (an unsharded copy of the policy) for the KL term."""
@@ -188,10 +213,6 @@ class Trainer:
         self.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.critic_optimizer, _lr_lambda(self.cfg, self.total_steps)
         )
-
-    @property
-    def lora(self) -> bool:
-        return bool(self.lora_scalings)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 weights on the CPU, named as in the plain HF model (with LoRA, the
@@ -256,7 +277,46 @@ class Trainer:
     # --- steps ---------------------------------------------------------------------------------
 
     def step(self, items: list[TrainItem], *, step: int) -> dict[str, float]:
-        """One RL optimiser step on this rank's items; returns metrics averaged over all ranks."""
+        """One RL optimiser step on this rank's items; returns metrics averaged over all ranks.
+        With multi-LoRA, one step of each adapter that has items (`adapter_steps`)."""
+        if self.adapter_optimizers:
+            return self.adapter_steps(items, step=step)
+        return self._step(items, self.optimizer, self.scheduler, step=step)
+
+    def adapter_steps(self, items: list[TrainItem], *, step: int) -> dict[str, float]:
+        """Multi-LoRA: each adapter with items on any rank takes a step of its own optimizer
+        on them alone (its loss normalised by its own tokens and sequences), with only it
+        active in the forward; adapters without items keep their weights and state. Metrics
+        per adapter (`train/<name>/...`) and their means weighted by the adapters' items."""
+        names = list(self.adapter_optimizers)
+        counts = distributed.all_reduce_sum(
+            [float(sum(item.adapter == name for item in items)) for name in names], self.device
+        )
+        self.stepped_adapters, per_adapter = [], {}
+        for name, count in zip(names, counts, strict=True):
+            if count == 0:
+                continue
+            lora.set_active_adapter(self.model, name)
+            optimizer, scheduler = self.adapter_optimizers[name]
+            mine = [item for item in items if item.adapter == name]
+            per_adapter[name] = (count, self._step(mine, optimizer, scheduler, step=step))
+            self.stepped_adapters.append(name)
+        total = sum(count for count, _ in per_adapter.values())
+        metrics: dict[str, float] = {}
+        for name, (count, stats) in per_adapter.items():
+            for key, value in stats.items():
+                metrics[key.replace("train/", f"train/{name}/", 1)] = value
+                metrics[key] = metrics.get(key, 0.0) + value * count / total
+        return metrics
+
+    def _step(
+        self,
+        items: list[TrainItem],
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        *,
+        step: int,
+    ) -> dict[str, float]:
         cfg = self.loss_cfg
         token_norm, seq_norm = self._global_counts(items)
         norms = Normalisers(token_norm, seq_norm, self.constant_normaliser)
@@ -283,15 +343,15 @@ class Trainer:
                 stats |= self._critic_backward(micro, token_norm)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
-        grad_norm = self._clip_and_check(self.model, self.optimizer, sums["loss"], step)
-        metrics = {"train/grad_norm": grad_norm, "train/lr": self.scheduler.get_last_lr()[0]}
+        grad_norm = self._clip_and_check(self.model, optimizer, sums["loss"], step)
+        metrics = {"train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
         if self.critic is not None:
             metrics["train/critic_grad_norm"] = self._clip_and_check(
                 self.critic, self.critic_optimizer, sums["value_loss"], step
             )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
         if self.critic is not None:
             self.critic_optimizer.step()
             self.critic_optimizer.zero_grad(set_to_none=True)
@@ -418,6 +478,14 @@ class Trainer:
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
             "scheduler": self.scheduler.state_dict(),
         }
+        if self.adapter_optimizers:
+            state["adapters"] = {
+                name: {
+                    "optimizer": get_optimizer_state_dict(self.model, optimizer, options=options),
+                    "scheduler": scheduler.state_dict(),
+                }
+                for name, (optimizer, scheduler) in self.adapter_optimizers.items()
+            }
         if self.critic is not None:
             state["critic"] = {
                 "weights": get_model_state_dict(self.critic, options=options),
@@ -438,6 +506,10 @@ class Trainer:
                 self.model, self.optimizer, optimizer_state["optimizer"], options=options
             )
             self.scheduler.load_state_dict(optimizer_state["scheduler"])
+        for name, saved in (optimizer_state or {}).get("adapters", {}).items():
+            optimizer, scheduler = self.adapter_optimizers[name]
+            set_optimizer_state_dict(self.model, optimizer, saved["optimizer"], options=options)
+            scheduler.load_state_dict(saved["scheduler"])
         critic_state = (optimizer_state or {}).get("critic")
         if self.critic is not None and critic_state is not None:
             set_model_state_dict(self.critic, critic_state["weights"], options=options)
