@@ -19,14 +19,15 @@ linear layer (`all-linear`), it measures for full-parameter training and for LoR
   - disk into a `verst serve` process (full: a snapshot, then XOR deltas; LoRA: a peft
     directory loaded with /load_lora_adapter).
   Every trained tensor moves before each push (as after an optimiser step, so a delta carries
-  every tensor); the first push is warm-up, then `--repeats` are timed (median and min), each
-  compared with a memcpy of the same bytes on the device (and, for disk, a write + fsync);
+  every tensor); the first push is warm-up, then `--repeats` are timed (`--disk-repeats` for
+  disk; median and min), each after a memcpy of the same bytes on the device, the limit it is
+  compared with (and, for disk, a write + fsync of them);
 - one `Trainer.step` (GRPO on the same synthetic batch of P prompts × G samples for both) and
   the trainer's peak memory, each variant in a fresh subprocess so that peaks do not mix: the
-  RSS high-water (`getrusage`) on the CPU, `torch.cuda.max_memory_allocated` over the steps on
-  CUDA. The trainer is the policy (with its adapters), its optimiser and the step's activations;
-  `verst train` also keeps an unadapted copy of the model to save checkpoints through, which is
-  left out here.
+  RSS high-water (Linux's VmHWM, see `rss_mb`; `getrusage` elsewhere), and on CUDA
+  `torch.cuda.max_memory_allocated` over the steps. The trainer is the policy (with its
+  adapters), its optimiser and the step's activations; `verst train` also keeps an unadapted
+  copy of the model to save checkpoints through, which is left out here.
 
 Prints LoRA against full for each and saves JSON.
 
@@ -90,6 +91,7 @@ PRESETS = {
         warmup_steps=1,
         steps=6,
         repeats=5,
+        disk_repeats=5,
         # torch threads of the trainer and the engines: on a 2-core VM shared with other jobs,
         # two threads each made steps 4-10x slower at random (oversubscribed OpenMP)
         threads=1,
@@ -105,6 +107,7 @@ PRESETS = {
         warmup_steps=2,
         steps=5,
         repeats=10,
+        disk_repeats=3,  # a full push through the disk is seconds at 0.99 GB
         threads=None,  # torch's default
     ),
 }
@@ -451,9 +454,9 @@ def bench_pushes(model_dir: Path, preset: dict, rank: int, args, root: Path) -> 
     def config(placement: dict, transport: str):
         return run_config(model_dir, preset, rank, placement, transport, threads)
 
-    def timed(sync, close: bool = True) -> dict:
+    def timed(sync, close: bool = True, repeats: int = args.repeats) -> dict:
         assert memcpy is not None
-        return measured(sync, versions, args.repeats, memcpy, close)
+        return measured(sync, versions, repeats, memcpy, close)
 
     variant = VARIANTS[lora]
     # built with the disk transport, so that the copy is measured before any engine shares
@@ -472,7 +475,7 @@ def bench_pushes(model_dir: Path, preset: dict, rank: int, args, root: Path) -> 
         rows[f"colocated: engine process, {name}"] = timed(run.sync, close=False)
         if device == "cpu":  # NCCL cannot join two ranks on one GPU
             rows["broadcast: engine process, gloo"] = timed(other_sync(run, "broadcast"))
-        rows["disk: engine process"] = timed(other_sync(run, "disk"))
+        rows["disk: engine process"] = timed(other_sync(run, "disk"), repeats=args.disk_repeats)
     del run
     release()
     if device == "cuda" and torch.cuda.device_count() >= 2:
@@ -530,7 +533,10 @@ def use_this_verst() -> None:
 
 def machine(device: str) -> dict:
     def git(*args: str) -> str:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+        try:
+            out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+        except OSError:  # no git on the machine
+            return ""
         return out.stdout.strip()
 
     return {
@@ -612,6 +618,7 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 × rank)")
     parser.add_argument("--repeats", type=int, default=None, help="timed pushes per transport")
+    parser.add_argument("--disk-repeats", type=int, default=None, help="timed pushes, disk")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads of the trainer and each engine"
     )
@@ -623,6 +630,7 @@ def main() -> None:
         return
     preset = PRESETS[args.preset]
     args.repeats = args.repeats or preset["repeats"]
+    args.disk_repeats = args.disk_repeats or preset["disk_repeats"]
     args.threads = args.threads or preset["threads"]
     out = args.out or HERE / "results" / f"lora_{args.preset}.json"
     if preset["device"] == "cuda" and not torch.cuda.is_available():
@@ -641,7 +649,7 @@ def main() -> None:
         for variant, rank in ranks.items():
             variants[variant].update(bench_pushes(model_dir, preset, rank, args, root))
             nbytes = variants[variant]["update_bytes"]
-            variants[variant]["disk_write_s"] = disk_write_s(root, nbytes, 3)
+            variants[variant]["disk_write_s"] = disk_write_s(root, nbytes, 2)
             print(f"{variant}: done at {time.perf_counter() - started:.0f} s", file=sys.stderr)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -661,6 +669,7 @@ def main() -> None:
         "target_modules": "all-linear",
         "batch": {k: preset[k] for k in ("prompts", "samples", "prompt_tokens", "response_tokens")},
         "repeats": args.repeats,
+        "disk_repeats": args.disk_repeats,
         "threads": args.threads,
         "variants": variants,
         "ratios": ratios(variants),
