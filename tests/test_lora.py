@@ -112,6 +112,28 @@ def test_a_bf16_engine_is_sent_only_the_adapters() -> None:
         assert torch.equal(engine_params[name].detach(), tensor.to(torch.bfloat16)), name
 
 
+def test_a_lora_push_takes_only_the_adapters_from_the_trainer(monkeypatch) -> None:
+    """Under FSDP every tensor a push takes is a gather all ranks join, and a cast to the
+    engine's dtype: the frozen base must not be taken only to be dropped."""
+    import verst.sync.embedded as embedded
+
+    taken: list[str] = []
+    walk = embedded.full_parameters
+
+    def recording(*args, **kwargs):
+        for name, tensor in walk(*args, **kwargs):
+            taken.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(embedded, "full_parameters", recording)
+    model = tiny_model()
+    apply_lora(model, LORA)
+    engine = embedded_engine(copy.deepcopy(model).to(torch.bfloat16).eval())
+    sync = EmbeddedSync(make_trainer(model), engine)
+    assert sync.push(2)["sync/bytes"] > 0
+    assert taken and all(is_adapter(name) for name in taken), taken
+
+
 def test_targets_that_match_nothing_name_the_field_and_change_nothing() -> None:
     model = tiny_model()
     with pytest.raises(ValueError, match=r"model\.lora\.target_modules.*q_proj"):

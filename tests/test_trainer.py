@@ -133,6 +133,27 @@ def _engine_matches_trainer(engine: Scheduler, trainer: Trainer) -> None:
             assert torch.equal(target, tensor.to(target.dtype)), name
 
 
+def test_a_world_of_one_takes_its_parameters_without_a_gather(monkeypatch) -> None:
+    """A rank that holds whole tensors hands out its own: no DTensor gather, whose Python cost
+    per tensor dominated pushes of many small tensors (LoRA adapters)."""
+    from torch.distributed.tensor import DTensor
+
+    from verst.sync.buckets import full_parameters
+
+    trainer = make_trainer(tiny_model())
+
+    def gather(self, *args, **kwargs):
+        raise AssertionError("a world of one gathered a parameter")
+
+    monkeypatch.setattr(DTensor, "full_tensor", gather)
+    taken = dict(full_parameters(trainer.model))
+    local = dict(trainer.named_local_parameters())
+    assert taken.keys() == local.keys()
+    for name, tensor in taken.items():
+        assert type(tensor) is torch.Tensor and not tensor.requires_grad, name
+        assert tensor.shape == local[name].shape and tensor.data_ptr() == local[name].data_ptr()
+
+
 def test_embedded_sync_shares_storage_and_stays_exact() -> None:
     model = tiny_model()
     engine = embedded_engine(copy.deepcopy(model).eval())

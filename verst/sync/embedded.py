@@ -48,9 +48,9 @@ class EmbeddedSync:
             sent_bytes = self._push_adapters()
         elif not self.zero_copy:
             dtype = next(self.engine.model.parameters()).dtype
-            named = full_parameters(self.trainer.model, dtype)
-            if self.trainer.lora:
-                named = ((name, t) for name, t in named if is_adapter(name))
+            # with LoRA only the adapters are taken: each tensor taken is a gather under FSDP
+            keep = is_adapter if self.trainer.lora else None
+            named = full_parameters(self.trainer.model, dtype, keep=keep)
             for bucket in bucketed(named, self.bucket_bytes):
                 sent_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 self.engine.update_weights_from_tensors(bucket, version)
