@@ -3,10 +3,10 @@
 Owns `AdapterRegistry`: named adapters (peft's format: `lora_A` [r, in] and `lora_B` [out, r]
 per targeted linear, scaled by alpha / r) in slots, and `AdapterRows`, one step's choice of
 adapter per row. A step whose rows use different adapters runs them all in the same forward:
-each targeted module keeps every slot's factors stacked (A as [slots * R, in], B as
-[out, slots * R], R the widest rank, narrower adapters zero-padded), and a row's delta is
+each targeted module keeps every slot's factors stacked (A as [slots * R, in], B transposed as
+[slots * R, out], R the widest rank, narrower adapters zero-padded), and a row's delta is
 
-    delta = ((x @ A_all^T) * scale_row) @ B_all^T
+    delta = ((x @ A_all^T) * scale_row) @ Bt_all
 
 where `scale_row` holds the row's adapter scale on its own slot's R columns and zero on every
 other slot's, so the other adapters' terms vanish exactly. That is two GEMMs a module
@@ -17,7 +17,8 @@ Every adapter is checked whole (names, shapes, config) before any slot changes, 
 leaves the registry as it was. Growing the stacked buffers (a first adapter, a wider rank, more
 slots, a module no adapter targeted yet) bumps `structure`: the runner captures its CUDA graphs
 again, since they read the buffers by address; an update of an adapter already held copies in
-place and keeps them.
+place (every factor in one multi-tensor copy: a slot is a block of rows in each buffer) and
+keeps them.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class AdapterRegistry:
         self.slots: dict[str, _Slot] = {}
         self.width = 0  # R: columns per slot
         self.capacity = 0  # slots the stacked buffers have room for
-        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> (A, B)
+        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> (A, Bt)
         self.scale_S_K: torch.Tensor | None = None  # row per slot + a zero row for the base
         self.structure = 0
         self._uids = itertools.count(1)
@@ -146,12 +147,15 @@ class AdapterRegistry:
             )
         index = held.index if held is not None else self._free_index()
         self._make_room(index + 1, rank, factors.keys())
-        self._clear(index)
+        if held is not None and (held.rank, held.modules) != (rank, frozenset(factors)):
+            self._clear(index)  # else every entry of the slot is written below
+        start = index * self.width
+        targets, sources = [], []
         for module, (a, b) in factors.items():
-            a_all, b_all = self.weights[module]
-            start = index * self.width
-            a_all[start : start + rank].copy_(a)
-            b_all[:, start : start + rank].copy_(b)
+            a_all, bt_all = self.weights[module]
+            targets += [a_all[start : start + rank], bt_all[start : start + rank]]
+            sources += [a, b.t()]
+        torch._foreach_copy_(targets, sources)
         assert self.scale_S_K is not None
         self.scale_S_K[index, index * self.width : index * self.width + rank] = scale
         uid = held.uid if held is not None else next(self._uids)
@@ -208,17 +212,13 @@ class AdapterRegistry:
         for module in [*self.weights, *new_modules]:
             linear = self.targets[module]
             a_all = self._zeros(capacity * width, linear.in_features)
-            b_all = self._zeros(linear.out_features, capacity * width)
-            if module in self.weights:
-                old_a, old_b = self.weights[module]
+            bt_all = self._zeros(capacity * width, linear.out_features)
+            for new, old in zip((a_all, bt_all), self.weights.get(module, ()), strict=False):
                 for s in range(old_capacity):
-                    a_all[s * width : s * width + old_width] = old_a[
+                    new[s * width : s * width + old_width] = old[
                         s * old_width : (s + 1) * old_width
                     ]
-                    b_all[:, s * width : s * width + old_width] = old_b[
-                        :, s * old_width : (s + 1) * old_width
-                    ]
-            self.weights[module] = (a_all, b_all)
+            self.weights[module] = (a_all, bt_all)
         scale = self._zeros(capacity + 1, capacity * width)
         for held in self.slots.values():
             start = held.index * width
@@ -230,9 +230,7 @@ class AdapterRegistry:
         if index >= self.capacity:
             return
         start, stop = index * self.width, (index + 1) * self.width
-        for a_all, b_all in self.weights.values():
-            a_all[start:stop].zero_()
-            b_all[:, start:stop].zero_()
+        torch._foreach_zero_([f[start:stop] for pair in self.weights.values() for f in pair])
         assert self.scale_S_K is not None
         self.scale_S_K[index].zero_()
 
@@ -252,8 +250,8 @@ class AdapterRows:
         factors = self.registry.weights.get(module)
         if factors is None:
             return None
-        a_K_I, b_O_K = factors
-        return F.linear(F.linear(x_B_T_I, a_K_I) * self.scale_B_1_K, b_O_K)
+        a_K_I, bt_K_O = factors
+        return torch.matmul(F.linear(x_B_T_I, a_K_I) * self.scale_B_1_K, bt_K_O)
 
 
 def _rank_and_scale(name: str, config: dict[str, Any]) -> tuple[int, float]:

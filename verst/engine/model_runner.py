@@ -263,6 +263,9 @@ class ModelRunner:
         structure = self.adapters.structure if self.adapters is not None else 0
         if structure != self._graphs_structure:
             self._graphs.clear()
+            if self._graph_pool is not None:  # the old graphs' pool is not for new captures
+                torch.cuda.synchronize(self.device)
+                self._graph_pool = torch.cuda.graph_pool_handle()
             self._graphs_structure = structure
 
     # --- adapters -------------------------------------------------------------------------------

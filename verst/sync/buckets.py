@@ -17,15 +17,18 @@ NamedTensor = tuple[str, torch.Tensor]
 
 
 def full_parameters(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype | None = None,
     keep: Callable[[str], bool] | None = None,
 ) -> Iterator[NamedTensor]:
-    """Every parameter (or those whose name `keep` accepts) as a full tensor (an FSDP2 shard is
-    gathered, a collective, one tensor at a time, never the whole model at once), cast to
-    `dtype` when given. In a world of one the shard is the whole tensor and is taken as it is:
-    DTensor's gather costs about 50 µs of Python a tensor, which was most of a LoRA push."""
-    for name, param in model.named_parameters():
+    """Every parameter of `model` (a module, or its (name, parameter) pairs, such as the
+    trainer's `trainable_parameters`, whose walk is cheaper than the module tree's) or those
+    whose name `keep` accepts, as a full tensor (an FSDP2 shard is gathered, a collective, one
+    tensor at a time, never the whole model at once), cast to `dtype` when given. In a world of
+    one the shard is the whole tensor and is taken as it is: DTensor's gather costs about 50 µs
+    of Python a tensor, which was most of a LoRA push."""
+    named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+    for name, param in named:
         if keep is not None and not keep(name):
             continue
         if not isinstance(param, DTensor):
@@ -35,6 +38,19 @@ def full_parameters(
         else:
             full = param.data.full_tensor()
         yield name, full if dtype is None else full.to(dtype)
+
+
+def cast_together(named: Iterable[NamedTensor], dtype: torch.dtype) -> Iterator[NamedTensor]:
+    """`named` cast to `dtype` with one concatenation and one cast, not a kernel per tensor: a
+    LoRA adapter is hundreds of small tensors, and casting each alone is launch-bound. The
+    results are views of one buffer."""
+    pairs = list(named)
+    if not pairs:
+        return
+    flat = torch.cat([t.reshape(-1) for _, t in pairs]).to(dtype)
+    pieces = flat.split([t.numel() for _, t in pairs])
+    for (name, tensor), piece in zip(pairs, pieces, strict=True):
+        yield name, piece.view(tensor.shape)
 
 
 def bucketed(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[NamedTensor]]:

@@ -36,7 +36,9 @@ class AdapterPublisher:
         staging = final.parent / f"{TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         staging.mkdir()
         tensors = {
-            PEFT_PREFIX + name: t.detach().contiguous().cpu() for name, t in adapter.tensors()
+            # cloned: the tensors may be views of one buffer, which safetensors refuses
+            PEFT_PREFIX + name: t.detach().cpu().clone()
+            for name, t in adapter.tensors()
         }
         save_file(tensors, staging / ADAPTER_WEIGHTS_FILE, metadata={"format": "pt"})
         peft_config_of(adapter.config).save_pretrained(str(staging))

@@ -20,7 +20,7 @@ import functools
 
 from verst.engine import Scheduler
 from verst.models.lora import LoraConfig, is_adapter, wire_name
-from verst.sync.buckets import bucketed, full_parameters
+from verst.sync.buckets import bucketed, cast_together, full_parameters
 from verst.sync.colocated import share_storage
 from verst.train.trainer import Trainer
 
@@ -66,8 +66,8 @@ class EmbeddedSync:
         sent = 0
         for name in self.trainer.stepped_adapters or self.lora.names:
             keep = functools.partial(is_adapter, adapter=name)
-            named = full_parameters(self.trainer.model, dtype, keep=keep)
-            tensors = {wire_name(n): t for n, t in named}
+            named = full_parameters(self.trainer.trainable_parameters, keep=keep)
+            tensors = {wire_name(n): t for n, t in cast_together(named, dtype)}
             sent += sum(t.numel() * t.element_size() for t in tensors.values())
             self.engine.load_adapter(name, self.lora.wire_config(), tensors, "trainer")
         return sent

@@ -37,7 +37,7 @@ from verst.fleet.placement import PlacementConfig
 from verst.models.lora import POLICY_ADAPTER, LoraConfig, is_adapter, wire_name
 from verst.plugins import AdapterUpdate, EngineClient, WeightTransport
 from verst.sync.broadcast import BroadcastTransport
-from verst.sync.buckets import full_parameters
+from verst.sync.buckets import cast_together, full_parameters
 from verst.sync.colocated import ColocatedTransport
 from verst.sync.disk import DiskPublisher, DiskTransport
 from verst.sync.protocol import (
@@ -193,10 +193,9 @@ class FleetSync:
         if self.lora is None:
             named = full_parameters(self.trainer.model, self.engine_dtype)
         else:
-            adapters = full_parameters(
-                self.trainer.model, self.engine_dtype, keep=lambda n: is_adapter(n, adapter)
-            )
-            named = ((wire_name(name), tensor) for name, tensor in adapters)
+            keep = functools.partial(is_adapter, adapter=adapter)
+            adapters = full_parameters(self.trainer.trainable_parameters, keep=keep)
+            named = ((wire_name(n), t) for n, t in cast_together(adapters, self.engine_dtype))
         for name, tensor in named:
             self.sent_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor

@@ -156,6 +156,9 @@ class Trainer:
                     param.data = param.data.to(self.dtype)
         _shard(model, self.dtype, device)
         self.model = model
+        # what the optimizers step (with LoRA, the adapters): the very objects, for pushes that
+        # would otherwise walk the whole module tree (thousands of modules with peft's layers)
+        self.trainable_parameters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.optimizer = self.make_optimizer(cfg.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(cfg, total_steps)
