@@ -42,6 +42,19 @@ def test_addition_splits_disjoint_and_deterministic():
         make_task("nope", "train", 0)
 
 
+@pytest.mark.parametrize("task, train_rows", [("subtraction", 4650), ("arithmetic", 9600 + 4650)])
+def test_subtraction_and_arithmetic_splits_are_disjoint(task: str, train_rows: int) -> None:
+    splits = {s: make_task(task, s, seed=0) for s in ("train", "dev", "test")}
+    assert len(splits["train"]) == train_rows
+    sets = {s: {r["prompt"] for r in rows} for s, rows in splits.items()}
+    assert not (
+        sets["train"] & sets["dev"] or sets["train"] & sets["test"] or sets["dev"] & sets["test"]
+    )
+    for row in splits["test"]:  # every answer is the arithmetic's
+        a, op, b = row["prompt"][:2], row["prompt"][2], row["prompt"][3:5]
+        assert int(row["label"]) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+
+
 def test_config_requires_exactly_one_source():
     with pytest.raises(ValidationError, match="data.path and data.task"):
         DataSourceConfig()

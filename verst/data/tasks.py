@@ -34,29 +34,30 @@ def addition(split: str, seed: int, digits: int = 2) -> list[dict]:
     return _split_rows(rows, split)
 
 
-def multiplication(split: str, seed: int, digits: int = 2) -> list[dict]:
-    """All products a*b with a < 10**digits (zero-padded) and a one-digit b ("07*8=" → "56"),
-    shuffled by `seed`; test is the first 200 shuffled pairs, dev the next 200, train the rest
-    (600 with two digits)."""
+def subtraction(split: str, seed: int, digits: int = 2) -> list[dict]:
+    """All differences a-b >= 0 with a, b < 10**digits, zero-padded ("58-07=" → "51"), shuffled
+    by `seed`; test is the first 200 shuffled pairs, dev the next 200, train the rest (4,650
+    with two digits)."""
     if digits < 1:
-        raise ValueError(f"multiplication: digits must be >= 1, got {digits}")
-    pairs = [(a, b) for a in range(10**digits) for b in range(10)]
+        raise ValueError(f"subtraction: digits must be >= 1, got {digits}")
+    n = 10**digits
+    pairs = [(a, b) for a in range(n) for b in range(a + 1)]
     random.Random(seed).shuffle(pairs)
-    rows = [{"prompt": f"{a:0{digits}d}*{b}=", "label": str(a * b)} for a, b in pairs]
+    rows = [{"prompt": f"{a:0{digits}d}-{b:0{digits}d}=", "label": str(a - b)} for a, b in pairs]
     return _split_rows(rows, split)
 
 
 def arithmetic(split: str, seed: int, digits: int = 2) -> list[dict]:
-    """`addition` and `multiplication` together, split by split (so the splits stay disjoint),
+    """`addition` and `subtraction` together, split by split (so the splits stay disjoint),
     shuffled by `seed`: a base that knows a little of both (the multi-LoRA recipe's)."""
-    rows = addition(split, seed, digits) + multiplication(split, seed, digits)
+    rows = addition(split, seed, digits) + subtraction(split, seed, digits)
     random.Random(seed).shuffle(rows)
     return rows
 
 
 TASKS: dict[str, Callable[..., list[dict]]] = {
     "addition": addition,
-    "multiplication": multiplication,
+    "subtraction": subtraction,
     "arithmetic": arithmetic,
 }
 
