@@ -55,20 +55,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from weight_sync import QWEN2_05B  # Qwen2-0.5B's shapes (494M parameters, tied embeddings)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-# Qwen2-0.5B's shapes (494M parameters, tied embeddings), as in bench/weight_sync.py
-QWEN2_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
 PRESETS = {
     "cpu": dict(
         arch="qwen3",  # the CPU model of the engine issue (bench/engine_throughput.py): 29M

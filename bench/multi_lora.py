@@ -26,8 +26,8 @@ import subprocess
 from pathlib import Path
 
 import torch
+from engine_throughput import PRESETS, build_model, new_scheduler, requests, timed
 
-from bench.engine_throughput import PRESETS, build_model, new_scheduler, requests, timed
 from verst.engine.scheduler import Scheduler
 
 ADAPTERS = 8
@@ -126,7 +126,7 @@ def main() -> None:
         "mixed_over_one_adapter": mixed,
         "one_adapter_over_base": overhead,
     }
-    out = args.out or Path(f"bench/results/multi_lora_{args.preset}.json")
+    out = args.out or Path(__file__).resolve().parent / "results" / f"multi_lora_{args.preset}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out}")
 
