@@ -1,6 +1,7 @@
 """On-policy distillation (`loss.opd`): the advantage update against its closed form, teacher
 choice per sample, teacher scoring on real loopback servers, bad teachers refused at start,
-and `verst train` with a `verst serve` teacher process, with and without a reward."""
+`verst train` with a `verst serve` teacher process, with and without a reward, and the first
+steps of examples/distill.yaml."""
 
 from __future__ import annotations
 
@@ -261,3 +262,30 @@ def test_train_distils_from_a_served_teacher(
         assert math.isfinite(row["opd/reverse_kl"]), row
         assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0, row
         assert "perf/teacher_time_s" in row
+
+
+def test_distill_recipe_runs_its_first_steps(tmp_path: Path, teacher_process: str) -> None:
+    """examples/distill.yaml, pure distillation from a `verst serve` teacher process: its warm
+    start, evaluation and first steps run, and every step is scored by the teacher."""
+    recipe = Path(__file__).parent.parent / "examples" / "distill.yaml"
+    run_dir = tmp_path / "run"
+    args = [
+        "train",
+        str(recipe),
+        "num_steps=2",
+        "trainer.device=cpu",
+        f"loss.opd.teacher_urls.default={teacher_process}",
+        "warm_start.max_steps=2",
+        "warm_start.dev_data.max_prompts=8",
+        "eval.data.max_prompts=8",
+        "--run-dir",
+        str(run_dir),
+    ]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["warm_start/steps"] == 2 and rows[-1]["eval/num_prompts"] == 8
+    for row in rows[1:]:
+        assert row["rollout/reward_mean"] == 0.0, row  # rollout.reward: none
+        assert math.isfinite(row["opd/reverse_kl"]) and row["opd/reverse_kl"] != 0.0, row
+        assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0, row
