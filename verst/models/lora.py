@@ -16,6 +16,7 @@ is imported only when LoRA is used (the `lora` extra installs it).
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -201,6 +202,7 @@ def merged_weights(
     return merged
 
 
+@functools.lru_cache(maxsize=65536)  # a push names the same few hundred tensors every time
 def wire_name(name: str) -> str:
     """An adapter tensor's name as engines take it (`verst.plugins.AdapterUpdate`): peft's file
     key without its prefix (`...q_proj.lora_A.weight`)."""

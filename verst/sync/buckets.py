@@ -34,7 +34,9 @@ def full_parameters(
         if not isinstance(param, DTensor):
             full = param.data
         elif param.device_mesh.size() == 1:
-            full = param.to_local().detach()
+            # the shard is the whole tensor; `to_local()` gives a view of this very tensor
+            # through an autograd function, 8-20 µs a call, most of a many-tensor LoRA walk
+            full = param._local_tensor.detach()
         else:
             full = param.data.full_tensor()
         yield name, full if dtype is None else full.to(dtype)
@@ -45,7 +47,8 @@ def cast_together(named: Iterable[NamedTensor], dtype: torch.dtype) -> Iterator[
     LoRA adapter is hundreds of small tensors, and casting each alone is launch-bound. The
     results are views of one buffer."""
     pairs = list(named)
-    if not pairs:
+    if all(t.dtype == dtype for _, t in pairs):  # nothing to cast: no copy either
+        yield from pairs
         return
     flat = torch.cat([t.reshape(-1) for _, t in pairs]).to(dtype)
     pieces = flat.split([t.numel() for _, t in pairs])
