@@ -247,3 +247,13 @@ def test_http_load_generate_and_unload(base_dir: Path, tmp_path: Path) -> None:
     finally:
         loop.run(engine.runner.cleanup())
         loop.close()
+
+
+def test_serve_refuses_lora_paths_that_are_no_name_dir_pairs(base_dir: Path, capsys) -> None:
+    from verst.cli import main
+
+    args = ["serve", "--model", str(base_dir), "--port", "0", "--lora-paths"]
+    assert main([*args, "no-equals-sign"]) == 2
+    assert "NAME=DIR" in capsys.readouterr().err
+    assert main([*args, f"a={base_dir}"]) == 2  # a model directory is no adapter
+    assert "no peft adapter directory" in capsys.readouterr().err
