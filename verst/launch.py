@@ -163,7 +163,7 @@ def wire(
     data = training_prompts(cfg, tokenizer)
     evaluator: Evaluator | AdapterEvaluators | None = None
     if cfg.eval.interval_steps > 0 and cfg.model.lora.adapters:
-        evaluator = adapter_evaluators(cfg, tokenizer, decode, device)
+        evaluator = adapter_evaluators(cfg, rewards.fn, tokenizer, decode, device)
     elif cfg.eval.interval_steps > 0:
         evaluator = evaluator_for(cfg.eval.data)
     rollout: RolloutSource
@@ -253,12 +253,13 @@ def build_evaluator(
 
 def adapter_evaluators(
     cfg: RunConfig,
+    rewards: RewardFunction,
     tokenizer: PreTrainedTokenizerBase,
     decode: Callable[[list[int]], str],
     device: torch.device,
 ) -> AdapterEvaluators:
-    """Multi-LoRA: every adapter with `eval_data`, on its prompts with its reward."""
-    rewards = rollout_reward(cfg)
+    """Multi-LoRA: every adapter with `eval_data`, on its prompts with its reward (of the
+    rollout's `AdapterRewards`)."""
     assert isinstance(rewards, AdapterRewards)
     return AdapterEvaluators(
         {

@@ -4,6 +4,7 @@ adapter registry."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from verst.models.lora import is_adapter, wire_name
 from verst.plugins import AdapterUpdate
 
 NamedTensor = tuple[str, torch.Tensor]
@@ -40,6 +42,15 @@ def full_parameters(
         else:
             full = param.data.full_tensor()
         yield name, full if dtype is None else full.to(dtype)
+
+
+def adapter_tensors(
+    trainable: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, adapter: str | None = None
+) -> Iterator[NamedTensor]:
+    """The LoRA adapter tensors among `trainable` (the trainer's `trainable_parameters`; with
+    `adapter`, that adapter's alone), full, cast to `dtype`, named as engines take them."""
+    tensors = full_parameters(trainable, keep=functools.partial(is_adapter, adapter=adapter))
+    return ((wire_name(n), t) for n, t in cast_together(tensors, dtype))
 
 
 def cast_together(named: Iterable[NamedTensor], dtype: torch.dtype) -> Iterator[NamedTensor]:

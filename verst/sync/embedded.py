@@ -16,11 +16,9 @@ protocol of serving engines (`verst.sync.protocol`) is not needed.
 
 from __future__ import annotations
 
-import functools
-
 from verst.engine import Scheduler
-from verst.models.lora import LoraConfig, is_adapter, wire_name
-from verst.sync.buckets import bucketed, cast_together, full_parameters
+from verst.models.lora import LoraConfig, is_adapter
+from verst.sync.buckets import adapter_tensors, bucketed, full_parameters
 from verst.sync.colocated import share_storage
 from verst.train.trainer import Trainer
 
@@ -65,9 +63,7 @@ class EmbeddedSync:
         dtype = next(self.engine.model.parameters()).dtype
         sent = 0
         for name in self.trainer.stepped_adapters or self.lora.names:
-            keep = functools.partial(is_adapter, adapter=name)
-            named = full_parameters(self.trainer.trainable_parameters, keep=keep)
-            tensors = {wire_name(n): t for n, t in cast_together(named, dtype)}
+            tensors = dict(adapter_tensors(self.trainer.trainable_parameters, dtype, name))
             sent += sum(t.numel() * t.element_size() for t in tensors.values())
             self.engine.load_adapter(name, self.lora.wire_config(), tensors, "trainer")
         return sent

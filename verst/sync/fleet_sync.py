@@ -34,10 +34,10 @@ from verst.configbase import ConfigBase
 from verst.fleet.fleet import Fleet
 from verst.fleet.launcher import free_port
 from verst.fleet.placement import PlacementConfig
-from verst.models.lora import POLICY_ADAPTER, LoraConfig, is_adapter, wire_name
+from verst.models.lora import POLICY_ADAPTER, LoraConfig
 from verst.plugins import AdapterUpdate, EngineClient, WeightTransport
 from verst.sync.broadcast import BroadcastTransport
-from verst.sync.buckets import cast_together, full_parameters
+from verst.sync.buckets import adapter_tensors, full_parameters
 from verst.sync.colocated import ColocatedTransport
 from verst.sync.disk import DiskPublisher, DiskTransport
 from verst.sync.protocol import (
@@ -193,9 +193,8 @@ class FleetSync:
         if self.lora is None:
             named = full_parameters(self.trainer.model, self.engine_dtype)
         else:
-            keep = functools.partial(is_adapter, adapter=adapter)
-            adapters = full_parameters(self.trainer.trainable_parameters, keep=keep)
-            named = ((wire_name(n), t) for n, t in cast_together(adapters, self.engine_dtype))
+            trainable = self.trainer.trainable_parameters
+            named = adapter_tensors(trainable, self.engine_dtype, adapter)
         for name, tensor in named:
             self.sent_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor

@@ -138,10 +138,10 @@ def load_state(path: Path) -> dict[str, Any]:
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The full fp32 weights (with LoRA, the adapters alone: one peft directory, or with
     multi-LoRA one in a subdirectory per adapter) and the resume state."""
-    adapters = [d for d in sorted(path.iterdir()) if d.is_dir() and is_adapter_dir(d)]
     if is_adapter_dir(path):
-        weights = load_adapter(path)
-    elif adapters:
+        return load_adapter(path), load_state(path)
+    adapters = [d for d in sorted(path.iterdir()) if d.is_dir() and is_adapter_dir(d)]
+    if adapters:
         weights = {name: t for d in adapters for name, t in load_adapter(d, d.name).items()}
     else:
         weights = load_weights(path)

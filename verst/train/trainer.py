@@ -171,11 +171,17 @@ class Trainer:
         self.critic: torch.nn.Module | None = None
 
     def make_optimizer(
-        self, lr: float, model: torch.nn.Module | None = None
+        self,
+        lr: float,
+        model: torch.nn.Module | None = None,
+        params: list[torch.nn.Parameter] | None = None,
     ) -> torch.optim.Optimizer:
-        # only trainable parameters get optimiser state (with LoRA: the adapters)
+        """AdamW over `params`, else over the trainable parameters of `model` (the policy by
+        default; with LoRA: the adapters): only they get optimiser state."""
+        if params is None:
+            params = [p for p in (model or self.model).parameters() if p.requires_grad]
         return torch.optim.AdamW(
-            [p for p in (model or self.model).parameters() if p.requires_grad],
+            params,
             lr=lr,
             betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
             eps=self.cfg.adam_eps,
@@ -189,14 +195,7 @@ class Trainer:
         params = [p for n, p in self.model.named_parameters() if lora.is_adapter(n, name)]
         if not params:
             raise ValueError(f"model.lora.adapters: the model carries no adapter {name!r}")
-        optimizer = torch.optim.AdamW(
-            params,
-            lr=lr,
-            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
-            eps=self.cfg.adam_eps,
-            foreach=True,
-            weight_decay=self.cfg.weight_decay,
-        )
+        optimizer = self.make_optimizer(lr, params=params)
         schedule = _lr_lambda(self.cfg, self.total_steps)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 

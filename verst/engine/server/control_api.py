@@ -226,11 +226,9 @@ async def run_update_weights_from_tensor(
 def _adapter_target(body: dict[str, Any]) -> dict[str, Any]:
     """verst's fields on an update that address it to a LoRA adapter of the registry:
     `lora_name` (and its peft `lora_config`); none for the model's own weights."""
-    name = body.get("lora_name")
-    if name is None:
+    if body.get("lora_name") is None:
         return {}
-    if not isinstance(name, str) or not name:
-        raise validation_error("lora_name must be a non-empty string")
+    name = _lora_name(body)
     config = body.get("lora_config")
     if not isinstance(config, dict):
         raise validation_error("lora_config: Field required with lora_name (peft's keys)")
