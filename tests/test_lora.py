@@ -25,8 +25,10 @@ from verst.models.lora import (
     apply_lora,
     has_lora,
     is_adapter,
+    wire_name,
 )
 from verst.models.tiny import TinyModelConfig, create_tiny
+from verst.sync.buckets import AdapterTensors
 from verst.sync.embedded import EmbeddedSync
 from verst.train.checkpoint import list_checkpoints, load_checkpoint
 
@@ -132,6 +134,36 @@ def test_a_lora_push_takes_only_the_adapters_from_the_trainer(monkeypatch) -> No
     sync = EmbeddedSync(make_trainer(model), engine)
     assert sync.push(2)["sync/bytes"] > 0
     assert taken and all(is_adapter(name) for name in taken), taken
+
+
+def test_adapter_tensors_read_the_current_values_every_call() -> None:
+    """`AdapterTensors` walks the trainer's parameters once and casts with one kernel a call:
+    every call still sees the values of now (an optimiser step writes in place) and a parameter
+    given new storage (a checkpoint loaded by assignment) is walked again."""
+    model = tiny_model()
+    apply_lora(model, LORA)
+    trainer = make_trainer(model)
+    read = AdapterTensors(trainer.trainable_parameters, torch.bfloat16)
+
+    def expected() -> dict[str, torch.Tensor]:
+        return {
+            wire_name(n): p.detach().to(torch.bfloat16)
+            for n, p in trainer.named_local_parameters()
+            if is_adapter(n)
+        }
+
+    def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+        return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+    assert same(dict(read()), expected())
+    trainer.step(items(), step=1)
+    assert same(dict(read()), expected())
+    name, param = next((n, p) for n, p in trainer.trainable_parameters if is_adapter(n))
+    with torch.no_grad():
+        local = param._local_tensor if hasattr(param, "_local_tensor") else param
+        local.data = torch.full_like(local, 0.5)
+    got = dict(read())
+    assert torch.all(got[wire_name(name)] == 0.5) and same(got, expected())
 
 
 def test_targets_that_match_nothing_name_the_field_and_change_nothing() -> None:

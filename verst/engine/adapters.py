@@ -13,12 +13,16 @@ other slot's, so the other adapters' terms vanish exactly. That is two GEMMs a m
 whatever the mix of adapters (a gathered LoRA matmul, no loop over adapters or rows), and rows
 without an adapter get a zero row.
 
+Modules of one shape (in all layers: q_proj and o_proj of every layer, say) keep their stacked
+factors in one buffer of a group, [modules, slots * R, in] for A and [modules, slots * R, out]
+for Bt, so loading an adapter is four copies a group, not two per module (a 0.5B model's
+rank-16 adapter is 336 tensors and a per-tensor copy was most of its push).
+
 Every adapter is checked whole (names, shapes, config) before any slot changes, so a bad one
 leaves the registry as it was. Growing the stacked buffers (a first adapter, a wider rank, more
 slots, a module no adapter targeted yet) bumps `structure`: the runner captures its CUDA graphs
 again, since they read the buffers by address; an update of an adapter already held copies in
-place (every factor in one multi-tensor copy: a slot is a block of rows in each buffer) and
-keeps them.
+place and keeps them.
 """
 
 from __future__ import annotations
@@ -64,6 +68,15 @@ class _Slot:
     source: str  # where it came from (a path, or "tensors")
 
 
+@dataclass
+class _Group:
+    """The stacked factors of every held module of one shape (in_features, out_features)."""
+
+    modules: list[str]
+    a_M_K_I: torch.Tensor  # K = slots * R
+    bt_M_K_O: torch.Tensor
+
+
 class AdapterRegistry:
     def __init__(
         self, targets: dict[str, torch.nn.Linear], max_adapters: int = DEFAULT_MAX_ADAPTERS
@@ -77,7 +90,8 @@ class AdapterRegistry:
         self.slots: dict[str, _Slot] = {}
         self.width = 0  # R: columns per slot
         self.capacity = 0  # slots the stacked buffers have room for
-        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> (A, Bt)
+        self.groups: dict[tuple[int, int], _Group] = {}
+        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> (A, Bt) views
         self.scale_S_K: torch.Tensor | None = None  # row per slot + a zero row for the base
         self.structure = 0
         self._uids = itertools.count(1)
@@ -149,13 +163,7 @@ class AdapterRegistry:
         self._make_room(index + 1, rank, factors.keys())
         if held is not None and (held.rank, held.modules) != (rank, frozenset(factors)):
             self._clear(index)  # else every entry of the slot is written below
-        start = index * self.width
-        targets, sources = [], []
-        for module, (a, b) in factors.items():
-            a_all, bt_all = self.weights[module]
-            targets += [a_all[start : start + rank], bt_all[start : start + rank]]
-            sources += [a, b.t()]
-        torch._foreach_copy_(targets, sources)
+        self._write(index * self.width, rank, factors)
         assert self.scale_S_K is not None
         self.scale_S_K[index, index * self.width : index * self.width + rank] = scale
         uid = held.uid if held is not None else next(self._uids)
@@ -201,6 +209,34 @@ class AdapterRegistry:
         used = {s.index for s in self.slots.values()}
         return next(i for i in itertools.count() if i not in used)
 
+    def _write(
+        self, start: int, rank: int, factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Rows [start, start + rank) of every factor of `factors`' modules, group by group: one
+        stack and one copy a factor, whatever the number of layers."""
+        for group in self.groups.values():
+            held = [(i, m) for i, m in enumerate(group.modules) if m in factors]
+            if not held:
+                continue
+            a = self._stacked([factors[m][0] for _, m in held])
+            bt = self._stacked([factors[m][1] for _, m in held]).transpose(1, 2)
+            a_dst, bt_dst = (
+                group.a_M_K_I[:, start : start + rank],
+                group.bt_M_K_O[:, start : start + rank],
+            )
+            if len(held) == len(group.modules):  # the common case: no index to upload
+                a_dst.copy_(a)
+                bt_dst.copy_(bt)
+            else:
+                rows = torch.tensor([i for i, _ in held], device=self.device)
+                a_dst.index_copy_(0, rows, a)
+                bt_dst.index_copy_(0, rows, bt)
+
+    def _stacked(self, factors: list[torch.Tensor]) -> torch.Tensor:
+        """One tensor of the factors, on the registry's device and in its dtype (a peft
+        directory is read on the CPU, often in fp32)."""
+        return torch.stack(factors).to(device=self.device, dtype=self.dtype)
+
     def _make_room(self, capacity: int, rank: int, modules: Any) -> None:
         """Grow the stacked buffers (copying what they hold) to `capacity` slots of at least
         `rank` columns with every module in `modules`."""
@@ -208,17 +244,36 @@ class AdapterRegistry:
         new_modules = [m for m in modules if m not in self.weights]
         if capacity == self.capacity and width == self.width and not new_modules:
             return
-        old_width, old_capacity = self.width, self.capacity
-        for module in [*self.weights, *new_modules]:
+        wanted: dict[tuple[int, int], list[str]] = {
+            k: list(g.modules) for k, g in self.groups.items()
+        }
+        for module in new_modules:
             linear = self.targets[module]
-            a_all = self._zeros(capacity * width, linear.in_features)
-            bt_all = self._zeros(capacity * width, linear.out_features)
-            for new, old in zip((a_all, bt_all), self.weights.get(module, ()), strict=False):
-                for s in range(old_capacity):
-                    new[s * width : s * width + old_width] = old[
-                        s * old_width : (s + 1) * old_width
-                    ]
-            self.weights[module] = (a_all, bt_all)
+            wanted.setdefault((linear.in_features, linear.out_features), []).append(module)
+        groups = {}
+        for (fan_in, fan_out), names in wanted.items():
+            group = _Group(
+                names,
+                self._zeros(len(names), capacity * width, fan_in),
+                self._zeros(len(names), capacity * width, fan_out),
+            )
+            old = self.groups.get((fan_in, fan_out))
+            if old is not None:  # slot s keeps rows [s * width, s * width + old width)
+                for new_M_K_X, old_M_K_X in (
+                    (group.a_M_K_I, old.a_M_K_I),
+                    (group.bt_M_K_O, old.bt_M_K_O),
+                ):
+                    m, x = old_M_K_X.shape[0], old_M_K_X.shape[2]
+                    new_M_K_X.view(len(names), capacity, width, x)[
+                        :m, : self.capacity, : self.width
+                    ] = old_M_K_X.view(m, self.capacity, self.width, x)
+            groups[(fan_in, fan_out)] = group
+        self.groups = groups
+        self.weights = {
+            m: (g.a_M_K_I[i], g.bt_M_K_O[i])
+            for g in groups.values()
+            for i, m in enumerate(g.modules)
+        }
         scale = self._zeros(capacity + 1, capacity * width)
         for held in self.slots.values():
             start = held.index * width
@@ -230,7 +285,9 @@ class AdapterRegistry:
         if index >= self.capacity:
             return
         start, stop = index * self.width, (index + 1) * self.width
-        torch._foreach_zero_([f[start:stop] for pair in self.weights.values() for f in pair])
+        for group in self.groups.values():
+            group.a_M_K_I[:, start:stop].zero_()
+            group.bt_M_K_O[:, start:stop].zero_()
         assert self.scale_S_K is not None
         self.scale_S_K[index].zero_()
 

@@ -4,7 +4,6 @@ adapter registry."""
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -44,13 +43,58 @@ def full_parameters(
         yield name, full if dtype is None else full.to(dtype)
 
 
-def adapter_tensors(
-    trainable: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, adapter: str | None = None
-) -> Iterator[NamedTensor]:
-    """The LoRA adapter tensors among `trainable` (the trainer's `trainable_parameters`; with
-    `adapter`, that adapter's alone), full, cast to `dtype`, named as engines take them."""
-    tensors = full_parameters(trainable, keep=functools.partial(is_adapter, adapter=adapter))
-    return ((wire_name(n), t) for n, t in cast_together(tensors, dtype))
+class AdapterTensors:
+    """The LoRA adapter tensors among a trainer's `trainable_parameters` (with `adapter`, that
+    adapter's alone), full, cast to `dtype`, named as engines take them, read again on every
+    call. A rank-16 adapter of a 0.5B model is 336 small tensors, so per-tensor Python is most
+    of a push: in a world of one the walk (names, shards, flat views, the cast's output) is done
+    once and a call is one concatenation and one cast; the walk is redone when a
+    parameter's storage moves. A call's tensors are views of one buffer that the next call
+    overwrites: every transport is done with them when its push returns."""
+
+    def __init__(
+        self,
+        trainable: Iterable[tuple[str, torch.Tensor]],
+        dtype: torch.dtype,
+        adapter: str | None = None,
+    ) -> None:
+        self.params = [(n, p) for n, p in trainable if is_adapter(n, adapter=adapter)]
+        self.names = [wire_name(n) for n, _ in self.params]
+        self.dtype = dtype
+        self.sharded = any(
+            isinstance(p, DTensor) and p.device_mesh.size() > 1 for _, p in self.params
+        )
+        self._addresses: list[int] = []
+        self._flat: list[torch.Tensor] = []
+        self._cast: torch.Tensor | None = None
+        self._pieces: list[torch.Tensor] = []
+
+    def __call__(self) -> Iterator[NamedTensor]:
+        if self.sharded:  # each tensor gathered from its shards, a collective every rank joins
+            gathered = cast_together(full_parameters(self.params), self.dtype)
+            yield from zip(self.names, (t for _, t in gathered), strict=True)
+            return
+        shards = [p._local_tensor if isinstance(p, DTensor) else p for _, p in self.params]
+        # the flat views hold the storage they view, so an address seen again is that storage
+        addresses = [t.data_ptr() for t in shards]
+        if addresses != self._addresses:
+            self._walk(shards, addresses)
+        if self._cast is None:  # nothing to cast: no copy either
+            yield from zip(self.names, (t.detach() for t in shards), strict=True)
+            return
+        # cat into an output of another dtype takes a slow path (2.6 ms for 336 tensors on an
+        # H200, against 0.1 ms for a cat and a cast)
+        self._cast.copy_(torch.cat(self._flat))
+        yield from zip(self.names, self._pieces, strict=True)
+
+    def _walk(self, shards: list[torch.Tensor], addresses: list[int]) -> None:
+        self._addresses, self._flat = addresses, [t.detach().view(-1) for t in shards]
+        self._cast, self._pieces = None, []
+        if shards and any(t.dtype != self.dtype for t in shards):
+            total = sum(t.numel() for t in shards)
+            self._cast = torch.empty(total, dtype=self.dtype, device=shards[0].device)
+            pieces = self._cast.split([t.numel() for t in shards])
+            self._pieces = [p.view(t.shape) for p, t in zip(pieces, shards, strict=True)]
 
 
 def cast_together(named: Iterable[NamedTensor], dtype: torch.dtype) -> Iterator[NamedTensor]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from verst.engine import Scheduler
 from verst.models.lora import LoraConfig, is_adapter
-from verst.sync.buckets import adapter_tensors, bucketed, full_parameters
+from verst.sync.buckets import AdapterTensors, bucketed, full_parameters
 from verst.sync.colocated import share_storage
 from verst.train.trainer import Trainer
 
@@ -38,6 +38,7 @@ class EmbeddedSync:
         self.multi_lora = lora is not None and bool(lora.adapters)
         self.lora = lora
         self.zero_copy = False if self.multi_lora else share_storage(trainer, engine.model)
+        self._adapters: dict[str, AdapterTensors] = {}
 
     def push(self, version: int) -> dict[str, float]:
         """Make the engine generate with the trainer's current weights, stamped `version`."""
@@ -63,7 +64,10 @@ class EmbeddedSync:
         dtype = next(self.engine.model.parameters()).dtype
         sent = 0
         for name in self.trainer.stepped_adapters or self.lora.names:
-            tensors = dict(adapter_tensors(self.trainer.trainable_parameters, dtype, name))
+            if name not in self._adapters:
+                trainable = self.trainer.trainable_parameters
+                self._adapters[name] = AdapterTensors(trainable, dtype, name)
+            tensors = dict(self._adapters[name]())
             sent += sum(t.numel() * t.element_size() for t in tensors.values())
             self.engine.load_adapter(name, self.lora.wire_config(), tensors, "trainer")
         return sent

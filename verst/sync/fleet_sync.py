@@ -37,7 +37,7 @@ from verst.fleet.placement import PlacementConfig
 from verst.models.lora import POLICY_ADAPTER, LoraConfig
 from verst.plugins import AdapterUpdate, EngineClient, WeightTransport
 from verst.sync.broadcast import BroadcastTransport
-from verst.sync.buckets import adapter_tensors, full_parameters
+from verst.sync.buckets import AdapterTensors, full_parameters
 from verst.sync.colocated import ColocatedTransport
 from verst.sync.disk import DiskPublisher, DiskTransport
 from verst.sync.protocol import (
@@ -94,6 +94,7 @@ class FleetSync:
     ) -> None:
         self.trainer = trainer
         self.lora = lora if trainer.lora else None
+        self._adapters: dict[str | None, AdapterTensors] = {}  # the walk of each adapter, once
         self.fleet = fleet
         self.engine_dtype = engine_dtype
         self.transport = transport
@@ -193,8 +194,10 @@ class FleetSync:
         if self.lora is None:
             named = full_parameters(self.trainer.model, self.engine_dtype)
         else:
-            trainable = self.trainer.trainable_parameters
-            named = adapter_tensors(trainable, self.engine_dtype, adapter)
+            if adapter not in self._adapters:
+                trainable = self.trainer.trainable_parameters
+                self._adapters[adapter] = AdapterTensors(trainable, self.engine_dtype, adapter)
+            named = self._adapters[adapter]()
         for name, tensor in named:
             self.sent_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
