@@ -17,6 +17,7 @@ from pathlib import Path
 from verst import exitcodes
 from verst.config import ConfigError, help_text, load_config
 from verst.http_limits import add_limit_flags, limits_from_args
+from verst.models.families import FAMILIES
 from verst.rundir import RunDirError, check_writable, holds_run, run_dir_error, writing
 
 TRAIN_EPILOG = """overrides: section.field=value, e.g. trainer.lr=1e-5 rollout.temperature=0.8
@@ -73,7 +74,12 @@ def _model_parser(subparsers: argparse._SubParsersAction) -> None:
         "create-tiny", help="write a tiny random-weight HF model and tokenizer to DIR"
     )
     tiny.add_argument("dir", type=Path)
-    tiny.add_argument("--family", choices=["qwen3", "llama"], default="qwen3")
+    tiny.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="qwen3",
+        help="architecture of the tiny model (default: %(default)s)",
+    )
     tiny.add_argument("--hidden-size", type=int, default=128)
     tiny.add_argument("--num-layers", type=int, default=4)
     tiny.add_argument("--seed", type=int, default=0)

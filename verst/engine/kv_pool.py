@@ -20,17 +20,28 @@ class OutOfPages(RuntimeError):
 
 
 def attention_shape(config: Any) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of the model an HF config describes."""
+    """(query heads, KV heads, key head dim) of the model an HF config describes."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, kv_head_dims(config)[0]
+
+
+def kv_head_dims(config: Any) -> tuple[int, int]:
+    """(key head dim, value head dim): equal, but for latent attention (DeepSeek's MLA), whose
+    query and key heads carry a rotary part beside the part they share with the value."""
+    nope = getattr(config, "qk_nope_head_dim", None)
+    rope = getattr(config, "qk_rope_head_dim", None)
+    v_head_dim = getattr(config, "v_head_dim", None)
+    if nope and rope and v_head_dim:
+        return nope + rope, v_head_dim
     # Some configs carry head_dim = None rather than omitting it.
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv_heads, head_dim
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return head_dim, head_dim
 
 
 class KVPool:
     """Per-layer K and V storage in fixed-size pages: k[layer] and v[layer] are tensors
-    [num_pages, page_size, num_kv_heads, head_dim]."""
+    [num_pages, page_size, num_kv_heads, head_dim] (`v_head_dim` for v where it differs)."""
 
     def __init__(
         self,
@@ -42,11 +53,14 @@ class KVPool:
         num_pages: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        v_head_dim: int | None = None,
     ) -> None:
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
         for name, value in [
             ("num_layers", num_layers),
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
+            ("v_head_dim", v_head_dim),
             ("page_size", page_size),
             ("num_pages", num_pages),
         ]:
@@ -55,19 +69,21 @@ class KVPool:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = v_head_dim
         self.page_size = page_size
         self.num_pages = num_pages
         self.dtype = dtype
         self.device = torch.device(device)
         # One page more than the allocator hands out: the scratch page, which padding tokens of
         # a fixed-shape batch (CUDA graphs) write instead of anyone's KV.
-        shape = (num_pages + 1, page_size, num_kv_heads, head_dim)
+        k_shape = (num_pages + 1, page_size, num_kv_heads, head_dim)
+        v_shape = (num_pages + 1, page_size, num_kv_heads, v_head_dim)
         # Zero-initialised so a stale read is recognisable in a debugger, not garbage.
         self._k_store = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            torch.zeros(k_shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
         self._v_store = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+            torch.zeros(v_shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
         self.k = [store[:num_pages] for store in self._k_store]
         self.v = [store[:num_pages] for store in self._v_store]
@@ -79,10 +95,17 @@ class KVPool:
 
     @staticmethod
     def page_bytes(
-        *, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        v_head_dim: int | None = None,
     ) -> int:
         """Bytes one page takes across all layers, K and V together."""
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+        widths = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+        return num_layers * page_size * num_kv_heads * widths * dtype.itemsize
 
     @classmethod
     def from_budget(
@@ -96,20 +119,22 @@ class KVPool:
     ) -> KVPool:
         """As many pages as fit in `budget_bytes` for the model an HF config describes."""
         num_layers = model_config.num_hidden_layers
-        _, num_kv_heads, head_dim = attention_shape(model_config)
+        _, num_kv_heads, _ = attention_shape(model_config)
+        head_dim, v_head_dim = kv_head_dims(model_config)
         page_bytes = cls.page_bytes(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             page_size=page_size,
             dtype=dtype,
+            v_head_dim=v_head_dim,
         )
         num_pages = budget_bytes // page_bytes
         if num_pages < 1:
             raise ValueError(
                 f"KV budget of {budget_bytes} bytes is smaller than one page ({page_bytes} bytes: "
                 f"{num_layers} layers x {page_size} tokens x {num_kv_heads} kv heads x "
-                f"{head_dim} head_dim x 2 (K, V) x {dtype.itemsize} bytes)"
+                f"({head_dim} + {v_head_dim}) K and V head dims x {dtype.itemsize} bytes)"
             )
         return cls(
             num_layers=num_layers,
@@ -119,13 +144,14 @@ class KVPool:
             num_pages=num_pages,
             dtype=dtype,
             device=device,
+            v_head_dim=v_head_dim,
         )
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as [slots, H, D] views, slot = page * page_size + offset; the
         last page's slots (from `scratch_slot`) belong to no one."""
-        shape = (-1, self.num_kv_heads, self.head_dim)
-        return self._k_store[layer].view(shape), self._v_store[layer].view(shape)
+        k_store, v_store = self._k_store[layer], self._v_store[layer]
+        return k_store.view(-1, *k_store.shape[2:]), v_store.view(-1, *v_store.shape[2:])
 
     def num_free(self) -> int:
         return len(self._free_stack)
@@ -203,9 +229,8 @@ class KVPool:
         valid_B_S = position_S < lengths_B.to(self.device).unsqueeze(-1)
         valid_B_S &= (page_table_B_P >= 0).repeat_interleave(self.page_size, dim=1)
         valid_B_S_1_1 = valid_B_S[:, :, None, None]
-        shape = (B, S, self.num_kv_heads, self.head_dim)
-        k_B_S_H_D = self.k[layer][safe_B_P].reshape(shape)
-        v_B_S_H_D = self.v[layer][safe_B_P].reshape(shape)
+        k_B_S_H_D = self.k[layer][safe_B_P].reshape(B, S, self.num_kv_heads, self.head_dim)
+        v_B_S_H_D = self.v[layer][safe_B_P].reshape(B, S, self.num_kv_heads, self.v_head_dim)
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         return torch.where(valid_B_S_1_1, k_B_S_H_D, zero), torch.where(
             valid_B_S_1_1, v_B_S_H_D, zero

@@ -21,8 +21,8 @@ other model, which then runs HF's forward): Llama, Mistral, Qwen2 and Qwen3 with
 plain `nn.Linear` projections, or peft LoRA layers over them (the adapters run in this forward,
 beside the frozen base), and the LoRA adapters of the engine's own registry (`adapters`), a
 row's adapter chosen per request. Derived weights (packed, concatenated) are cached in
-`DerivedWeights` and made again whenever a source weight changes. Like HF's layers under the
-engine's attention, it attends over the whole sequence: a model's sliding window is not applied.
+`DerivedWeights` and made again whenever a source weight changes. A layer's sliding window
+(Mistral's, or a Qwen layer's marked "sliding_attention") goes to `attend` as HF's does.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ class _Layer:
     gate_up: _Linears
     down: _Linears
     scaling: float
+    window: int | None  # the layer's sliding window, as HF's attention passes it
 
 
 class LeanDecoder:
@@ -209,6 +210,8 @@ class LeanDecoder:
             gate_up=self._linears(f"{index}.gate_up", [mlp.gate_proj, mlp.up_proj]),
             down=self._linears(f"{index}.down", [mlp.down_proj]),
             scaling=attn.scaling,
+            # Mistral's attention reads its window from the config, Qwen's keeps one a layer
+            window=getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None)),
         )
 
     def _linears(self, name: str, modules: list[torch.nn.Module]) -> _Linears:
@@ -237,6 +240,7 @@ class LeanDecoder:
             self._position(k, layer.k_norm, rotary).view(B, T, self.kv_heads, D),
             v.view(B, T, self.kv_heads, D),
             layer.scaling,
+            window=layer.window,
         )
         (attn_B_T_E,) = layer.o(out_B_T_H_D.reshape(B, T, -1), adapters)
         return attn_B_T_E

@@ -32,14 +32,13 @@ from verst.engine.kernels.cpu import load as load_cpu_kernels
 from verst.engine.kernels.cuda import CudaKernels
 from verst.engine.kernels.fused_norm import fusable_norms, fused_norms
 from verst.engine.kernels.packed_linear import PackedLinears
-from verst.engine.kv_pool import KVPool, attention_shape
+from verst.engine.kv_pool import KVPool
 from verst.engine.lean_decoder import LeanDecoder
 from verst.engine.paged_attention import (
     PagedStep,
-    decode_mask,
+    model_window,
     paged_attention_mode,
     paged_decode_triton,
-    step_mask,
     triton,
 )
 
@@ -85,9 +84,9 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         config = model.config
-        heads, kv_heads, _ = attention_shape(config)
-        self.group = heads // kv_heads
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        # rows longer than this attend through windowed masks in the sliding layers
+        self.window = model_window(config)
         on_cuda = self.device.type == "cuda"
         self.use_triton = on_cuda and triton is not None
         self.cuda_graphs = (
@@ -96,7 +95,7 @@ class ModelRunner:
         self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
         max_len = graph_max_len or int(getattr(config, "max_position_embeddings", 0) or 4096)
         self.graph_pages = -(-max_len // pool.page_size)
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, bool], _Graph] = {}  # by (bucket, windowed)
         self._graph_pool = None
         self._meta: torch.Tensor | None = None  # static inputs of the graphs
         # fused kernels: C on the CPU (norms, rotary, decode attention; `cpu_kernels`), Triton
@@ -108,9 +107,11 @@ class ModelRunner:
             self.kernels = load_cpu_kernels()
         # decode attention reads each row's pages in place where a kernel does it
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
-        if self.use_triton:
+        # (latent attention's K and V heads differ in width; the kernels read one width)
+        one_width = pool.head_dim == pool.v_head_dim
+        if self.use_triton and one_width:
             self.decode_kernel = paged_decode_triton
-        elif isinstance(self.kernels, CpuKernels):
+        elif isinstance(self.kernels, CpuKernels) and one_width:
             self.decode_kernel = self.kernels.paged_decode
         # Llama-family models run the engine's own forward (`lean_decoder`); others run HF's,
         # with the RMSNorms as one Triton kernel each on CUDA (`fused_norm`) and the bf16
@@ -161,8 +162,8 @@ class ModelRunner:
         if not self.cuda_graphs:
             return
         for size in reversed(self.graph_batch_sizes):
-            if size <= self._bucket(max_batch) and size not in self._graphs:
-                self._capture(size)
+            if size <= self._bucket(max_batch) and (size, False) not in self._graphs:
+                self._capture(size, False)
 
     # --- decode ---------------------------------------------------------------------------------
 
@@ -173,6 +174,7 @@ class ModelRunner:
         bucket = self._bucket(B)
         graphed = self.cuda_graphs and bucket is not None and width <= self.graph_pages
         size = bucket if graphed else B
+        windowed = self._windowed(max(r.past + 1 for r in rows))
         base = self._base_slot()
         # one host tensor: token, position, slot, sequence length, adapter, page table
         meta = [
@@ -192,19 +194,24 @@ class ModelRunner:
         meta_B_M = torch.tensor(meta, dtype=torch.long)
         if graphed:
             self._drop_graphs_of_old_adapters()
-            if bucket not in self._graphs:
-                self._capture(bucket)
+            if (bucket, windowed) not in self._graphs:
+                self._capture(bucket, windowed)
             assert self._meta is not None
             self._meta[:size, : _META + width].copy_(meta_B_M, non_blocking=True)
-            entry = self._graphs[bucket]
+            entry = self._graphs[(bucket, windowed)]
             entry.graph.replay()
             return entry.logits_B_V[:B]
         meta_B_M = meta_B_M.to(self.device, non_blocking=True)
-        return self._decode_eager(meta_B_M, any(r.adapter is not None for r in rows))[:B]
+        adapted = any(r.adapter is not None for r in rows)
+        return self._decode_eager(meta_B_M, adapted, windowed)[:B]
 
-    def _decode_eager(self, meta_B_M: torch.Tensor, adapted: bool) -> torch.Tensor:
+    def _windowed(self, longest: int) -> bool:
+        """Whether a sequence of `longest` tokens reaches past the model's shortest window."""
+        return self.window is not None and longest > self.window
+
+    def _decode_eager(self, meta_B_M: torch.Tensor, adapted: bool, windowed: bool) -> torch.Tensor:
         """One decode step from its meta rows; `adapted`: run the adapters' terms (rows whose
-        adapter column is the base slot get zero from them)."""
+        adapter column is the base slot get zero from them); `windowed`: see `PagedStep`."""
         ids_B_1 = meta_B_M[:, 0:1]
         positions_B_1 = meta_B_M[:, 1:2]
         seq_lens_B = meta_B_M[:, 3].contiguous()
@@ -213,14 +220,12 @@ class ModelRunner:
             pool=self.pool,
             slots_N=meta_B_M[:, 2].contiguous(),
             table_B_P=table_B_P,
+            past_B=meta_B_M[:, 1].contiguous(),
             decode=True,
             seq_lens_B=seq_lens_B,
+            windowed=windowed,
             decode_kernel=self.decode_kernel,
         )
-        if self.decode_kernel is None:
-            step.mask_B_1_Q_S = decode_mask(
-                seq_lens_B, table_B_P.shape[1], self.group, self.pool.page_size
-            )
         adapters = self._adapter_rows(meta_B_M[:, 4]) if adapted else None
         hidden_B_1_E = self._run_decoder(ids_B_1, positions_B_1, step, adapters)
         return self._logits(hidden_B_1_E[:, 0])
@@ -231,7 +236,7 @@ class ModelRunner:
                 return size
         return None
 
-    def _capture(self, size: int) -> None:
+    def _capture(self, size: int, windowed: bool) -> None:
         if self._meta is None:
             rows = self.graph_batch_sizes[-1]
             self._meta = torch.zeros(
@@ -248,14 +253,14 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up (Triton compiles, cuBLAS picks kernels)
             for _ in range(2):
-                self._decode_eager(meta, adapted)
+                self._decode_eager(meta, adapted, windowed)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads (another in-process engine, the trainer) may sync the
         # device while this one captures
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            logits = self._decode_eager(meta, adapted)
-        self._graphs[size] = _Graph(graph, logits)
+            logits = self._decode_eager(meta, adapted, windowed)
+        self._graphs[(size, windowed)] = _Graph(graph, logits)
 
     def _drop_graphs_of_old_adapters(self) -> None:
         """Graphs read the adapters' stacked buffers by address: capture again once the
@@ -307,8 +312,9 @@ class ModelRunner:
             pool=self.pool,
             slots_N=slots_B_T.reshape(-1),
             table_B_P=table_B_P,
-            mask_B_1_Q_S=None if fresh else step_mask(past_B, T, width, self.group, page),
+            past_B=past_B,
             fresh=fresh,
+            windowed=self._windowed(max(r.past + n for r, n in zip(rows, new, strict=True))),
         )
         adapters = None
         if any(r.adapter is not None for r in rows):

@@ -3,28 +3,22 @@
 `build_char_tokenizer` gives a reversible character-level tokenizer with ChatML special tokens
 and a Qwen-style chat template: every printable ASCII character and "\\n" is exactly one id, so
 token counts in tests are predictable ("07+58=" is 6 ids). `build_tiny_model` gives a random
-Qwen3 or Llama causal LM in fp32; `create_tiny` writes both to an ordinary HF directory that
-`AutoModelForCausalLM` / `AutoTokenizer` load with `local_files_only=True`.
+causal LM of one of the families in `families` (Qwen3 by default) in fp32; `create_tiny` writes
+both to an ordinary HF directory that `AutoModelForCausalLM` / `AutoTokenizer` load with
+`local_files_only=True`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from verst.configbase import ConfigBase
+from verst.models.families import FAMILIES, FamilyName, family_config
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -46,8 +40,8 @@ CHATML_TEMPLATE = (
 class TinyModelConfig(ConfigBase):
     """Shape of a random tiny model; defaults give ~1M parameters with the char tokenizer."""
 
-    family: Literal["qwen3", "llama"] = Field(
-        "qwen3", description="architecture of the tiny model: qwen3 or llama"
+    family: FamilyName = Field(
+        "qwen3", description=f"architecture of the tiny model: one of {', '.join(FAMILIES)}"
     )
     hidden_size: int = Field(128, gt=0, description="width of the residual stream")
     num_layers: int = Field(4, gt=0, description="number of decoder layers")
@@ -59,6 +53,13 @@ class TinyModelConfig(ConfigBase):
     )
     tie_word_embeddings: bool = Field(
         True, description="share the input embedding and the output head"
+    )
+    num_experts: int = Field(
+        4, gt=0, description="routed experts per MoE layer (qwen3-moe, mixtral, gpt-oss, ...)"
+    )
+    experts_per_token: int = Field(2, gt=0, description="experts each token is routed to (MoE)")
+    sliding_window: int = Field(
+        16, gt=0, description="window of the sliding-window layers (mistral, gemma3, gpt-oss)"
     )
 
     @model_validator(mode="after")
@@ -72,6 +73,11 @@ class TinyModelConfig(ConfigBase):
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be divisible by "
                 f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token ({self.experts_per_token}) must be <= "
+                f"num_experts ({self.num_experts})"
             )
         return self
 
@@ -112,10 +118,7 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, seed: int) -> PreTra
         eos_token_id=SPECIAL_TOKENS.index(ENDOFTEXT),
         pad_token_id=SPECIAL_TOKENS.index(ENDOFTEXT),
     )
-    if cfg.family == "qwen3":
-        config, cls = Qwen3Config(**common), Qwen3ForCausalLM
-    else:
-        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    config, cls = family_config(cfg.family, common, cfg)
     # fork_rng: building a model must not move the caller's global random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
