@@ -41,3 +41,10 @@ def test_masks_see_exactly_the_past_and_the_causal_present() -> None:
     assert mask[0, 0, 1].tolist() == [True] * 5 + [False] * 3
     assert mask[1, 0, 3].tolist() == [True, True] + [False] * 6
     assert decode_mask(torch.tensor([5]), 2, 3, 4)[0, 0, 2].tolist() == [True] * 5 + [False] * 3
+
+
+def test_a_window_hides_the_keys_it_slid_past() -> None:
+    # HF's sliding window: a query at position p sees keys at p - window < s <= p
+    mask = step_mask(torch.tensor([5]), T=2, width=2, group=1, page_size=4, window=3)
+    assert mask[0, 0, 0].tolist() == [False] * 3 + [True] * 3 + [False] * 2  # p = 5: 3..5
+    assert mask[0, 0, 1].tolist() == [False] * 4 + [True] * 3 + [False]  # p = 6: 4..6
