@@ -544,20 +544,17 @@ def test_version_spans() -> None:
     ]
 
 
-def test_context_length_stops_at_a_sliding_window() -> None:
-    # the engine attends over whole sequences, so it serves a windowed model only within its
-    # window (the protocol then rejects longer prompts and caps max_new_tokens)
+def test_context_length_is_the_models_positions_windowed_or_not() -> None:
+    # the engine applies sliding windows in attention, so a window does not bound the context
     import transformers
 
     from verst.engine.serving import context_length
 
-    assert context_length(transformers.MistralConfig(sliding_window=4096)) == 4096
-    unwindowed = transformers.MistralConfig(sliding_window=None)
-    assert context_length(unwindowed) == unwindowed.max_position_embeddings
+    mistral = transformers.MistralConfig(sliding_window=4096)
+    assert context_length(mistral) == mistral.max_position_embeddings > 4096
     windowed = transformers.Qwen2Config(
         use_sliding_window=True, sliding_window=1024, max_window_layers=0
     )
-    assert context_length(windowed) == 1024
-    assert context_length(transformers.Qwen2Config()) == 32768  # window off
+    assert context_length(windowed) == 32768
     assert context_length(transformers.LlamaConfig(max_position_embeddings=2048)) == 2048
     assert context_length(None) == 0

@@ -51,16 +51,9 @@ class _Pending:
 
 
 def context_length(config: Any) -> int:
-    """The longest sequence the engine serves exactly: the model's positions, or its sliding
-    window where a layer has one (the engine attends over whole sequences, so past the window
-    it would not compute what the model does). 0 when the config says neither."""
-    length = int(getattr(config, "max_position_embeddings", 0) or 0)
-    layer_types = getattr(config, "layer_types", None) or []
-    windowed = "sliding_attention" in layer_types or (
-        getattr(config, "model_type", None) == "mistral" and not layer_types
-    )
-    window = int(getattr(config, "sliding_window", 0) or 0) if windowed else 0
-    return min(length, window) if length and window else length or window
+    """The longest sequence the engine serves: the model's positions (sliding windows are
+    applied inside attention, so they do not bound it). 0 when the config does not say."""
+    return int(getattr(config, "max_position_embeddings", 0) or 0)
 
 
 def vocab_size(model: Any) -> int:
