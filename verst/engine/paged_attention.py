@@ -15,7 +15,10 @@ tokens' queries, keys and values after RoPE; it
    - a step whose rows all start at position 0 (fresh prompts): causal SDPA over the new
      tokens alone;
    - otherwise (later prefill chunks, mixed steps, the CPU): a gather of the rows' pages and
-     SDPA with a mask built once per step for all layers.
+     SDPA with a mask built once per step for all layers;
+   - a layer whose sliding window some row of the step outgrew, or with attention sinks
+     (gpt-oss) or a logit soft-cap (Gemma-2), or K/V heads of different widths (MLA, which no
+     kernel reads): the gather, with a windowed mask, and HF's eager math for sinks and caps.
 
 No `DynamicCache` is built and no attention mask goes through HF's mask code (a custom
 attention implementation makes HF skip it), so per-step work does not grow with the cache.
