@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -213,3 +214,41 @@ def test_bad_provider_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="provider"):
         SandboxConfig(provider="chroot")
     assert os.getuid() == 0 or SandboxConfig().run_as_uid == 65534
+
+
+def test_pool_keeps_sandboxes_ready_and_reuses_none() -> None:
+    import asyncio
+
+    from verst.envs.sandbox.pool import SandboxPool
+
+    pool = SandboxPool(_config("bubblewrap", pool_size=2))
+
+    async def episodes() -> list[tuple[str, Path, str]]:
+        seen = []
+        for _ in range(3):
+            async with pool.episode() as box:
+                out = (await box.run("ls -A; echo made > mine")).stdout
+                seen.append((box.id, box.workdir, out))
+            await asyncio.sleep(0.3)  # the refill opens replacements meanwhile
+        return seen
+
+    seen = asyncio.run(episodes())
+    assert len({box_id for box_id, _, _ in seen}) == 3  # a new sandbox every episode
+    assert all(out == "" and not workdir.exists() for _, workdir, out in seen)
+    assert len(pool.opened) >= 4  # the two kept ready and the replacements
+    pool.close()
+    leftovers = [p for i in pool.opened for p in Path(tempfile.gettempdir()).glob(f"*{i}*")]
+    assert leftovers == []
+
+
+def test_cli_runs_one_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from verst.cli import main
+
+    _config("bubblewrap")
+    assert main(["sandbox", "run", "--", "sh", "-c", "echo hi; echo oops >&2; exit 3"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "hi\n" and err.startswith("oops\n") and "(bubblewrap" in err and "exit 3" in err
+    assert main(["sandbox", "run", "--timeout", "0.5", "--", "sleep", "5"]) == 124
+    assert "timed out" in capsys.readouterr().err
+    assert main(["sandbox", "run", "--set", "max_processes=1", "--", "true"]) == 2
+    assert "env.sandbox.max_processes" in capsys.readouterr().err

@@ -77,6 +77,8 @@ class Sandbox(ABC):
             Path(parent).mkdir(parents=True, exist_ok=True)
         self._root = Path(tempfile.mkdtemp(prefix=f"verst-sbx-{self.id}-", dir=parent))
         uid = sandbox_uid(self.cfg)
+        if uid != os.getuid():
+            _check_searchable(self._root.parent, uid)
         self._root.chmod(0o711)  # the uid commands run as passes through to its own dirs
         for sub in ("work", "tmp"):
             (self._root / sub).mkdir(mode=0o700)
@@ -262,6 +264,18 @@ class Sandbox(ABC):
     ) -> asyncio.subprocess.Process:
         """Start `argv` in the sandbox with pipes for stdin, stdout and stderr, as the leader
         of a new session (so that killing the group kills what it started)."""
+
+
+def _check_searchable(path: Path, uid: int) -> None:
+    """`SandboxError` unless `uid` may pass through every directory down to `path`."""
+    for directory in [path, *path.parents]:
+        st = directory.stat()
+        if not (st.st_mode & 0o001 or (st.st_uid == uid and st.st_mode & 0o100)):
+            raise SandboxError(
+                f"env.sandbox.work_root: {directory} is not searchable by uid {uid}, which "
+                "commands run as when verst runs as root (env.sandbox.run_as_uid); choose a "
+                "work_root every user can pass through (chmod o+x)"
+            )
 
 
 async def _exited(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 
 from verst.envs.sandbox.base import Sandbox, SandboxError
+from verst.envs.sandbox.config import SandboxConfig
 from verst.envs.sandbox.limits import sandbox_uid
 
 _LABEL = "verst.sandbox"
@@ -45,8 +46,8 @@ class DockerSandbox(Sandbox):
     provider = "docker"
     INSIDE = "/sandbox"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, cfg: SandboxConfig) -> None:
+        super().__init__(cfg)
         self._container: str | None = None
 
     @property
