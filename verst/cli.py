@@ -1,5 +1,5 @@
 """The `verst` command: `verst train`, `verst sft`, `verst serve`, `verst route`, `verst sessions`,
-`verst model create-tiny`, `verst model merge-lora`.
+`verst model create-tiny`, `verst model merge-lora`, `verst sandbox run`.
 
 Config errors, missing files, a run directory that cannot be written and non-finite losses end
 the command with a one-line message and an exit code of `verst.exitcodes` (2 bad input, 3 the
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from verst import exitcodes
 from verst.config import ConfigError, help_text, load_config
+from verst.envs.sandbox import cli as sandbox_cli
 from verst.http_limits import add_limit_flags, limits_from_args
 from verst.models.families import FAMILIES
 from verst.rundir import RunDirError, check_writable, holds_run, run_dir_error, writing
@@ -391,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     _route_parser(subparsers)
     _sessions_parser(subparsers)
     _model_parser(subparsers)
+    sandbox_cli.add_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         if args.command in ("train", "sft"):
@@ -401,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
             return _route(args)
         if args.command == "sessions":
             return _sessions(args)
+        if args.command == "sandbox":
+            return sandbox_cli.run_command(args)
         if args.model_command == "merge-lora":
             return _merge_lora(args)
         return _create_tiny(args)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
+from verst.envs.runner import EnvConfig
 from verst.eval.evaluate import EvalConfig
 from verst.fleet.health import FaultToleranceConfig
 from verst.fleet.placement import PlacementConfig
@@ -64,6 +65,10 @@ class RunConfig(ConfigBase):
     sft: SFTConfig = Field(
         default_factory=SFTConfig, description="supervised fine-tuning (mode: sft)"
     )
+    env: EnvConfig = Field(
+        default_factory=EnvConfig,
+        description="a multi-turn environment played through the agent-function layer",
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="checkpoint cadence"
@@ -85,6 +90,13 @@ class RunConfig(ConfigBase):
         check_no_reward(self)
         check_multi_lora(self)
         return self
+
+    @property
+    def plays_agents(self) -> str | None:
+        """The field that makes rollouts multi-turn (an agent function or an environment)."""
+        if self.env.name is not None:
+            return "env.name"
+        return "rollout.agent_function" if self.rollout.agent_function else None
 
     @property
     def pause_mode(self) -> str:
@@ -120,8 +132,8 @@ def check_multi_lora(cfg: RunConfig) -> None:
             cfg.loss.needs_reference_model or cfg.loss.needs_critic
         ),
         "loss.opd is not supported with several adapters yet": cfg.loss.opd is not None,
-        "rollout.agent_function is not supported with several adapters yet": bool(
-            cfg.rollout.agent_function
+        "agents and environments are not supported with several adapters yet": bool(
+            cfg.plays_agents
         ),
         "warm_start would train which adapter? run verst sft for the base first": (
             cfg.warm_start.enabled
@@ -174,15 +186,21 @@ def check_placement(cfg: RunConfig) -> None:
             "mode=fully_async needs rollout.pause_mode retract or in_place: abort would throw "
             "away every trajectory in flight at each weight update"
         )
-    if cfg.rollout.agent_function and placement.engines == "embedded":
+    agents = cfg.plays_agents
+    if cfg.env.name is not None and cfg.rollout.agent_function:
         raise ValueError(
-            "rollout.agent_function needs serving engines behind a session server: set "
+            "env.name and rollout.agent_function both say what plays a sample: the environment "
+            "runs as the agent function, so leave rollout.agent_function unset"
+        )
+    if agents and placement.engines == "embedded":
+        raise ValueError(
+            f"{agents} needs serving engines behind a session server: set "
             "placement.engines=in_process (or processes); the embedded engine has no chat "
             "API for an agent to call"
         )
-    if cfg.rollout.agent_function and cfg.pause_mode == "abort":
+    if agents and cfg.pause_mode == "abort":
         raise ValueError(
-            "rollout.agent_function needs rollout.pause_mode retract or in_place: abort would "
+            f"{agents} needs rollout.pause_mode retract or in_place: abort would "
             "cut agents' turns short at every weight update"
         )
     if placement.mode == "disaggregated" and placement.engines != "processes":

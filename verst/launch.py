@@ -28,12 +28,14 @@ from verst import distributed
 from verst.config import RunConfig
 from verst.data.source import DataSource, DataSourceConfig, adapter_rows
 from verst.engine import Scheduler
+from verst.envs.runner import EnvironmentAgent
 from verst.eval.evaluate import AdapterEvaluators, Evaluator
 from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
 from verst.models.lora import POLICY_ADAPTER, apply_lora
-from verst.plugins import Generator, RewardFunction
+from verst.plugins import AgentFunction, Generator, RewardFunction
+from verst.rollout.agent import load_agent_fn
 from verst.rollout.ledger import LEDGER_FILE, Ledger
 from verst.rollout.rewards import AdapterRewards, RewardScorer, load_reward_fn
 from verst.rollout.source import AgentRollout, AsyncRollout, EngineRollout, RolloutSource
@@ -168,10 +170,11 @@ def wire(
         evaluator = evaluator_for(cfg.eval.data)
     rollout: RolloutSource
     parts = (cfg.rollout, data, rewards, device, ledger)
+    agent_fn = agent_function(cfg)
     if cfg.mode == "fully_async":
-        rollout = AsyncRollout(*parts, fleet=fleet, decode=decode)
-    elif cfg.rollout.agent_function:
-        rollout = AgentRollout(*parts, fleet=fleet)
+        rollout = AsyncRollout(*parts, fleet=fleet, decode=decode, agent_fn=agent_fn)
+    elif agent_fn is not None:
+        rollout = AgentRollout(*parts, fleet=fleet, agent_fn=agent_fn)
     else:
         rollout = EngineRollout(*parts, engine=engine, decode=decode)
     checkpointer = Checkpointer(
@@ -201,6 +204,16 @@ def wire(
         dev_accuracy=dev_accuracy,
         fleet=fleet,
     )
+
+
+def agent_function(cfg: RunConfig) -> AgentFunction | None:
+    """What plays multi-turn samples: the environment of `env.name`, the agent function of
+    `rollout.agent_function`, or nothing (single-turn generation)."""
+    if cfg.env.name is not None:
+        return EnvironmentAgent(cfg.env)
+    if cfg.rollout.agent_function:
+        return load_agent_fn(cfg.rollout.agent_function)
+    return None
 
 
 def rollout_reward(cfg: RunConfig) -> RewardFunction:

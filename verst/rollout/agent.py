@@ -118,6 +118,14 @@ def agent_request_kwargs(
     return kwargs
 
 
+def close_agent(agent_fn: AgentFunction | None) -> None:
+    """End of the run: an agent function object with a `close()` method (an environment's,
+    which holds sandboxes) releases what it holds."""
+    close = getattr(agent_fn, "close", None)
+    if callable(close) and not isinstance(agent_fn, type):
+        close()
+
+
 # ---- running agents --------------------------------------------------------------------------
 
 
@@ -336,4 +344,28 @@ def agent_metrics(groups: list[Group], device: Any = None) -> dict[str, float]:
         "rollout/agent_aborted_ratio": aborted / max(n, 1.0),
         "rollout/agent_turns_mean": turns / max(finished, 1.0),
         "rollout/agent_time_s_mean": seconds / max(n, 1.0),
+    } | _env_metrics(done, device)
+
+
+def _env_metrics(done: list[Sample], device: Any) -> dict[str, float]:
+    """Over finished trajectories played by an environment (`verst.envs.runner`): the share
+    that reached the environment's end, and its steps and errors per trajectory."""
+    played = [s.metadata for s in done if "env_steps" in s.metadata]
+    totals = [
+        float(len(played)),
+        float(sum(bool(m["env_done"]) for m in played)),
+        float(sum(m["env_steps"] for m in played)),
+        float(sum(m["env_errors"] for m in played)),
+    ]
+    if device is not None:
+        from verst import distributed
+
+        totals = distributed.all_reduce_sum(totals, device)
+    n, finished, steps, errors = totals
+    if n == 0:
+        return {}
+    return {
+        "rollout/env_done_ratio": finished / n,
+        "rollout/env_steps_mean": steps / n,
+        "rollout/env_errors_mean": errors / n,
     }

@@ -3,7 +3,8 @@
 - `EngineRollout`: each step draws prompts and generates every sample in one engine call (the
   embedded scheduler, a fleet, or rank 0's fleet under torchrun).
 - `AgentRollout`: each step draws prompts and an agent function plays every sample on a session
-  of its own (`rollout.agent_function`), through the fleet's session server.
+  of its own (`rollout.agent_function`, or the environment of `env.name`), through the fleet's
+  session server.
 - `AsyncRollout` (`mode: fully_async`): a `RolloutWorker` on the fleet's loop generates without
   pause into the data buffer; each step takes one batch of finished groups from it.
 
@@ -31,11 +32,11 @@ from verst.engine import GenerateRequest
 from verst.fleet.fleet import Fleet, prompt_key
 from verst.fleet.loop_thread import LoopThread
 from verst.fleet.ranked import on_rank_zero, scatter_from_rank_zero
-from verst.plugins import Generator
+from verst.plugins import AgentFunction, Generator
 from verst.rollout.agent import (
     agent_metrics,
     agent_request_kwargs,
-    load_agent_fn,
+    close_agent,
     run_agent_groups,
     run_agent_sample,
 )
@@ -226,9 +227,11 @@ class AgentRollout(_StepRollout):
         ledger: Ledger,
         *,
         fleet: Fleet | None,
+        agent_fn: AgentFunction,
     ) -> None:
         super().__init__(cfg, data, rewards, device, ledger)
         self.fleet = fleet
+        self.agent_fn = agent_fn
         self._loop: LoopThread | None = None
 
     def draw(self) -> list[Group]:
@@ -238,12 +241,12 @@ class AgentRollout(_StepRollout):
         return self._play(groups)
 
     def _play(self, groups: list[Group]) -> list[Group]:
-        assert self.fleet is not None and self.cfg.agent_function is not None
+        assert self.fleet is not None
         sessions_url = self.fleet.sessions_url()
         play = run_agent_groups(
             sessions_url,
             groups,
-            load_agent_fn(self.cfg.agent_function),
+            self.agent_fn,
             agent_kwargs(self.cfg),
             timeout_s=self.cfg.agent_timeout_s,
             max_concurrency=self.cfg.agent_max_concurrency,
@@ -259,6 +262,7 @@ class AgentRollout(_StepRollout):
     def close(self) -> None:
         if self._loop is not None:
             self._loop.close()
+        close_agent(self.agent_fn)
 
 
 class AsyncRollout:
@@ -281,8 +285,10 @@ class AsyncRollout:
         *,
         fleet: Fleet | None,
         decode: Callable[[list[int]], str],
+        agent_fn: AgentFunction | None = None,
     ) -> None:
         self.cfg = cfg
+        self.agent_fn = agent_fn
         self.data = data
         self.device = device
         self.ledger = ledger
@@ -297,7 +303,7 @@ class AsyncRollout:
         if self.fleet is None:  # a rank other than 0: it is dealt its groups
             return
         cfg = self.cfg
-        if cfg.agent_function:  # started here: the worker's loop cannot wait on itself
+        if self.agent_fn is not None:  # started here: the worker's loop cannot wait on itself
             self._sessions_url = self.fleet.sessions_url()
         worker = build_rollout_worker(
             cfg,
@@ -320,13 +326,13 @@ class AsyncRollout:
         """One trajectory on the fleet; samples of one prompt share a routing key. With an
         agent function, the agent plays it on a session of its own (on the fleet's loop)."""
         assert self.fleet is not None
-        if self.cfg.agent_function:
+        if self.agent_fn is not None:
             assert self._sessions_url is not None
             return await run_agent_sample(
                 None,
                 self._sessions_url,
                 sample,
-                load_agent_fn(self.cfg.agent_function),
+                self.agent_fn,
                 agent_kwargs(self.cfg),
                 timeout_s=self.cfg.agent_timeout_s,
                 max_seq_len=self.cfg.agent_max_seq_len,
@@ -360,7 +366,7 @@ class AsyncRollout:
 
     def metrics(self, groups: list[Group]) -> dict[str, Any]:
         metrics = rollout_metrics(groups, self.device)
-        if self.cfg.agent_function:
+        if self.agent_fn is not None:
             metrics |= agent_metrics(groups, self.device)
         if self.worker is not None:
             assert self.fleet is not None
@@ -381,3 +387,4 @@ class AsyncRollout:
         worker, self.worker = self.worker, None
         if worker is not None and self.fleet is not None:
             self.fleet.loop.run(worker.stop())
+        close_agent(self.agent_fn)
