@@ -105,7 +105,8 @@ class RolloutConfig(LayersConfig, AsyncConfig, AgentConfig):
                 f"rollout.dynamic_sampling is the filter reward_variance, and rollout.filter="
                 f"{self.filter!r} is another: set one of them"
             )
-        if self.group_reward is not None and "reward" in self.model_fields_set:
+        default_reward = type(self).model_fields["reward"].default
+        if self.group_reward is not None and self.reward != default_reward:
             raise ValueError(
                 "rollout.group_reward scores every sample in place of rollout.reward: set one "
                 "of them"
