@@ -272,3 +272,29 @@ def test_two_layers_for_one_part_are_refused() -> None:
         load_config(
             None, ["rollout.dynamic_sampling=true", f"rollout.filter={HERE}:even_prompts_out"]
         )
+
+
+@pytest.mark.slow
+def test_the_layers_in_fully_async_mode(tmp_path: Path, serve) -> None:
+    """Generate function, filter and HTTP group reward on the worker of a fully async run."""
+    from examples.generate_function import FEEDBACK
+    from tests.test_fully_async import ASYNC
+
+    scorer = Scorer()
+    url = serve(scorer)
+    rows, run_dir = train(
+        tmp_path,
+        *ASYNC,
+        "num_steps=3",
+        "rollout.generate_function=examples.generate_function:two_turns",
+        f"rollout.filter={HERE}:even_prompts_out",
+        "rollout.group_reward=http",
+        f"rollout.group_reward_url={url}",
+    )
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert all(row["rollout/response_len_mean"] >= len(FEEDBACK) + 2 for row in rows[1:])
+    assert len(scorer.posts) >= 3 * 4  # every group the worker finished was posted
+    assert sum(row.get("rollout/filter/drop_even_prompt", 0) for row in rows[1:]) > 0
+    assert "filter: even prompt" in reasons(run_dir)
+    trained = [x for x in read_ledger(run_dir / "prompts.jsonl") if x["outcome"] == "trained"]
+    assert trained and all(x["prompt_id"] % 2 == 1 for x in trained)
