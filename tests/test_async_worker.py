@@ -427,7 +427,7 @@ def test_unconsumed_prompts_are_the_ones_not_served_nor_dropped(unused) -> None:
             reward,
             prompts_per_step=1,
             n_samples_per_prompt=2,
-            group_filter=lambda g: g[0].prompt in ("p0", "p3"),
+            group_filter=lambda g: None if g[0].prompt in ("p0", "p3") else "filtered",
             ledger=ledger,
         )
         engine.fail.add((2, 1))  # p2's second sample aborts
@@ -637,7 +637,7 @@ def test_slot_counts_agree_with_the_groups_the_worker_holds(tmp_path) -> None:
             reward,
             prompts_per_step=2,
             n_samples_per_prompt=2,
-            group_filter=lambda g: g[0].group_index % 5 != 0,
+            group_filter=lambda g: None if g[0].group_index % 5 != 0 else "filtered",
             ledger=ledger,
         )
         seen = 0
@@ -661,7 +661,7 @@ def test_slot_counts_agree_with_the_groups_the_worker_holds(tmp_path) -> None:
         assert m["buffer/dropped_aborted"] >= 1 and m["buffer/dropped_filtered"] >= 1
         assert m["buffer/dropped_stale"] >= 1 and seen > 50
         fates = {(x["outcome"], x["reason"]) for x in read_ledger(ledger.path)}
-        assert fates == {(RETRIED, "aborted"), (RETRIED, "stale"), (DROPPED, "filtered")}
+        assert fates == {(RETRIED, "aborted"), (RETRIED, "stale"), (DROPPED, "filter: filtered")}
         worker._slots.check()
         assert worker.inflight == 0 and worker.unconsumed_prompts() == []
 

@@ -40,7 +40,8 @@ def test_rounds_until_the_batch_is_full() -> None:
     assert filled.groups == [first[1], second[0], second[2]]
     # the informative group beyond the batch is not lost: the rollout gives it back
     assert filled.surplus == [second[3]]
-    assert filled.rejected == [first[0], first[2], second[1]]
+    reason = "no reward variance"
+    assert filled.rejected == [(first[0], reason), (first[2], reason), (second[1], reason)]
     assert filled.metrics["rollout/dynamic_sampling_rounds"] == 2
     assert filled.metrics["rollout/dynamic_sampling_dropped_groups"] == 3
     assert filled.metrics["rollout/dynamic_sampling_short_groups"] == 0
@@ -55,7 +56,7 @@ def test_round_limit_trains_on_what_it_has() -> None:
     draws = iter([[group(0, 0)], [group(1, 1)]])
     filled = fill_batch(lambda: next(draws), 2, max_rounds=2, device=CPU)
     assert len(filled.groups) == 1 and filled.groups[0][0].reward == 1
-    assert len(filled.rejected) == 1 and filled.rejected[0][0].reward == 0
+    assert len(filled.rejected) == 1 and filled.rejected[0][0][0].reward == 0
 
 
 def test_dynamic_sampling_through_the_cli(tmp_path: Path) -> None:

@@ -186,7 +186,7 @@ def test_config_reports_a_bad_plugin_under_its_field() -> None:
         ("verst.rollout.buffer:DataBuffer", Buffer),
         ("examples.custom_buffer:FreshestFirstBuffer", Buffer),
         (f"{HERE}:half_buffer_factory", Buffer),  # a factory: checked once built
-        ("verst.rollout.dynamic:has_reward_variance", SampleFilter),
+        ("verst.rollout.dynamic:reward_variance", SampleFilter),
         ("verst.fleet.client:InProcessEngineClient", EngineClient),
         ("verst.fleet.client:HttpEngineClient", EngineClient),
         ("verst.sync.colocated:ColocatedTransport", WeightTransport),

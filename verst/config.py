@@ -153,7 +153,7 @@ def check_no_reward(cfg: RunConfig) -> None:
             "rollout.reward=none: with no reward, only a teacher gives a signal; set "
             "loss.opd.teacher_urls (pure distillation) or choose a reward function"
         )
-    if cfg.rollout.dynamic_sampling:
+    if cfg.rollout.filter_path() == "reward_variance":
         raise ValueError(
             "rollout.dynamic_sampling drops groups of equal rewards, and rollout.reward=none "
             "gives every sample 0: every group would be dropped; turn one of them off"
@@ -185,6 +185,11 @@ def check_placement(cfg: RunConfig) -> None:
         raise ValueError(
             "mode=fully_async needs rollout.pause_mode retract or in_place: abort would throw "
             "away every trajectory in flight at each weight update"
+        )
+    if cfg.mode == "fully_async" and cfg.rollout.function:
+        raise ValueError(
+            "rollout.function owns a whole synchronous step, and mode=fully_async has none: "
+            "use rollout.generate_function (one sample), or mode=sync"
         )
     agents = cfg.plays_agents
     if cfg.env.name is not None and cfg.rollout.agent_function:

@@ -38,7 +38,13 @@ from verst.plugins import AgentFunction, Generator, RewardFunction
 from verst.rollout.agent import load_agent_fn
 from verst.rollout.ledger import LEDGER_FILE, Ledger
 from verst.rollout.rewards import AdapterRewards, RewardScorer, load_reward_fn
-from verst.rollout.source import AgentRollout, AsyncRollout, EngineRollout, RolloutSource
+from verst.rollout.source import (
+    AgentRollout,
+    AsyncRollout,
+    EngineRollout,
+    FunctionRollout,
+    RolloutSource,
+)
 from verst.rollout.teacher import TeacherScorer
 from verst.sync.embedded import EmbeddedSync
 from verst.sync.fleet_sync import FleetSync
@@ -144,7 +150,8 @@ def wire(
 ) -> Run:
     """The rollout source, rewards, evaluators and checkpointer around a built engine."""
     timeout_s = cfg.rollout.reward_timeout_s
-    rewards = RewardScorer(rollout_reward(cfg), timeout_s=timeout_s)
+    group_fn = cfg.rollout.load_group_reward()
+    rewards = RewardScorer(rollout_reward(cfg), timeout_s=timeout_s, group_fn=group_fn)
     ledger = Ledger(run_dir / LEDGER_FILE)
     eos_ids = eos_token_ids(policy.shell, tokenizer)
 
@@ -175,6 +182,8 @@ def wire(
         rollout = AsyncRollout(*parts, fleet=fleet, decode=decode, agent_fn=agent_fn)
     elif agent_fn is not None:
         rollout = AgentRollout(*parts, fleet=fleet, agent_fn=agent_fn)
+    elif cfg.rollout.function:
+        rollout = FunctionRollout(*parts, engine=engine, decode=decode)
     else:
         rollout = EngineRollout(*parts, engine=engine, decode=decode)
     checkpointer = Checkpointer(

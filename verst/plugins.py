@@ -5,12 +5,14 @@ path (`pkg.mod:name`, or `pkg.mod.name`), and `load_plugin(path, Protocol, field
 it, checks it against the Protocol, and raises one `PluginError` that names the config field,
 the import path and what is wrong, so a bad plug-in fails when the config is read, not mid-run.
 
-Wired to config today: `RewardFunction` (`rollout.reward`, `eval.reward`), `AgentFunction`
-(`rollout.agent_function`), `Buffer` (`rollout.buffer`), `AdvantageEstimator`
-(`loss.advantage_estimator`) and `PolicyLoss` (`loss.policy_loss`). `EngineClient` and
-`WeightTransport` are the contracts between the trainer and its engines. `GroupRewardFunction`,
-`SampleFilter`, `RolloutFunction`, `GenerateFunction` and `EvalFunction` are contracts no
-config field loads yet.
+Wired to config today, the rollout's layers from the outermost in (an outer layer takes over
+what the inner ones do): `RolloutFunction` (`rollout.function`), `GenerateFunction`
+(`rollout.generate_function`), `AgentFunction` (`rollout.agent_function`); and beside them
+`RewardFunction` (`rollout.reward`, `eval.reward`), `GroupRewardFunction`
+(`rollout.group_reward`), `SampleFilter` (`rollout.filter`), `Buffer` (`rollout.buffer`),
+`AdvantageEstimator` (`loss.advantage_estimator`) and `PolicyLoss` (`loss.policy_loss`).
+`EngineClient` and `WeightTransport` are the contracts between the trainer and its engines;
+`EvalFunction` is a contract no config field loads yet.
 
 Callable contracts take their arguments positionally (`/`): a plug-in may name them as it
 likes. This module imports only leaf modules (`verst.types`, the engine's request records and
@@ -24,7 +26,7 @@ import inspect
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, runtime_checkable
 
 import torch
@@ -69,23 +71,30 @@ class RewardFunction(Protocol):
 
 
 class GroupRewardFunction(Protocol):
-    """Scores a whole group at once (a pairwise judge, a batched reward model).
+    """Scores a whole group at once (`rollout.group_reward`): a pairwise judge, a reward model
+    behind HTTP (the built-in `http`, `verst.rollout.group_reward.HttpGroupScorer`).
 
-    Receives the samples of one prompt, responses filled; returns one number per sample, in the
-    group's order (or an awaitable of that list).
+    Receives the samples of one prompt that are to be scored (not ABORTED), responses filled;
+    returns one number per sample, in the group's order (or an awaitable of that list). It takes
+    over from `rollout.reward`. Raising, overrunning `rollout.reward_timeout_s` or returning a
+    list of the wrong length fails every sample of the group; an entry that is not a finite
+    number fails only its sample.
     """
 
     def __call__(self, group: Group, /) -> list[float] | Awaitable[list[float]]: ...
 
 
 class SampleFilter(Protocol):
-    """Decides whether a scored group is worth training on (DAPO's dynamic sampling).
+    """Keeps or drops a scored group (`rollout.filter`; DAPO's dynamic sampling is the built-in
+    `reward_variance`, `verst.rollout.dynamic.reward_variance`).
 
-    Receives one group with its rewards set; returns True to keep it, False to drop it (its
-    prompt is not served again). `verst.rollout.dynamic.has_reward_variance` is one.
+    Receives one group with its rewards set; returns None to keep it, or the reason to drop it
+    (short text, e.g. "no reward variance": the ledger records it as `filter: <reason>`, and
+    `rollout/filter/drop_<reason>` counts it, spaces made underscores). A dropped group's prompt
+    is not served again; the synchronous rollout draws more prompts to fill the batch.
     """
 
-    def __call__(self, group: Group, /) -> bool: ...
+    def __call__(self, group: Group, /) -> str | None: ...
 
 
 # ---- generation ---------------------------------------------------------------------------------
@@ -109,33 +118,78 @@ class FleetGenerator(Protocol):
     async def agenerate(self, request: GenerateRequest, *, key: str | None) -> GenerateOutput: ...
 
 
-class RolloutFunction(Protocol):
-    """Generates one step's groups (the plain rollout is `verst.rollout.generate.generate_groups`).
+@dataclass
+class RolloutContext:
+    """What a rollout function works with; built once per run.
 
-    Receives the engine, the decode function, the groups (each a prompt's samples with only the
-    prompt side set: `tokens` = prompt ids, `prompt`, `label`, `metadata`) and the sampling
-    parameters. Fills every sample in place, as `verst.rollout.generate.fill_sample` does:
-    `tokens` (prompt + response), `response_length`, `loss_mask`, `rollout_logprobs`, `status`,
-    `weight_versions` and `metadata["response_text"]`; returns the groups. Scoring is not its
-    job: rewards are the loop's next phase.
+    `take(n)` draws `n` prompts from the data source, as groups of `n_samples_per_prompt`
+    samples with only the prompt side set (`tokens` = prompt ids, `prompt`, `label`,
+    `metadata`); `generate(groups)` fills every sample of `groups` in place with the run's
+    engine and sampling parameters (tokens, response_length, loss_mask, rollout_logprobs,
+    status, weight_versions, `metadata["response_text"]`), as the plain rollout does;
+    `score(groups)` sets rewards with the run's `rollout.reward` or `rollout.group_reward`
+    (failures mark samples FAILED); `keep(group)` is the run's `rollout.filter` (None to keep,
+    else the reason to drop), or None when no filter is set. `engine` and `decode` are there
+    for a function that builds its own requests.
     """
 
-    def __call__(
-        self,
-        engine: Generator,
-        decode: Decode,
-        groups: list[Group],
-        params: SamplingParams,
-        /,
-    ) -> list[Group]: ...
+    prompts_per_step: int
+    n_samples_per_prompt: int
+    take: Callable[[int], list[Group]]
+    generate: Callable[[list[Group]], list[Group]]
+    score: Callable[[list[Group]], None]
+    keep: Callable[[Group], str | None] | None
+    engine: Generator
+    decode: Decode
+    params: SamplingParams
+
+
+@dataclass
+class RolloutRequest:
+    """One call of a rollout function: the step and the weight version the engines hold.
+    With `prompts` set (an evaluation), generate and score those groups instead of drawing."""
+
+    step: int
+    weight_version: int
+    prompts: list[Group] | None = None
+
+
+@dataclass
+class RolloutResult:
+    """A rollout function's answer: the groups to train on, flat `rollout/*` metrics, and the
+    groups it drew and dropped, each with its reason (recorded like a filter's drops)."""
+
+    groups: list[Group]
+    metrics: dict[str, float] = field(default_factory=dict)
+    dropped: list[tuple[Group, str]] = field(default_factory=list)
+
+
+class RolloutFunction(Protocol):
+    """Owns one step of the rollout (`rollout.function`): which prompts, how many samples, how
+    they are generated, scored and filtered (the plain rollout is `verst.rollout.source.
+    EngineRollout`). It takes over from `rollout.generate_function`, `rollout.agent_function`
+    and `rollout.dynamic_sampling`; `rollout.reward`, `rollout.group_reward` and
+    `rollout.filter` reach it through `context.score` and `context.keep`, to use or not.
+
+    Returns this step's groups; the loop scores any sample still without a reward, trains the
+    groups with `rollout.min_scored_samples` scored samples and gives the others' prompts back.
+    Synchronous mode only: fully asynchronous mode has no step to own.
+    """
+
+    def __call__(self, context: RolloutContext, request: RolloutRequest, /) -> RolloutResult: ...
 
 
 class GenerateFunction(Protocol):
-    """Generates one trajectory (the unit of the fully asynchronous rollout worker).
+    """Generates one trajectory (`rollout.generate_function`): the tokens and the episode loop
+    of one sample, in both modes; it takes over from `rollout.agent_function`.
 
-    Receives the fleet, one sample with only its prompt side set, the sampling parameters and
-    the decode function; fills the sample in place (the fields `RolloutFunction` fills) and
-    returns it. An exception marks that sample ABORTED, and its group is dropped.
+    Receives the engine (`await engine.agenerate(request, key=...)`: a `GenerateRequest`, and
+    a routing key shared by the samples of one prompt so they share a prefix cache), one
+    sample with only its prompt side set, a copy of the sampling parameters and the decode
+    function; fills the sample in place (the fields `RolloutContext.generate` fills; tokens the
+    model did not sample get loss mask 0) and returns it. Called once per sample, concurrently:
+    in synchronous mode the calls that are waiting together go to the engine in one batch. An
+    exception marks that sample ABORTED, with the reason in `metadata["abort_error"]`.
     """
 
     async def __call__(

@@ -59,12 +59,11 @@ from typing import Any, Literal, Protocol
 from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
-from verst.plugins import RewardFunction
+from verst.plugins import GroupRewardFunction, RewardFunction, SampleFilter
 from verst.rollout.buffer import (
     DEFAULT_BUFFER,
     Buffer,
     GiveBack,
-    GroupFilter,
     is_aborted,
     load_buffer_class,
     make_buffer,
@@ -225,6 +224,7 @@ class RolloutWorker:
         reward_timeout_s: float | None = None,
         min_scored_samples: int = 1,
         set_aside: SetAside | None = None,
+        group_reward_fn: GroupRewardFunction | None = None,
     ) -> None:
         self._slots = Slots(
             n_samples_per_prompt=n_samples_per_prompt,
@@ -236,7 +236,9 @@ class RolloutWorker:
         self.buffer = buffer
         self.generate_sample = generate_sample
         self.rewards = (
-            RewardScorer(reward_fn, timeout_s=reward_timeout_s) if reward_fn is not None else None
+            RewardScorer(reward_fn, timeout_s=reward_timeout_s, group_fn=group_reward_fn)
+            if reward_fn is not None
+            else None
         )
         self.min_scored_samples = min_scored_samples
         self.give_back = give_back
@@ -433,7 +435,7 @@ class RolloutWorker:
             sample.retries = prompt.retries
         complete = not is_aborted(flight.group)  # an aborted group is the buffer's to drop
         if self.rewards is not None and complete:
-            await self.rewards.score(flight.group)
+            await self.rewards.score_group(flight.group)
         self._in_buffer[id(flight.group)] = (key, flight.prompts)  # a drop at put forgets it
         self._slots.put_begin(key)
         if complete and scored_count(flight.group) < self.min_scored_samples:
@@ -529,24 +531,25 @@ def build_rollout_worker(
     *,
     prompts_per_step: int,
     n_samples_per_prompt: int,
-    group_filter: GroupFilter | None = None,
-    filter_reason: str = "filtered",
+    group_filter: SampleFilter | None = None,
     ledger: Ledger | None = None,
     reward_timeout_s: float | None = None,
     min_scored_samples: int = 1,
     max_prompt_retries: int | None = None,
+    group_reward_fn: GroupRewardFunction | None = None,
 ) -> RolloutWorker:
     """A worker and its buffer as `cfg` says; `source` has `take(n)` and `give_back(groups)`.
 
     `prompts_per_step` is the number of groups one `take` serves (the train batch); pass
-    `group_filter=verst.rollout.dynamic.has_reward_variance` (and `filter_reason`) for DAPO
-    dynamic sampling. Every group the buffer drops (aborted at put, stale at take) or the worker
-    sets aside (too few scored samples) is retried, by `cfg.unused` and `max_prompt_retries`
-    (None: no cap), or dropped; a filtered group is dropped. `ledger` records those fates
-    (the trainer records the groups it takes).
+    `group_filter=verst.rollout.dynamic.reward_variance` for DAPO dynamic sampling (any
+    `verst.plugins.SampleFilter`: None keeps a group, a reason drops it), and `group_reward_fn`
+    to score each group in one call in place of `reward_fn`. Every group the buffer drops
+    (aborted at put, stale at take) or the worker sets aside (too few scored samples) is
+    retried, by `cfg.unused` and `max_prompt_retries` (None: no cap), or dropped; a filtered
+    group is dropped. `ledger` records those fates (the trainer records the groups it takes).
     """
     give_back = source.give_back if cfg.unused == "retry" else None
-    fates = UnusedGroups(give_back, ledger, max_prompt_retries, group_filter, filter_reason)
+    fates = UnusedGroups(give_back, ledger, max_prompt_retries, group_filter)
     buffer = make_buffer(
         cfg.buffer,
         capacity=cfg.buffer_capacity(prompts_per_step),
@@ -567,6 +570,7 @@ def build_rollout_worker(
         reward_timeout_s=reward_timeout_s,
         min_scored_samples=min_scored_samples,
         set_aside=fates.set_aside,
+        group_reward_fn=group_reward_fn,
     )
     fates.worker = worker
     return worker

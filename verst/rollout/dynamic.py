@@ -1,13 +1,16 @@
-"""DAPO dynamic sampling: keep only groups whose rewards differ, sampling more to fill the batch.
+"""Group filters (`rollout.filter`) and drawing until the batch is full (DAPO dynamic sampling).
 
-A group whose samples all got the same reward has advantage 0 everywhere under GRPO, so it
-adds no signal and only dilutes the batch. With dynamic sampling on, the rollout draws rounds
-of `prompts_per_step` prompts until enough informative groups are kept (counted over all
-ranks) or `max_sampling_rounds` is reached; a short batch then trains on what it has. Every
-rank runs the same number of rounds, so the ranks' data sources stay in step.
+A filter (`verst.plugins.SampleFilter`) returns None to keep a scored group, or the reason to
+drop it. The built-in `reward_variance` (what `rollout.dynamic_sampling: true` means) drops a
+group whose samples all got the same reward: under GRPO its advantage is 0 everywhere, so it
+adds no signal and only dilutes the batch.
 
-Informative groups beyond this rank's share of the batch are not thrown away: `fill_batch`
-returns them as `surplus`, and the rollout gives their prompts back to be served again.
+With a filter, the synchronous rollout draws rounds of `prompts_per_step` prompts until enough
+groups are kept (counted over all ranks) or `max_sampling_rounds` is reached; a short batch
+then trains on what it has. Every rank runs the same number of rounds, so the ranks' data
+sources stay in step. Kept groups beyond this rank's share of the batch are not thrown away:
+`fill_batch` returns them as `surplus`, and the rollout gives their prompts back to be served
+again. (The fully asynchronous worker filters each group before it enters the buffer.)
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from verst import distributed
+from verst.plugins import PluginError, SampleFilter, load_plugin
+from verst.rollout.ledger import NO_VARIANCE
 from verst.types import Group
+
+FILTER_FIELD = "rollout.filter"
 
 
 def has_reward_variance(group: Group) -> bool:
@@ -28,14 +35,49 @@ def has_reward_variance(group: Group) -> bool:
     return len(rewards) > 1 and float(rewards.std()) > 1e-8
 
 
+def reward_variance(group: Group) -> str | None:
+    """The built-in filter `reward_variance`: drops a group whose scored samples' rewards are
+    all equal ("no reward variance")."""
+    return None if has_reward_variance(group) else NO_VARIANCE
+
+
+BUILTIN_FILTERS: dict[str, SampleFilter] = {"reward_variance": reward_variance}
+
+
+def load_filter(path: str) -> SampleFilter:
+    """A built-in filter by bare name, or any 'pkg.mod:fn' that takes a group; `PluginError`
+    naming `rollout.filter` otherwise."""
+    if ":" not in path and "." not in path:
+        if path not in BUILTIN_FILTERS:
+            raise PluginError(
+                f"{FILTER_FIELD}: unknown filter {path!r}: built-ins are "
+                f"{', '.join(sorted(BUILTIN_FILTERS))}; or give an import path 'pkg.mod:fn'"
+            )
+        return BUILTIN_FILTERS[path]
+    return load_plugin(path, SampleFilter, field=FILTER_FIELD)
+
+
+def drop_reason(keep: SampleFilter, group: Group) -> str | None:
+    """What `keep` says of `group`: None, or its reason to drop it; `TypeError` naming
+    `rollout.filter` when it returns something else (a bool, say)."""
+    verdict = keep(group)
+    if verdict is None or (isinstance(verdict, str) and verdict):
+        return verdict
+    raise TypeError(
+        f"{FILTER_FIELD} returned {verdict!r}: a filter returns None to keep a group, or a "
+        "non-empty reason (str) to drop it"
+    )
+
+
 @dataclass
 class FilledBatch:
-    """What `fill_batch` drew: the `groups` to train on, informative `surplus` beyond this rank's
-    share, the `rejected` groups (no reward variance), and `rollout/dynamic_sampling_*` metrics."""
+    """What `fill_batch` drew: the `groups` to train on, kept `surplus` beyond this rank's
+    share, the `rejected` groups with the filter's reasons, and `rollout/dynamic_sampling_*`
+    metrics."""
 
     groups: list[Group]
     surplus: list[Group]
-    rejected: list[Group]
+    rejected: list[tuple[Group, str]]
     metrics: dict[str, float]
 
 
@@ -45,18 +87,23 @@ def fill_batch(
     *,
     max_rounds: int,
     device: torch.device,
+    keep: SampleFilter = reward_variance,
 ) -> FilledBatch:
     """Rounds of `draw()` (this rank's share of one step's groups, generated and scored) until
-    `target_groups` informative groups are kept over all ranks."""
+    `target_groups` groups that `keep` keeps are there over all ranks."""
     kept: list[Group] = []
-    rejected: list[Group] = []
+    rejected: list[tuple[Group, str]] = []
     last: list[Group] = []
     rounds = 0
     while True:
         rounds += 1
         last = draw()
         for group in last:
-            (kept if has_reward_variance(group) else rejected).append(group)
+            reason = drop_reason(keep, group)
+            if reason is None:
+                kept.append(group)
+            else:
+                rejected.append((group, reason))
         kept_all = distributed.all_reduce_sum([float(len(kept))], device)[0]
         if kept_all >= target_groups or rounds >= max_rounds:
             break
@@ -69,7 +116,7 @@ def fill_batch(
         # A rank left with nothing trains on its last draw: zero advantages, so no policy
         # gradient, but every rank still takes part in the step's collectives.
         groups = last
-        rejected = [g for g in rejected if not any(g is chosen for chosen in last)]
+        rejected = [(g, r) for g, r in rejected if not any(g is chosen for chosen in last)]
     metrics = {
         "rollout/dynamic_sampling_rounds": float(rounds),
         "rollout/dynamic_sampling_dropped_groups": dropped_all,

@@ -16,13 +16,14 @@ from verst.engine import GenerateOutput, GenerateRequest, SamplingParams
 from verst.plugins import Generator
 from verst.rollout.agent import AgentConfig
 from verst.rollout.async_worker import AsyncConfig
+from verst.rollout.layers import LayersConfig
 from verst.rollout.rewards import load_reward_fn
 from verst.types import Group, Sample, Status
 
 
-class RolloutConfig(AsyncConfig, AgentConfig):
-    """Generation, rewards, and (inherited) the fully asynchronous worker and data buffer, and
-    the agent function of multi-turn rollouts."""
+class RolloutConfig(LayersConfig, AsyncConfig, AgentConfig):
+    """Generation, rewards, and (inherited) the plug-in layers, the fully asynchronous worker
+    and data buffer, and the agent function of multi-turn rollouts."""
 
     prompts_per_step: int = Field(16, ge=1, description="prompts (groups) per RL step")
     n_samples_per_prompt: int = Field(8, ge=1, description="samples per prompt (the group size)")
@@ -32,12 +33,6 @@ class RolloutConfig(AsyncConfig, AgentConfig):
     top_k: int = Field(-1, description="sample among the k likeliest tokens; -1 = off")
     stop_token_ids: list[int] = Field(
         default_factory=list, description="token ids that end a response, besides EOS"
-    )
-    dynamic_sampling: bool = Field(
-        False, description="drop groups whose rewards are all equal and sample more (DAPO)"
-    )
-    max_sampling_rounds: int = Field(
-        4, ge=1, description="with dynamic_sampling: most rounds of prompts drawn per step"
     )
     pause_mode: Literal["retract", "in_place", "abort"] | None = Field(
         None,
@@ -83,6 +78,38 @@ class RolloutConfig(AsyncConfig, AgentConfig):
                 f"rollout.n_samples_per_prompt={self.n_samples_per_prompt}: no group could "
                 "ever be trained; set rollout.min_scored_samples to at most the group size "
                 "(1 trains groups of one)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_layer_owns_each_part(self) -> RolloutConfig:
+        """An outer layer takes over the inner ones: naming both is a mistake, not a choice."""
+        layers = [
+            ("rollout.function", self.function),
+            ("rollout.generate_function", self.generate_function),
+            ("rollout.agent_function", self.agent_function),
+        ]
+        named = [name for name, value in layers if value is not None]
+        if len(named) > 1:
+            raise ValueError(
+                f"{' and '.join(named)} are both set: {named[0]} takes over what "
+                f"{named[1]} does; set one of them"
+            )
+        if self.function is not None and self.dynamic_sampling:
+            raise ValueError(
+                "rollout.function owns filtering (context.keep is rollout.filter): set "
+                "rollout.filter=reward_variance instead of rollout.dynamic_sampling"
+            )
+        if self.dynamic_sampling and self.filter not in (None, "reward_variance"):
+            raise ValueError(
+                f"rollout.dynamic_sampling is the filter reward_variance, and rollout.filter="
+                f"{self.filter!r} is another: set one of them"
+            )
+        default_reward = type(self).model_fields["reward"].default
+        if self.group_reward is not None and self.reward != default_reward:
+            raise ValueError(
+                "rollout.group_reward scores every sample in place of rollout.reward: set one "
+                "of them"
             )
         return self
 

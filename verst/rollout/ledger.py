@@ -23,8 +23,9 @@ Outcomes:
 
 Reasons: `aborted` (a sample was aborted; fully async mode drops the whole group), `too few
 scored samples` (fewer than `rollout.min_scored_samples` samples neither ABORTED nor FAILED),
-`stale` (fully async: older than `max_staleness` versions at take), `no reward variance`
-(dynamic sampling), `surplus` (dynamic sampling kept more groups than the batch holds: given
+`stale` (fully async: older than `max_staleness` versions at take), `filter: <reason>`
+(`rollout.filter` dropped it; dynamic sampling's is `filter: no reward variance`; a rollout
+function's own drops too), `surplus` (a filter kept more groups than the batch holds: given
 back, not counted as a retry), `retries exhausted (<reason>)` (the prompt was already retried
 `rollout.max_prompt_retries` times), `run ended` (pending).
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -66,6 +68,18 @@ NO_VARIANCE = "no reward variance"
 SURPLUS = "surplus"
 RETRIES_EXHAUSTED = "retries exhausted"
 RUN_ENDED = "run ended"
+FILTERED = "filter: "  # + the filter's reason
+
+
+def filtered(reason: str) -> str:
+    """The ledger reason of a group `rollout.filter` dropped for `reason`."""
+    return FILTERED + reason
+
+
+def drop_metric(reason: str) -> str:
+    """The metric that counts the groups a filter dropped for `reason`."""
+    slug = re.sub(r"\W+", "_", reason.strip().lower()).strip("_")
+    return f"rollout/filter/drop_{slug or 'unnamed'}"
 
 
 @dataclass(frozen=True)
@@ -144,17 +158,21 @@ class Ledger:
     def take_counts(self) -> dict[str, float]:
         """This step's fates so far (since the previous call), as `rollout/*` metrics: groups
         `retried` and `dropped`, groups with `too_few_scored` samples (retried or dropped),
-        and prompts dropped after `retries_exhausted`."""
+        prompts dropped after `retries_exhausted`, and `filter/drop_<reason>` for each reason a
+        filter gave this step."""
         with self._lock:
             counts, self._counts = self._counts, Counter()
         keys = ("groups_retried", "groups_dropped", "too_few_scored_groups", "retries_exhausted")
-        return {f"rollout/{key}": float(counts[key]) for key in keys}
+        out = {f"rollout/{key}": float(counts.pop(key, 0)) for key in keys}
+        return out | {metric: float(n) for metric, n in counts.items()}  # filter drops
 
     def _count(self, fate: Fate) -> None:
         if fate.outcome == RETRIED:
             self._counts["groups_retried"] += 1
         elif fate.outcome == DROPPED:
             self._counts["groups_dropped"] += 1
+        if fate.reason.startswith(FILTERED):
+            self._counts[drop_metric(fate.reason[len(FILTERED) :])] += 1
         if TOO_FEW_SCORED in fate.reason:
             self._counts["too_few_scored_groups"] += 1
         if fate.reason.startswith(RETRIES_EXHAUSTED):

@@ -3,13 +3,15 @@
 A reward function takes a `Sample` and returns a number (sync or async). It reads the response
 text from `sample.metadata["response_text"]` (the rollout decodes it with skip_special_tokens).
 
-`RewardScorer` runs one under the run's rules, so that one bad sample never stops the run: a
-reward function that raises (`SystemExit` included), returns a non-number (None, a string, NaN,
-±inf) or overruns `timeout_s` marks that sample FAILED, with reward 0.0 and the reason in
-`metadata["reward_error"]`. The loop leaves FAILED samples out of training, as it does ABORTED
-ones. Each kind of failure (an exception type, "returned NaN", "returned str", "timed out") is
-logged once per scorer, that is once per run, with its first reason; `take_failed()` counts the
-failed samples. `KeyboardInterrupt` is not a failure: it stops the run, as Ctrl-C should.
+`RewardScorer` runs one (or a group reward, `rollout.group_reward`, which scores a whole group
+in one call: `verst.rollout.group_reward`) under the run's rules, so that one bad sample never
+stops the run: a reward function that raises (`SystemExit` included), returns a non-number
+(None, a string, NaN, ±inf) or overruns `timeout_s` marks that sample FAILED, with reward 0.0
+and the reason in `metadata["reward_error"]`. The loop leaves FAILED samples out of training, as
+it does ABORTED ones. Each kind of failure (an exception type, "returned NaN", "returned str",
+"timed out") is logged once per scorer, that is once per run, with its first reason;
+`take_failed()` counts the failed samples. `KeyboardInterrupt` is not a failure: it stops the
+run, as Ctrl-C should.
 
 Timeouts: an async reward runs under `asyncio.wait_for` (it must not block the event loop, nor
 swallow the cancellation, or the timeout cannot fire). A sync reward runs on a daemon thread of
@@ -35,7 +37,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from verst.plugins import PluginError, RewardFunction, load_plugin
+from verst.plugins import GroupRewardFunction, PluginError, RewardFunction, load_plugin
 from verst.types import Group, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -172,14 +174,19 @@ class RewardScorer:
     """
 
     def __init__(
-        self, fn: RewardFunction, *, timeout_s: float | None = None, field: str = "rollout.reward"
+        self,
+        fn: RewardFunction,
+        *,
+        timeout_s: float | None = None,
+        field: str = "rollout.reward",
+        group_fn: GroupRewardFunction | None = None,
     ) -> None:
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"reward timeout must be > 0 seconds or None, got {timeout_s}")
         self.fn = fn
+        self.group_fn = group_fn
         self.timeout_s = timeout_s
-        self.field = field
-        self._async = _is_async(fn)
+        self.field = "rollout.group_reward" if group_fn is not None else field
         self._failed = 0
         self._kinds_logged: set[str] = set()
         self._one_at_a_time: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -189,17 +196,44 @@ class RewardScorer:
         """Set `reward` on every sample (or fail it); async reward calls run concurrently."""
         await asyncio.gather(*(self._score(sample) for sample in samples))
 
+    async def score_group(self, group: Group) -> None:
+        """Set `reward` on every sample of `group` not scored yet and not ABORTED (or fail it):
+        with the group reward in one call, else sample by sample."""
+        unscored = [s for s in group if s.status != Status.ABORTED and s.reward is None]
+        if not unscored:
+            return
+        if self.group_fn is None:
+            await self.score(unscored)
+            return
+        try:
+            values = await self._call(self.group_fn, unscored)
+            if not isinstance(values, (list, tuple)) or len(values) != len(unscored):
+                got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+                raise RewardFailure(
+                    "wrong length", f"group reward returned {got}, not {len(unscored)} rewards"
+                )
+        except RewardFailure as failure:
+            for sample in unscored:
+                self._fail(sample, failure)
+            return
+        for sample, value in zip(unscored, values, strict=True):
+            try:
+                sample.reward = _as_reward(value)
+            except RewardFailure as failure:
+                self._fail(sample, failure)
+
     def score_groups(self, groups: list[Group]) -> None:
         """The reward phase of a step: every sample not scored yet gets its reward (the reward
         function may read what an agent returned in `metadata`); ABORTED samples get 0.0."""
-        unscored = []
         for sample in (s for group in groups for s in group):
             if sample.status == Status.ABORTED:
                 sample.reward = 0.0
-            elif sample.reward is None:
-                unscored.append(sample)
-        if unscored:
-            asyncio.run(self.score(unscored))
+        todo = [g for g in groups if any(s.reward is None for s in g)]
+        if todo:
+            asyncio.run(self._score_all(todo))
+
+    async def _score_all(self, groups: list[Group]) -> None:
+        await asyncio.gather(*(self.score_group(group) for group in groups))
 
     def take_failed(self) -> int:
         """Samples whose reward failed since the previous call."""
@@ -208,19 +242,20 @@ class RewardScorer:
 
     async def _score(self, sample: Sample) -> None:
         try:
-            sample.reward = _as_reward(await self._call(sample))
+            sample.reward = _as_reward(await self._call(self.fn, sample))
         except RewardFailure as failure:
             self._fail(sample, failure)
 
-    async def _call(self, sample: Sample) -> Any:
-        """The reward function's value for `sample`; `RewardFailure` when it raised or overran."""
-        if self._async:
-            return await self._bounded(self.fn(sample))
+    async def _call(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        """`fn(arg)`'s value (a reward, or a group's); `RewardFailure` when it raised or
+        overran."""
+        if _is_async(fn):
+            return await self._bounded(fn(arg))
         if self.timeout_s is None:
-            value, error = await _guarded(_now(self.fn, sample))
+            value, error = await _guarded(_now(fn, arg))
         else:
             async with self._lock():
-                value, error = await self._in_thread(sample)
+                value, error = await self._in_thread(fn, arg)
         _raise_failure(error)
         return await self._bounded(value) if inspect.isawaitable(value) else value
 
@@ -232,13 +267,15 @@ class RewardScorer:
         _raise_failure(error)
         return value
 
-    async def _in_thread(self, sample: Sample) -> tuple[Any, BaseException | None]:
+    async def _in_thread(
+        self, fn: Callable[[Any], Any], arg: Any
+    ) -> tuple[Any, BaseException | None]:
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
         def call() -> None:
             try:
-                outcome: tuple[Any, BaseException | None] = (self.fn(sample), None)
+                outcome: tuple[Any, BaseException | None] = (fn(arg), None)
             except BaseException as error:  # delivered to the caller, which decides
                 outcome = (None, error)
             try:
@@ -304,8 +341,8 @@ class _CallThread:
             call()
 
 
-async def _now(fn: Callable[[Sample], Any], sample: Sample) -> Any:
-    return fn(sample)
+async def _now(fn: Callable[[Any], Any], arg: Any) -> Any:
+    return fn(arg)
 
 
 def _raise_failure(error: BaseException | None) -> None:

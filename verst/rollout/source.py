@@ -1,10 +1,12 @@
-"""Where a step's groups come from: one interface over the three rollouts.
+"""Where a step's groups come from: one interface over the rollouts.
 
 - `EngineRollout`: each step draws prompts and generates every sample in one engine call (the
-  embedded scheduler, a fleet, or rank 0's fleet under torchrun).
+  embedded scheduler, a fleet, or rank 0's fleet under torchrun), or each sample with the
+  generate function (`rollout.generate_function`), their engine calls batched.
 - `AgentRollout`: each step draws prompts and an agent function plays every sample on a session
   of its own (`rollout.agent_function`, or the environment of `env.name`), through the fleet's
   session server.
+- `FunctionRollout`: each step is the rollout function's (`rollout.function`).
 - `AsyncRollout` (`mode: fully_async`): a `RolloutWorker` on the fleet's loop generates without
   pause into the data buffer; each step takes one batch of finished groups from it.
 
@@ -19,7 +21,9 @@ goes into the prompt ledger (`verst.rollout.ledger`).
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,7 +36,7 @@ from verst.engine import GenerateRequest
 from verst.fleet.fleet import Fleet, prompt_key
 from verst.fleet.loop_thread import LoopThread
 from verst.fleet.ranked import on_rank_zero, scatter_from_rank_zero
-from verst.plugins import AgentFunction, Generator
+from verst.plugins import AgentFunction, Generator, RolloutContext, RolloutRequest, RolloutResult
 from verst.rollout.agent import (
     agent_metrics,
     agent_request_kwargs,
@@ -41,17 +45,18 @@ from verst.rollout.agent import (
     run_agent_sample,
 )
 from verst.rollout.async_worker import RolloutWorker, build_rollout_worker
-from verst.rollout.dynamic import fill_batch, has_reward_variance
+from verst.rollout.dynamic import fill_batch
 from verst.rollout.generate import RolloutConfig, fill_sample, generate_groups
+from verst.rollout.generate_fn import generate_groups_with, generate_one
 from verst.rollout.ledger import (
     DROPPED,
-    NO_VARIANCE,
     RETRIED,
     SURPLUS,
     TOO_FEW_SCORED,
     TRAINED,
     Fate,
     Ledger,
+    filtered,
     unused_fate,
 )
 from verst.rollout.metrics import rollout_metrics
@@ -87,8 +92,9 @@ class RolloutSource(Protocol):
 
 
 class _StepRollout(ABC):
-    """The synchronous rollouts: draw this rank's prompts, generate, and with dynamic sampling
-    score and redraw until enough groups have reward variance.
+    """The synchronous rollouts: draw this rank's prompts, generate, and with a filter
+    (`rollout.filter`; dynamic sampling's keeps groups with reward variance) score and redraw
+    until enough groups are kept.
 
     Under torchrun every rank's data source draws the same prompts and each rank keeps a slice,
     so every prompt given back must go back to every rank's source, in the same order: `settle`
@@ -107,6 +113,7 @@ class _StepRollout(ABC):
         self.rewards = rewards
         self.device = device
         self.ledger = ledger
+        self.keep = cfg.load_filter()
         self._decided: list[Fate] = []  # this step's groups already set aside, until settled
 
     def start(self) -> None:  # noqa: B027 (a hook: a step rollout has nothing to start)
@@ -123,7 +130,7 @@ class _StepRollout(ABC):
         return self.data.take(self.cfg.prompts_per_step)[rank_slice]
 
     def groups(self, version: int) -> tuple[list[Group], dict[str, float]]:
-        if not self.cfg.dynamic_sampling:
+        if self.keep is None:
             return self.draw(), {}
 
         def scored() -> list[Group]:
@@ -136,9 +143,10 @@ class _StepRollout(ABC):
             self.cfg.prompts_per_step,
             max_rounds=self.cfg.max_sampling_rounds,
             device=self.device,
+            keep=self.keep,
         )
         self._decided += [Fate.of(group, RETRIED, SURPLUS) for group in filled.surplus]
-        self._decided += [Fate.of(group, DROPPED, NO_VARIANCE) for group in filled.rejected]
+        self._decided += [Fate.of(g, DROPPED, filtered(why)) for g, why in filled.rejected]
         return filled.groups, filled.metrics
 
     def settle(self, groups: list[Group]) -> list[Group]:
@@ -195,9 +203,65 @@ class EngineRollout(_StepRollout):
         self.engine = engine
         self.decode = decode
         self.sampling_params = cfg.sampling_params()
+        self.generate_fn = cfg.load_generate_function()
 
     def draw(self) -> list[Group]:
-        return generate_groups(self.engine, self.decode, self.prompts(), self.sampling_params)
+        return self.generate(self.prompts())
+
+    def generate(self, groups: list[Group]) -> list[Group]:
+        """`groups` generated in place: in one engine call, or each sample by the generate
+        function (`rollout.generate_function`)."""
+        if self.generate_fn is not None:
+            fn = self.generate_fn
+            return generate_groups_with(fn, self.engine, self.decode, groups, self.sampling_params)
+        return generate_groups(self.engine, self.decode, groups, self.sampling_params)
+
+
+class FunctionRollout(EngineRollout):
+    """Each step is the rollout function's (`rollout.function`): it draws, generates, scores
+    and filters through a `RolloutContext`; the groups it drops are recorded like a filter's
+    (`filter: <reason>`), and the rest is settled as any step's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        fn = self.cfg.load_function()
+        assert fn is not None, "FunctionRollout needs rollout.function"
+        self.fn = fn
+        rank_slice = slice(distributed.rank(), None, distributed.world_size())
+        self.context = RolloutContext(
+            prompts_per_step=self.cfg.prompts_per_step,
+            n_samples_per_prompt=self.cfg.n_samples_per_prompt,
+            take=lambda n: self.data.take(n)[rank_slice],
+            generate=self.generate,
+            score=self.rewards.score_groups,
+            keep=self.keep,
+            engine=self.engine,
+            decode=self.decode,
+            params=self.sampling_params,
+        )
+
+    def groups(self, version: int) -> tuple[list[Group], dict[str, float]]:
+        result = self.call(RolloutRequest(step=self.ledger.step, weight_version=version))
+        self._decided += [Fate.of(g, DROPPED, filtered(why)) for g, why in result.dropped]
+        return result.groups, dict(result.metrics)
+
+    def call(self, request: RolloutRequest) -> RolloutResult:
+        """The function's result for `request` (awaited when it is `async def`), checked."""
+        result = self.fn(self.context, request)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_awaited(result))
+        if not isinstance(result, RolloutResult) or not all(
+            isinstance(g, list) and all(isinstance(x, Sample) for x in g) for g in result.groups
+        ):
+            raise TypeError(
+                f"rollout.function {self.cfg.function!r} returned {type(result).__name__}, not a "
+                "verst.plugins.RolloutResult whose groups are lists of Samples"
+            )
+        return result
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def agent_kwargs(cfg: RolloutConfig) -> dict[str, Any]:
@@ -295,6 +359,7 @@ class AsyncRollout:
         self.fleet = fleet
         self.decode = decode
         self.sampling_params = cfg.sampling_params()
+        self.generate_fn = cfg.load_generate_function()
         self._sessions_url: str | None = None
         self.rewards = rewards
         self.worker: RolloutWorker | None = None
@@ -312,8 +377,8 @@ class AsyncRollout:
             self.rewards.fn,
             prompts_per_step=cfg.prompts_per_step,
             n_samples_per_prompt=cfg.n_samples_per_prompt,
-            group_filter=has_reward_variance if cfg.dynamic_sampling else None,
-            filter_reason=NO_VARIANCE,
+            group_filter=cfg.load_filter(),
+            group_reward_fn=self.rewards.group_fn,
             ledger=self.ledger,
             reward_timeout_s=self.rewards.timeout_s,
             min_scored_samples=cfg.min_scored_samples,
@@ -324,8 +389,13 @@ class AsyncRollout:
 
     async def generate_sample(self, sample: Sample) -> Sample:
         """One trajectory on the fleet; samples of one prompt share a routing key. With an
-        agent function, the agent plays it on a session of its own (on the fleet's loop)."""
+        agent function, the agent plays it on a session of its own (on the fleet's loop); with
+        a generate function, that function generates it."""
         assert self.fleet is not None
+        if self.generate_fn is not None:
+            return await generate_one(
+                self.generate_fn, self.fleet, sample, self.sampling_params, self.decode
+            )
         if self.agent_fn is not None:
             assert self._sessions_url is not None
             return await run_agent_sample(

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from verst.rollout.buffer import GiveBack, GroupFilter, is_aborted
-from verst.rollout.ledger import ABORTED, DROPPED, RETRIED, STALE, Fate, Ledger, unused_fate
+from verst.plugins import SampleFilter
+from verst.rollout.buffer import GiveBack, is_aborted
+from verst.rollout.dynamic import drop_reason
+from verst.rollout.ledger import (
+    ABORTED,
+    DROPPED,
+    RETRIED,
+    STALE,
+    Fate,
+    Ledger,
+    filtered,
+    unused_fate,
+)
 from verst.types import Group
 
 
@@ -26,14 +37,12 @@ class UnusedGroups:
         give_back: GiveBack | None,
         ledger: Ledger | None,
         max_prompt_retries: int | None,
-        group_filter: GroupFilter | None,
-        filter_reason: str,
+        group_filter: SampleFilter | None,
     ) -> None:
         self.give_back = give_back
         self.ledger = ledger
         self.max_prompt_retries = max_prompt_retries
         self.group_filter = group_filter
-        self.filter_reason = filter_reason
         self.worker: Forgets | None = None  # the worker, set once it is built
 
     def set_aside(self, groups: list[Group], reason: str) -> None:
@@ -58,11 +67,12 @@ class UnusedGroups:
             self.set_aside([group], ABORTED if is_aborted(group) else STALE)
 
     def accepted(self, group: Group) -> bool:
-        """The buffer's filter: False drops the group."""
+        """The buffer's filter: False drops the group (the `rollout.filter` gave a reason)."""
         assert self.worker is not None and self.group_filter is not None
-        if self.group_filter(group):
+        reason = drop_reason(self.group_filter, group)
+        if reason is None:
             return True
         self.worker.forget([group])
         if self.ledger is not None:
-            self.ledger.record([Fate.of(group, DROPPED, self.filter_reason)])
+            self.ledger.record([Fate.of(group, DROPPED, filtered(reason))])
         return False
