@@ -147,3 +147,57 @@ def test_external_skips_crashes_and_busy_never_stop_training(tmp_path: Path) -> 
     assert any("eval/skipped_busy" in r for r in evals.values())
     assert evals[4]["eval/score"] == 1.0  # never skipped on the last step
     assert evals[0]["eval/score"] == 1.0
+
+
+ASYNC_ONE_ENGINE = [
+    "mode=fully_async",
+    "placement.engines=processes",
+    "placement.mode=disaggregated",
+    "placement.num_engines=1",
+    "placement.engine_threads=1",
+    "rollout.max_staleness=2",
+]
+
+
+def test_shared_eval_in_fully_async_mode_pauses_the_rollout(tmp_path: Path) -> None:
+    pytest.importorskip("aiohttp")
+    run_dir = tmp_path / "run"
+    overrides = [*SMALL, *NO_WARM, *ASYNC_ONE_ENGINE, "eval.interval_steps=1"]
+    assert main(["train", *overrides, "--run-dir", str(run_dir)]) == 0
+    rows = step_rows(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    # generation ran ahead of the trainer, yet every point measured its step's weights alone
+    assert max(r["buffer/staleness_max"] for r in rows[1:]) >= 1
+    for row in rows:
+        assert row["eval/num_prompts"] == 8
+        assert row["eval/mixed_version_ratio"] == 0
+        assert row["eval/weight_version/mean"] == row["weight_version"]
+        assert not any(k.startswith("eval/skipped_") for k in row)
+
+
+def test_fleet_eval_pins_a_snapshot_on_its_own_engine_process(tmp_path: Path) -> None:
+    pytest.importorskip("aiohttp")
+    run_dir = tmp_path / "run"
+    overrides = [
+        *SMALL,
+        *NO_WARM,
+        "eval.mode=fleet",
+        "eval.engine_devices=[cpu]",
+        "eval.engine_threads=1",
+        "eval.max_in_flight=1",
+    ]
+    assert main(["train", *overrides, "--run-dir", str(run_dir)]) == 0
+    steps = {r["step"]: r for r in step_rows(run_dir)}
+    evals = eval_rows(run_dir)
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    for row in evals:
+        # valid: every sample came from the snapshot's version, which is the step's
+        assert row["eval/weight_version"] == steps[row["step"]]["weight_version"]
+        assert row["eval/weight_version/mean"] == row["eval/weight_version"]
+        assert row["eval/mixed_version_ratio"] == 0
+        assert row["eval/num_prompts"] == 8 and 0 <= row["eval/accuracy"] <= 1
+        assert row["eval/duration_s"] > 0
+        assert not any(k.startswith("eval/skipped_") for k in row)
+    # fresh exports, but the last step's checkpoint, saved anyway, is reused
+    assert ["eval/export_time_s" in r for r in evals] == [True, True, False]
+    assert "eval/accuracy" not in steps[2]  # the trainer never waited for the score
