@@ -40,14 +40,29 @@ def test_pass_at_k_matches_the_closed_form() -> None:
     "overrides, field",
     [
         (["eval.mode=fleet", "eval.interval_steps=2"], "eval.engine_devices"),
-        (["eval.mode=fleet", "eval.interval_steps=2", "eval.engine_devices=[cpu]",
-          "eval.num_engines=0"], "eval.num_engines"),
+        (
+            [
+                "eval.mode=fleet",
+                "eval.interval_steps=2",
+                "eval.engine_devices=[cpu]",
+                "eval.num_engines=0",
+            ],
+            "eval.num_engines",
+        ),
         (["eval.mode=external", "eval.function=tests.eval_functions:slow"], "eval.interval_steps"),
         (["eval.mode=external", "eval.interval_steps=2"], "eval.function"),
-        (["eval.mode=external", "eval.interval_steps=2", "eval.function=tests.nowhere:fn"],
-         "eval.function"),
-        (["eval.mode=external", "eval.interval_steps=2", "eval.function=tests.eval_functions:nope"],
-         "eval.function"),
+        (
+            ["eval.mode=external", "eval.interval_steps=2", "eval.function=tests.nowhere:fn"],
+            "eval.function",
+        ),
+        (
+            [
+                "eval.mode=external",
+                "eval.interval_steps=2",
+                "eval.function=tests.eval_functions:nope",
+            ],
+            "eval.function",
+        ),
         (["eval.function=tests.eval_functions:slow", "eval.interval_steps=2"], "eval.function"),
     ],
 )
@@ -58,7 +73,9 @@ def test_eval_mode_requirements_are_checked_at_config_time(
         load_config(None, overrides)
 
 
-def test_shared_sets_with_pass_at_k_are_valid_points(tmp_path: Path) -> None:
+def test_shared_sets_with_pass_at_k_are_valid_points(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     sets = (
         "eval.sets=[{name: add, data: {task: addition, split: test, shuffle: false, "
         "max_prompts: 4}, n_samples: 4, temperature: 1.0, max_new_tokens: 4, reward: exact_match},"
@@ -79,6 +96,27 @@ def test_shared_sets_with_pass_at_k_are_valid_points(tmp_path: Path) -> None:
         assert row["eval/weight_version/mean"] == row["weight_version"]
         assert row["eval/lag_steps"] == 0 and row["eval/duration_s"] > 0
         assert not any(k.startswith("eval/skipped_") for k in row)
+
+    # verst eval on the last checkpoint prints the greedy set's score the run logged for it
+    config = tmp_path / "eval.yaml"
+    config.write_text(sets.replace("eval.sets=", "eval:\n  sets: ") + "\n")
+    capsys.readouterr()
+    checkpoint = run_dir / "checkpoints" / "step_000004"
+    assert main(["eval", str(checkpoint), str(config), "rollout.reward=exact_match"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == [
+        "set",
+        "num_prompts",
+        "accuracy",
+        "pass@1",
+        "pass@2",
+        "pass@4",
+        "response_len_mean",
+    ]
+    greedy = next(line.split() for line in table if line.startswith("greedy"))
+    assert greedy[1] == "3"
+    assert float(greedy[2]) == pytest.approx(points[-1]["eval/greedy/accuracy"], abs=1e-3)
+    assert main(["eval", str(tmp_path / "nowhere"), str(config)]) == 2
 
 
 def test_external_points_are_recorded_at_the_step_they_measured(tmp_path: Path) -> None:
