@@ -28,7 +28,7 @@ from verst import distributed
 from verst.config import RunConfig
 from verst.data.source import DataSource, DataSourceConfig, adapter_rows
 from verst.engine import Scheduler
-from verst.eval.build import build_eval_points, build_evaluators, default_set, set_evaluator
+from verst.eval.build import build_eval_points, default_set, set_evaluator
 from verst.eval.evaluate import Evaluator, SetEvaluators
 from verst.eval.points import EvalPoints
 from verst.fleet.fleet import Fleet
@@ -153,29 +153,15 @@ def wire(
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     warm = cfg.warm_start
-    dev_evaluator = None
-    if warm.enabled:
-        dev_evaluator = build_evaluator(cfg, warm.dev_data, rewards.fn, tokenizer, decode, device)
+    dev_evaluator = build_evaluator(cfg, warm.dev_data, rewards.fn, tokenizer, decode, device)
 
     def dev_accuracy() -> float:
-        assert dev_evaluator is not None
         sync.push(int(engine.weight_version) + 1)  # every weight change is a new version
         return dev_evaluator.run(engine)["eval/accuracy"]
 
     data = training_prompts(cfg, tokenizer)
-    evaluator: Evaluator | SetEvaluators | None = None
-    if cfg.eval.interval_steps > 0 and cfg.model.lora.adapters:
-        evaluator = adapter_evaluators(cfg, rewards.fn, tokenizer, decode, device)
-    elif cfg.eval.interval_steps > 0 and not cfg.eval.snapshot:
-        evaluator = build_evaluators(
-            cfg.eval,
-            rewards.fn,
-            tokenizer,
-            decode,
-            device,
-            seed=cfg.seed,
-            reward_timeout_s=cfg.rollout.reward_timeout_s,
-        )
+    adapters = cfg.eval.interval_steps > 0 and cfg.model.lora.adapters
+    evaluator = adapter_evaluators(cfg, rewards.fn, tokenizer, decode, device) if adapters else None
     rollout: RolloutSource
     parts = (cfg.rollout, data, rewards, device, ledger)
     if cfg.mode == "fully_async":

@@ -110,11 +110,16 @@ def build_eval_points(
     shared: Evaluator | SetEvaluators | None,
 ) -> EvalPoints:
     """The run's `EvalPoints` for `cfg.eval.mode`: `shared` scores on `engine` with `shared`
-    (the evaluators the loop built); the snapshot modes start their scorer here (mode `fleet`:
-    its engine processes)."""
+    (multi-LoRA's adapter evaluators) or the evaluation sets; the snapshot modes start their
+    scorer here (mode `fleet`: its engine processes)."""
     ev: EvalConfig = cfg.eval
     points = dict(run_dir=run_dir, engine=engine, paused=paused, checkpoint_due=checkpoint_due)
-    if not ev.snapshot or ev.interval_steps == 0:
+    if ev.interval_steps == 0:
+        return EvalPoints(ev, evaluator=None, **points)
+    sets = dict(seed=cfg.seed, reward_timeout_s=cfg.rollout.reward_timeout_s)
+    if not ev.snapshot:
+        if shared is None:
+            shared = build_evaluators(ev, rollout_reward_fn, tokenizer, decode, device, **sets)
         return EvalPoints(ev, evaluator=shared, **points)
     if distributed.world_size() > 1:
         raise ValueError(
@@ -127,14 +132,7 @@ def build_eval_points(
         scorer = ExternalScorer(ev.function, sets)
         return EvalPoints(ev, evaluator=None, export=export, scorer=scorer, **points)
     evaluator = build_evaluators(
-        ev,
-        rollout_reward_fn,
-        tokenizer,
-        decode,
-        device,
-        seed=cfg.seed,
-        reward_timeout_s=cfg.rollout.reward_timeout_s,
-        sharded=False,
+        ev, rollout_reward_fn, tokenizer, decode, device, **sets, sharded=False
     )
     first = (
         evaluator if isinstance(evaluator, Evaluator) else next(iter(evaluator.evaluators.values()))
