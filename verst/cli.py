@@ -1,5 +1,5 @@
-"""The `verst` command: `verst train`, `verst sft`, `verst serve`, `verst route`, `verst sessions`,
-`verst model create-tiny`, `verst model merge-lora`, `verst sandbox run`.
+"""The `verst` command: `verst train`, `verst sft`, `verst eval`, `verst serve`, `verst route`,
+`verst sessions`, `verst model create-tiny`, `verst model merge-lora`, `verst sandbox run`.
 
 Config errors, missing files, a run directory that cannot be written and non-finite losses end
 the command with a one-line message and an exit code of `verst.exitcodes` (2 bad input, 3 the
@@ -59,6 +59,26 @@ def _train_parser(subparsers: argparse._SubParsersAction, command: str = "train"
         help="run the trainer as a child process and restart it from its last checkpoint when "
         "it crashes, at most N times (default 0: no child, no restarts)",
     )
+
+
+def _eval_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="score a saved checkpoint on a config's evaluation sets and print a table",
+        description="Score an HF model directory (a checkpoint of verst train) on the config's "
+        "evaluation sets (eval.sets, or eval.data) with the embedded engine.",
+    )
+    parser.add_argument("checkpoint", type=Path, help="HF model directory, e.g. a checkpoint")
+    parser.add_argument("config", help="YAML config file whose eval section to use")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides: section.field=value")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from verst.eval.offline import evaluate_checkpoint_dir, format_table
+
+    cfg = load_config(args.config, args.overrides)
+    print(format_table(evaluate_checkpoint_dir(args.checkpoint, cfg)))
+    return 0
 
 
 def _non_negative(text: str) -> int:
@@ -388,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _train_parser(subparsers)
     _train_parser(subparsers, "sft")
+    _eval_parser(subparsers)
     _serve_parser(subparsers)
     _route_parser(subparsers)
     _sessions_parser(subparsers)
@@ -397,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("train", "sft"):
             return _train(args)
+        if args.command == "eval":
+            return _eval(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "route":

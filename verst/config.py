@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
 from verst.envs.runner import EnvConfig
-from verst.eval.evaluate import EvalConfig
+from verst.eval.config import EvalConfig
 from verst.fleet.health import FaultToleranceConfig
 from verst.fleet.placement import PlacementConfig
 from verst.models.loading import ModelConfig
@@ -89,6 +89,7 @@ class RunConfig(ConfigBase):
         check_placement(self)
         check_no_reward(self)
         check_multi_lora(self)
+        check_eval(self)
         return self
 
     @property
@@ -142,6 +143,17 @@ def check_multi_lora(cfg: RunConfig) -> None:
     for reason, refused in refusals.items():
         if refused:
             raise ValueError(f"model.lora.adapters: {reason}")
+
+
+def check_eval(cfg: RunConfig) -> None:
+    """Refuse evaluation modes the run cannot serve (each error names the field)."""
+    if cfg.eval.mode == "fleet" and cfg.model.lora.enabled:
+        raise ValueError(
+            "eval.mode=fleet loads full HF snapshots; with model.lora a snapshot holds adapters "
+            "only (not yet): use eval.mode shared or external"
+        )
+    if cfg.eval.snapshot and cfg.mode == "sft":
+        raise ValueError(f"eval.mode={cfg.eval.mode} evaluates RL steps; mode=sft has none")
 
 
 def check_no_reward(cfg: RunConfig) -> None:

@@ -29,7 +29,9 @@ from verst.config import RunConfig
 from verst.data.source import DataSource, DataSourceConfig, adapter_rows
 from verst.engine import Scheduler
 from verst.envs.runner import EnvironmentAgent
-from verst.eval.evaluate import AdapterEvaluators, Evaluator
+from verst.eval.build import build_eval_points, default_set, set_evaluator
+from verst.eval.evaluate import Evaluator, SetEvaluators
+from verst.eval.points import EvalPoints
 from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
@@ -69,13 +71,14 @@ class Run:
     rewards: RewardScorer
     ledger: Ledger
     checkpointer: Checkpointer
-    evaluator: Evaluator | AdapterEvaluators | None
+    evals: EvalPoints
     warm_start_items: list[TrainItem] | None
     dev_accuracy: Callable[[], float]
     fleet: Fleet | None = None
     teacher: TeacherScorer | None = None  # loss.opd's teachers
 
     def close(self) -> None:
+        self.evals.close()
         self.rollout.close()
         if isinstance(self.sync, FleetSync):
             self.sync.close()
@@ -158,34 +161,19 @@ def wire(
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    def evaluator_for(data_cfg: DataSourceConfig) -> Evaluator:
-        return build_evaluator(cfg, data_cfg, rewards.fn, tokenizer, decode, device)
-
     warm = cfg.warm_start
-    dev_evaluator = evaluator_for(warm.dev_data) if warm.enabled else None
+    dev_evaluator = build_evaluator(cfg, warm.dev_data, rewards.fn, tokenizer, decode, device)
 
     def dev_accuracy() -> float:
-        assert dev_evaluator is not None
         sync.push(int(engine.weight_version) + 1)  # every weight change is a new version
         return dev_evaluator.run(engine)["eval/accuracy"]
 
     data = training_prompts(cfg, tokenizer)
-    evaluator: Evaluator | AdapterEvaluators | None = None
-    if cfg.eval.interval_steps > 0 and cfg.model.lora.adapters:
-        evaluator = adapter_evaluators(cfg, rewards.fn, tokenizer, decode, device)
-    elif cfg.eval.interval_steps > 0:
-        evaluator = evaluator_for(cfg.eval.data)
-    rollout: RolloutSource
-    parts = (cfg.rollout, data, rewards, device, ledger)
-    agent_fn = agent_function(cfg)
-    if cfg.mode == "fully_async":
-        rollout = AsyncRollout(*parts, fleet=fleet, decode=decode, agent_fn=agent_fn)
-    elif agent_fn is not None:
-        rollout = AgentRollout(*parts, fleet=fleet, agent_fn=agent_fn)
-    elif cfg.rollout.function:
-        rollout = FunctionRollout(*parts, engine=engine, decode=decode)
-    else:
-        rollout = EngineRollout(*parts, engine=engine, decode=decode)
+    adapters = cfg.eval.interval_steps > 0 and cfg.model.lora.adapters
+    evaluator = adapter_evaluators(cfg, rewards.fn, tokenizer, decode, device) if adapters else None
+    rollout = rollout_source(
+        cfg, (cfg.rollout, data, rewards, device, ledger), engine, fleet, decode
+    )
     checkpointer = Checkpointer(
         cfg.checkpoint,
         run_dir,
@@ -194,6 +182,20 @@ def wire(
         data_state=rollout.data_state,
         load_data_state=data.load_state_dict,
         engine_generator=engine.generator if isinstance(engine, Scheduler) else None,
+    )
+    evals = build_eval_points(
+        cfg,
+        run_dir,
+        policy=policy,
+        tokenizer=tokenizer,
+        decode=decode,
+        device=device,
+        engine_dtype=compute_dtype(cfg.trainer.dtype, device),
+        rollout_reward_fn=rewards.fn,
+        engine=engine,
+        paused=rollout.paused,
+        checkpoint_due=lambda step, last: checkpointer.due(step, last=last),
+        shared=evaluator,
     )
     return Run(
         cfg=cfg,
@@ -206,13 +208,32 @@ def wire(
         rewards=rewards,
         ledger=ledger,
         checkpointer=checkpointer,
-        evaluator=evaluator,
+        evals=evals,
         warm_start_items=load_examples(warm.data, warm.format, tokenizer, eos_ids[0])[0]
         if warm.enabled
         else None,
         dev_accuracy=dev_accuracy,
         fleet=fleet,
     )
+
+
+def rollout_source(
+    cfg: RunConfig,
+    parts: tuple,
+    engine: Generator,
+    fleet: Fleet | None,
+    decode: Callable[[list[int]], str],
+) -> RolloutSource:
+    """Where the run's groups come from: the fully async worker, an agent (or environment) on
+    sessions, the rollout function, or the engine's batched generation."""
+    agent_fn = agent_function(cfg)
+    if cfg.mode == "fully_async":
+        return AsyncRollout(*parts, fleet=fleet, decode=decode, agent_fn=agent_fn)
+    if agent_fn is not None:
+        return AgentRollout(*parts, fleet=fleet, agent_fn=agent_fn)
+    if cfg.rollout.function:
+        return FunctionRollout(*parts, engine=engine, decode=decode)
+    return EngineRollout(*parts, engine=engine, decode=decode)
 
 
 def agent_function(cfg: RunConfig) -> AgentFunction | None:
@@ -260,17 +281,21 @@ def build_evaluator(
     *,
     adapter: str | None = None,
 ) -> Evaluator:
-    """Greedy evaluation of `data_cfg`'s prompts, scored by `eval.reward` (else the rollout's
-    reward); with `adapter`, generated with that LoRA adapter (`eval/<adapter>/...`)."""
-    if cfg.eval.reward:
-        fn, field = load_reward_fn(cfg.eval.reward, field="eval.reward"), "eval.reward"
-    else:
-        fn, field = rollout_reward_fn, "rollout.reward (in eval)"
+    """Greedy evaluation of `data_cfg`'s prompts with the default set's options, scored by
+    `eval.reward` (else the rollout's reward); with `adapter`, generated with that LoRA adapter
+    (`eval/<adapter>/...`)."""
     rows = None if adapter is None else adapter_rows({adapter: data_cfg})[1]
-    prompts = DataSource(data_cfg, tokenizer, n_samples_per_prompt=1, seed=cfg.seed, rows=rows)
-    scorer = RewardScorer(fn, timeout_s=cfg.rollout.reward_timeout_s, field=field)
-    prefix = "eval" if adapter is None else f"eval/{adapter}"
-    return Evaluator(cfg.eval, prompts.prompts_in_order(), scorer, decode, device, prefix)
+    return set_evaluator(
+        default_set(cfg.eval, data_cfg),
+        rollout_reward_fn,
+        tokenizer,
+        decode,
+        device,
+        seed=cfg.seed,
+        reward_timeout_s=cfg.rollout.reward_timeout_s,
+        prefix="eval" if adapter is None else f"eval/{adapter}",
+        rows=rows,
+    )
 
 
 def adapter_evaluators(
@@ -279,11 +304,11 @@ def adapter_evaluators(
     tokenizer: PreTrainedTokenizerBase,
     decode: Callable[[list[int]], str],
     device: torch.device,
-) -> AdapterEvaluators:
+) -> SetEvaluators:
     """Multi-LoRA: every adapter with `eval_data`, on its prompts with its reward (of the
     rollout's `AdapterRewards`)."""
     assert isinstance(rewards, AdapterRewards)
-    return AdapterEvaluators(
+    return SetEvaluators(
         {
             a.name: build_evaluator(
                 cfg, a.eval_data, rewards.fns[a.name], tokenizer, decode, device, adapter=a.name

@@ -63,6 +63,8 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
                 version = rl_step(cfg, run, log, step, version)
                 run.ledger.step = step + 1
             run.ledger.record_pending(run.rollout.data_state()["returned"])
+            for record in run.evals.finished(wait=True):  # pending evaluations drain at exit
+                log.log(record)
         log.info(f"done: {cfg.num_steps} steps; checkpoints in {run_dir / 'checkpoints'}")
     finally:
         run.close()
@@ -93,8 +95,8 @@ def begin(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, versio
     version = int(run.engine.weight_version) + 1  # after the warm start's versions, if any
     run.sync.push(version)
     first["weight_version"] = version
-    if run.evaluator is not None:
-        first |= run.evaluator.run(run.engine)
+    if run.evals.due(0):
+        first |= run.evals.at_step(0, version)
     log.log(first)
     return version
 
@@ -125,9 +127,9 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
     if run.fleet is not None:
         metrics |= run.fleet.fault_metrics()
     last = step == cfg.num_steps
-    if run.evaluator is not None and (last or step % cfg.eval.interval_steps == 0):
+    if run.evals.due(step, last=last):
         with timer("eval"):
-            metrics |= run.evaluator.run(run.engine)
+            metrics |= run.evals.at_step(step, version, last=last)
     checkpoint = run.checkpointer.due(step, last=last)
     if checkpoint:
         with timer("checkpoint"):
@@ -138,6 +140,8 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
     )
     if checkpoint:  # after the record: a crash before the commit resumes before this step
         run.checkpointer.commit(step)
+    for record in run.evals.finished():  # snapshot evaluations, at the steps they measured
+        log.log(record)
     return version
 
 

@@ -10,9 +10,10 @@ what the inner ones do): `RolloutFunction` (`rollout.function`), `GenerateFuncti
 (`rollout.generate_function`), `AgentFunction` (`rollout.agent_function`); and beside them
 `RewardFunction` (`rollout.reward`, `eval.reward`), `GroupRewardFunction`
 (`rollout.group_reward`), `SampleFilter` (`rollout.filter`), `Buffer` (`rollout.buffer`),
-`AdvantageEstimator` (`loss.advantage_estimator`) and `PolicyLoss` (`loss.policy_loss`).
-`EngineClient` and `WeightTransport` are the contracts between the trainer and its engines;
-`EvalFunction` is a contract no config field loads yet.
+`AdvantageEstimator` (`loss.advantage_estimator`), `PolicyLoss` (`loss.policy_loss`) and
+`CheckpointEvalFunction` (`eval.function`, which may raise `EvalSkip`). `EngineClient` and
+`WeightTransport` are the contracts between the trainer and its engines; `EvalFunction` is a
+contract no config field loads yet.
 
 Callable contracts take their arguments positionally (`/`): a plug-in may name them as it
 likes. This module imports only leaf modules (`verst.types`, the engine's request records and
@@ -240,6 +241,32 @@ class EvalFunction(Protocol):
         reward: RewardFunction,
         /,
     ) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """What an external evaluation is asked to measure: the snapshot of `step`, holding weight
+    version `weight_version`, on the run's evaluation sets (`eval.sets` as plain dicts)."""
+
+    step: int
+    weight_version: int
+    sets: list[dict[str, Any]]
+
+
+class EvalSkip(Exception):  # noqa: N818 (the name users raise, as in Miles)
+    """Raised by an evaluation to skip its point: logged as `eval/skipped_<reason>`."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+
+
+class CheckpointEvalFunction(Protocol):
+    """Scores a saved snapshot (`eval.function`, mode `external`): an HF model directory with a
+    `.complete` marker; returns flat scores (names without the `eval/` prefix are given it), or
+    raises `EvalSkip(reason)`. Runs on a thread of its own, never on the trainer's."""
+
+    def __call__(self, checkpoint_dir: str, request: EvalRequest, /) -> dict[str, float]: ...
 
 
 # ---- the data buffer of fully asynchronous RL ---------------------------------------------------

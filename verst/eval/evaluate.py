@@ -1,8 +1,14 @@
-"""Held-out evaluation on the rollout engine: accuracy = mean reward over a fixed prompt set.
+"""Held-out evaluation on an engine: each evaluation set's prompts, sampled and scored.
 
-The prompt set is read once, in file order, and never shuffled, so every measurement of a run
-(and of runs with other seeds) scores the same prompts. Each rank scores its slice; the result
-is summed over ranks.
+Each set's prompts are read once, in file order, and never shuffled, so every measurement of a
+run (and of runs with other seeds) scores the same prompts. In the loop (`eval.mode: shared`)
+each rank scores its slice and the sums are added over ranks; a snapshot evaluation
+(`verst.eval.points`) runs on rank 0 alone and scores every prompt (`sharded=False`).
+
+Metrics (`verst.eval.scores`): `eval/accuracy` (mean@k), `eval/pass@k`, `eval/num_prompts`,
+`eval/response_len_mean`, `eval/weight_version/mean`, `eval/mixed_version_ratio` for the default
+set; `eval/<set>/...` for each named set, and then `eval/accuracy` is the mean over all sets'
+samples.
 """
 
 from __future__ import annotations
@@ -10,79 +16,59 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from pydantic import Field, field_validator
 
 from verst import distributed
-from verst.configbase import ConfigBase
-from verst.data.source import DataSourceConfig
 from verst.engine import SamplingParams
+from verst.eval.scores import group_sums, set_metrics
 from verst.plugins import Generator
 from verst.rollout.generate import generate_groups
-from verst.rollout.rewards import RewardScorer, load_reward_fn
+from verst.rollout.rewards import RewardScorer
 from verst.types import Sample
-
-
-class EvalConfig(ConfigBase):
-    interval_steps: int = Field(
-        0,
-        ge=0,
-        description="evaluate every N RL steps, before the first and after the last; 0 = never",
-    )
-    data: DataSourceConfig = Field(
-        default_factory=lambda: DataSourceConfig(task="addition", split="test", shuffle=False),
-        description="held-out prompts",
-    )
-    max_new_tokens: int = Field(256, ge=1, description="response length limit for evaluation")
-    temperature: float = Field(0.0, ge=0, description="evaluation temperature; 0 = greedy")
-    reward: str | None = Field(
-        None, description="reward function for scoring; unset = the rollout's reward"
-    )
-
-    @field_validator("reward")
-    @classmethod
-    def _reward_importable(cls, value: str | None) -> str | None:
-        if value is not None:
-            load_reward_fn(value, field="eval.reward")
-        return value
 
 
 class Evaluator:
     def __init__(
         self,
-        cfg: EvalConfig,
+        params: SamplingParams,
+        n_samples: int,
         prompts: list[Sample],
         rewards: RewardScorer,
         decode: Callable[[list[int]], str],
         device: torch.device,
         prefix: str = "eval",
+        *,
+        sharded: bool = True,
     ) -> None:
-        """`prefix`: of the metric names (`eval/<adapter>` for an adapter of multi-LoRA)."""
+        """`prefix`: of the metric names (`eval/<set>`, `eval/<adapter>` for multi-LoRA);
+        `sharded`: each rank scores its slice and every rank calls `run` together."""
         self.prefix = prefix
-        self.params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
-        self.prompts = prompts[distributed.rank() :: distributed.world_size()]
+        self.params = params
+        self.n_samples = n_samples
+        self.sharded = sharded
+        self.prompts = (
+            prompts[distributed.rank() :: distributed.world_size()] if sharded else prompts
+        )
         self.rewards = rewards
         self.decode = decode
         self.device = device
 
     def run(self, engine: Generator) -> dict[str, float]:
-        groups = [[prompt.clone_prompt(0)] for prompt in self.prompts]
+        groups = [
+            [prompt.clone_prompt(i) for i in range(self.n_samples)] for prompt in self.prompts
+        ]
         generate_groups(engine, self.decode, groups, self.params)
         self.rewards.score_groups(groups)
-        rewards = [group[0].reward or 0.0 for group in groups]
-        lengths = [group[0].response_length for group in groups]
-        total, count, length_sum = distributed.all_reduce_sum(
-            [sum(rewards), float(len(rewards)), float(sum(lengths))], self.device
-        )
-        return {
-            f"{self.prefix}/accuracy": total / max(count, 1.0),
-            f"{self.prefix}/response_len_mean": length_sum / max(count, 1.0),
-            f"{self.prefix}/num_prompts": count,
-        }
+        sums = group_sums(groups, self.n_samples)
+        if self.sharded:
+            sums = dict(
+                zip(sums, distributed.all_reduce_sum(list(sums.values()), self.device), strict=True)
+            )
+        return set_metrics(sums, self.prefix)
 
 
-class AdapterEvaluators:
-    """Multi-LoRA: each adapter evaluated on its own held-out prompts with its own reward
-    (`eval/<name>/...`), and `eval/accuracy`, the mean over all their prompts."""
+class SetEvaluators:
+    """Several named evaluators (`eval/<name>/...`, multi-LoRA's adapters among them), and
+    `eval/accuracy`, `eval/weight_version/mean`, `eval/mixed_version_ratio` over all of them."""
 
     def __init__(self, evaluators: dict[str, Evaluator]) -> None:
         self.evaluators = evaluators
@@ -91,10 +77,25 @@ class AdapterEvaluators:
         metrics: dict[str, float] = {}
         for evaluator in self.evaluators.values():
             metrics |= evaluator.run(engine)
-        counts = {name: metrics[f"eval/{name}/num_prompts"] for name in self.evaluators}
-        total = sum(counts.values())
-        metrics["eval/accuracy"] = (
-            sum(metrics[f"eval/{name}/accuracy"] * n for name, n in counts.items()) / total
-        )
-        metrics["eval/num_prompts"] = total
+        weights = {
+            name: metrics[f"eval/{name}/num_prompts"] * e.n_samples
+            for name, e in self.evaluators.items()
+        }
+        total = sum(weights.values()) or 1.0
+        for key in ("accuracy", "weight_version/mean", "mixed_version_ratio"):
+            metrics[f"eval/{key}"] = (
+                sum(metrics[f"eval/{name}/{key}"] * w for name, w in weights.items()) / total
+            )
+        metrics["eval/num_prompts"] = sum(metrics[f"eval/{n}/num_prompts"] for n in weights)
         return metrics
+
+
+def invalid_reason(metrics: dict[str, float], version: int) -> str | None:
+    """Why a point does not measure weight version `version` alone, or None when it does."""
+    mixed = metrics.get("eval/mixed_version_ratio", 0.0)
+    mean = metrics.get("eval/weight_version/mean", float(version))
+    if mixed > 0:
+        return f"{mixed:.0%} of its samples were generated by more than one weight version"
+    if abs(mean - version) > 1e-9:
+        return f"its samples' mean weight version is {mean}, not {version}"
+    return None

@@ -256,6 +256,7 @@ class RolloutWorker:
         self._main: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._stopped = False
+        self._paused = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -288,6 +289,17 @@ class RolloutWorker:
             raise RolloutWorkerError(f"the rollout worker failed: {self._failure!r}") from (
                 self._failure
             )
+
+    async def pause(self) -> None:
+        """Start no new group and return once every trajectory in flight has finished (its
+        group then goes into the buffer as usual): the engines are idle for an evaluation."""
+        self._paused = True
+        while self._slots.generating and not (self._main is None or self._main.done()):
+            await asyncio.sleep(0.01)
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._poke()
 
     async def __aenter__(self) -> RolloutWorker:
         await self.start()
@@ -399,7 +411,7 @@ class RolloutWorker:
         while True:
             if self._failure is not None:
                 raise self._failure
-            if self._slots.may_start():
+            if not self._paused and self._slots.may_start():
                 self._launch()
                 continue
             self._wake.clear()

@@ -22,10 +22,11 @@ goes into the prompt ledger (`verst.rollout.ledger`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -86,6 +87,11 @@ class RolloutSource(Protocol):
 
     def data_state(self) -> dict[str, Any]:
         """The data source's state for a checkpoint, with every prompt the source holds."""
+        ...
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Hold generation still (for an evaluation on the same engines): none starts, the
+        trajectories in flight finish first."""
         ...
 
     def close(self) -> None: ...
@@ -182,6 +188,10 @@ class _StepRollout(ABC):
 
     def data_state(self) -> dict[str, Any]:
         return self.data.state_dict()
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing generates between steps."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:  # noqa: B027 (a hook: only AgentRollout holds a loop)
         """Nothing to stop unless a subclass holds a loop."""
@@ -452,6 +462,18 @@ class AsyncRollout:
         return self.fleet.loop.call(
             lambda: self.data.state_dict(pending=worker.unconsumed_prompts())
         )
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        worker = self.worker
+        if worker is None or self.fleet is None:
+            yield
+            return
+        self.fleet.wait(worker.pause())
+        try:
+            yield
+        finally:
+            self.fleet.wait(worker.resume())
 
     def close(self) -> None:
         worker, self.worker = self.worker, None

@@ -7,6 +7,8 @@ written to `step_000042.partial/` and renamed when complete, so a crash never le
 checkpoint that `--resume` would pick up; a save that fails (a full disk) removes its partial
 directory and raises `RunDirError` naming the checkpoint, and the previous checkpoints stay.
 A partial directory left by a process that died mid-save is removed when the run resumes.
+A committed checkpoint holds an empty `.complete` marker, for readers in other threads or
+processes (a snapshot evaluation) that must not read it before it is whole.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from verst.rollout.ledger import LEDGER_FILE, undo_after
 from verst.rundir import writing
 
 STATE_FILE = "trainer_state.pt"
+COMPLETE_MARKER = ".complete"  # written last: the directory is whole (a snapshot evaluation waits)
 CHECKPOINT_NAME = re.compile(r"step_\d+")
 
 
@@ -97,6 +100,7 @@ def commit_checkpoint(run_dir: Path, step: int, *, keep_last: int) -> Path:
         with writing(final):
             shutil.rmtree(final, ignore_errors=True)
             partial_dir(final).rename(final)
+            (final / COMPLETE_MARKER).touch()
             for old in list_checkpoints(run_dir)[:-keep_last]:
                 shutil.rmtree(old)
     distributed.barrier()
