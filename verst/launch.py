@@ -18,7 +18,7 @@ import copy
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
 from verst.models.lora import POLICY_ADAPTER, apply_lora
+from verst.monitor.engine_stats import EngineSampler
 from verst.plugins import Generator, RewardFunction
 from verst.rollout.ledger import LEDGER_FILE, Ledger
 from verst.rollout.rewards import AdapterRewards, RewardScorer, load_reward_fn
@@ -66,6 +67,7 @@ class Run:
     dev_accuracy: Callable[[], float]
     fleet: Fleet | None = None
     teacher: TeacherScorer | None = None  # loss.opd's teachers
+    engine_stats: EngineSampler = field(default_factory=lambda: EngineSampler(dict))
 
     def close(self) -> None:
         self.rollout.close()
@@ -200,6 +202,7 @@ def wire(
         else None,
         dev_accuracy=dev_accuracy,
         fleet=fleet,
+        engine_stats=EngineSampler.for_engine(engine, fleet),
     )
 
 

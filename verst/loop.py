@@ -124,6 +124,7 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
     metrics |= run.rollout.metrics(groups)
     if run.fleet is not None:
         metrics |= run.fleet.fault_metrics()
+    metrics |= run.engine_stats.sample()
     last = step == cfg.num_steps
     if run.evaluator is not None and (last or step % cfg.eval.interval_steps == 0):
         with timer("eval"):
