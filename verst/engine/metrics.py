@@ -142,62 +142,77 @@ class EngineMetrics:
         queued: Callable[[], int],
         weight_version: Callable[[], int | str],
     ) -> None:
-        self.model_name = model_name  # the `model_name` label; `verst serve` sets its served name
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        r.register(
             SchedulerCollector(
                 scheduler,
-                model_name=lambda: self.model_name,
+                model_name=lambda: self._model_name,
                 queued=queued,
                 weight_version=weight_version,
             )
         )
-        r = self.registry
-        self.requests = Counter("sglang:num_requests", "Requests answered.", LABELS, registry=r)
-        self.aborted = Counter(
+        self._requests = Counter("sglang:num_requests", "Requests answered.", LABELS, registry=r)
+        self._aborted = Counter(
             "sglang:num_aborted_requests", "Requests answered with an abort.", LABELS, registry=r
         )
-        self.ttft = Histogram(
+        self._ttft = Histogram(
             "sglang:time_to_first_token_seconds",
             "Time from arrival to the first output token.",
             LABELS,
             registry=r,
             buckets=TTFT_BUCKETS_S,
         )
-        self.e2e = Histogram(
+        self._e2e = Histogram(
             "sglang:e2e_request_latency_seconds",
             "Time from arrival to the answer.",
             LABELS,
             registry=r,
             buckets=E2E_BUCKETS_S,
         )
-        self.itl = Histogram(
+        self._itl = Histogram(
             "verst:request_inter_token_latency_seconds",
             "Each request's mean time between two output tokens (requests of 2+ tokens).",
             LABELS,
             registry=r,
             buckets=ITL_BUCKETS_S,
         )
+        self._model_name = ""
+        self.model_name = model_name
+
+    @property
+    def model_name(self) -> str:
+        """The `model_name` label; `verst serve` sets its served name before it serves."""
+        return self._model_name
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        parents = (self._requests, self._aborted, self._ttft, self._e2e, self._itl)
+        if self._model_name and name != self._model_name:
+            for parent in parents:
+                parent.remove(self._model_name)  # renamed before serving: nothing is lost
+        # children made now show zeros before the first request, as scrapers expect
+        self.requests, self.aborted, self.ttft, self.e2e, self.itl = (
+            parent.labels(name) for parent in parents
+        )
+        self._model_name = name
 
     def observe_finished(self, out: GenerateOutput, submitted_s: float, done_s: float) -> None:
         """A request the scheduler returned (finished, or aborted for want of KV pages)."""
-        name = self.model_name
-        self.requests.labels(name).inc()
+        self.requests.inc()
         if out.finish_reason == FINISH_ABORT:
-            self.aborted.labels(name).inc()
-        self.e2e.labels(name).observe(done_s - submitted_s)
+            self.aborted.inc()
+        self.e2e.observe(done_s - submitted_s)
         first = out.first_token_s
         if first is not None:
-            self.ttft.labels(name).observe(max(first - submitted_s, 0.0))
+            self.ttft.observe(max(first - submitted_s, 0.0))
             if out.completion_tokens > 1:
-                self.itl.labels(name).observe((done_s - first) / (out.completion_tokens - 1))
+                self.itl.observe((done_s - first) / (out.completion_tokens - 1))
 
     def observe_aborted(self, submitted_s: float, done_s: float) -> None:
         """A request answered with an abort by the serving engine (`abort`, a pause)."""
-        name = self.model_name
-        self.requests.labels(name).inc()
-        self.aborted.labels(name).inc()
-        self.e2e.labels(name).observe(done_s - submitted_s)
+        self.requests.inc()
+        self.aborted.inc()
+        self.e2e.observe(done_s - submitted_s)
 
     def families(self) -> list[Metric]:
         return list(self.registry.collect())

@@ -45,6 +45,7 @@ COUNTERS = {  # engine/<key>: the step's increase of the counter
     "requests": "sglang:num_requests_total",
     "aborted_requests": "sglang:num_aborted_requests_total",
     "retractions": "verst:retractions_total",
+    "scheduler_requests": "verst:scheduler_requests_total",
 }
 MEANS = {  # engine/<key>: the step's mean, from a histogram's _sum and _count
     "ttft_mean_s": "sglang:time_to_first_token_seconds",
