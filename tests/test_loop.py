@@ -61,6 +61,12 @@ def test_smoke_run_writes_metrics_checkpoints_and_config(tmp_path: Path) -> None
     # the warm start's two dev checks installed versions 1 and 2
     assert [r["weight_version"] for r in rows] == [3, 4, 5, 6, 7]
     assert all("eval/accuracy" in rows[i] for i in (2, 4))
+    # the embedded engine's metrics: steps 2 and 4 follow a step without eval, so they count
+    # exactly the rollout's 4 x 4 requests
+    for row in (rows[2], rows[4]):
+        assert row["engine/scheduler_requests"] == 16
+        assert row["engine/generation_tokens"] == round(16 * row["rollout/response_len_mean"])
+    assert all(r["engine/weight_version"] == r["weight_version"] for r in rows[1:])
     # every phase of a step is timed; eval and checkpoint only on the steps that ran them
     phases = ("rollout", "reward", "advantages", "train", "sync")
     for row in rows[1:]:

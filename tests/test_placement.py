@@ -125,6 +125,10 @@ def test_engine_processes_train_end_to_end(tmp_path: Path, overrides: list[str])
         # the engines' log-probs are the trainer's: the transport delivered its weights
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-5
         assert row["sync/resent_engines"] == 0
+        # each engine process's GET /metrics, sampled into the step's record
+        assert row["engine/sampled_engines"] == row["fault/serving_engines"]
+        assert row["engine/weight_version"] == row["weight_version"]
+        assert row["engine/requests"] > 0 and row["engine/e2e_latency_mean_s"] > 0
 
 
 def test_pause_mode_defaults_to_in_place_only_when_fully_async() -> None:

@@ -18,7 +18,7 @@ import copy
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
 from verst.models.lora import POLICY_ADAPTER, apply_lora
+from verst.monitor.engine_stats import EngineSampler
 from verst.plugins import AgentFunction, Generator, RewardFunction
 from verst.rollout.agent import load_agent_fn
 from verst.rollout.ledger import LEDGER_FILE, Ledger
@@ -76,6 +77,7 @@ class Run:
     dev_accuracy: Callable[[], float]
     fleet: Fleet | None = None
     teacher: TeacherScorer | None = None  # loss.opd's teachers
+    engine_stats: EngineSampler = field(default_factory=lambda: EngineSampler(dict))
 
     def close(self) -> None:
         self.evals.close()
@@ -214,6 +216,7 @@ def wire(
         else None,
         dev_accuracy=dev_accuracy,
         fleet=fleet,
+        engine_stats=EngineSampler.for_engine(engine, fleet),
     )
 
 

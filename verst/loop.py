@@ -126,6 +126,7 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
     metrics |= run.rollout.metrics(groups)
     if run.fleet is not None:
         metrics |= run.fleet.fault_metrics()
+    metrics |= run.engine_stats.sample()
     last = step == cfg.num_steps
     if run.evals.due(step, last=last):
         with timer("eval"):

@@ -28,13 +28,16 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, runtime_checkable
 
 import torch
 
 from verst.engine.requests import GenerateOutput, GenerateRequest
 from verst.engine.sampling import SamplingParams
 from verst.types import Group, Sample
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 Decode = Callable[[list[int]], str]
 """Token ids -> text (the tokenizer's decode, skipping special tokens)."""
@@ -341,6 +344,11 @@ class EngineClient(Protocol):
 
     async def get_load(self) -> dict[str, Any]:
         """SGLang's `/v1/loads` body: `{"timestamp", "version", "loads": [per DP rank]}`."""
+        ...
+
+    async def metric_families(self) -> list[Metric]:
+        """The engine's Prometheus metrics (`GET /metrics`), parsed: verst's and SGLang's use
+        SGLang's names (docs/engine_protocol.md, "Metrics")."""
         ...
 
     async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:

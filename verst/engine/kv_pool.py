@@ -147,6 +147,24 @@ class KVPool:
             v_head_dim=v_head_dim,
         )
 
+    @classmethod
+    def for_model(
+        cls, model: torch.nn.Module, *, budget_bytes: int | None, page_size: int
+    ) -> KVPool:
+        """A pool for a loaded model, on its device in its dtype, of `budget_bytes`: by default
+        256 MiB on the CPU, half the free GPU memory on CUDA."""
+        param = next(model.parameters())
+        if budget_bytes is None:
+            on_cuda = param.device.type == "cuda"
+            budget_bytes = torch.cuda.mem_get_info()[0] // 2 if on_cuda else 256 << 20
+        return cls.from_budget(
+            model.config,
+            budget_bytes=budget_bytes,
+            page_size=page_size,
+            dtype=param.dtype,
+            device=param.device,
+        )
+
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as [slots, H, D] views, slot = page * page_size + offset; the
         last page's slots (from `scratch_slot`) belong to no one."""

@@ -41,3 +41,5 @@ class GenerateOutput:
     input_token_logprobs: list[float | None] = field(default_factory=list)
     # the weight version that produced each output token (a request can span an update)
     token_weight_versions: list[int | str] = field(default_factory=list)
+    # time.perf_counter() in the engine's process when the first output token was sampled
+    first_token_s: float | None = None

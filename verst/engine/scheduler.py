@@ -19,6 +19,7 @@ replayed from CUDA graphs, sampling on the device and one host sync a step (the 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.radix_cache import PrefixMatch, RadixCache
 from verst.engine.requests import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
 from verst.engine.sampling import sample_rows
+from verst.engine.stats import SchedulerStats
 
 FINISH_ABORT = "abort"
 ADAPTER_KEY_SHIFT = 40  # adapter uid << this, added to token ids, namespaces the prefix cache
@@ -57,6 +59,7 @@ class _Running:
     leader: _Running | None = None  # a running request prefilling this very prompt
     adapter: int | None = None  # its LoRA adapter's slot (`ModelRunner.adapters`); None: base
     cache_offset: int = 0  # added to token ids in prefix-cache keys: an adapter's KV is its own
+    first_token_s: float | None = None  # time.perf_counter() when its first token was sampled
 
     @property
     def output_ids(self) -> list[int]:
@@ -106,6 +109,7 @@ class Scheduler:
         self._finished_early: list[GenerateOutput] = []  # aborted outside a sampling step
         self._params_by_name: dict[str, torch.Tensor] | None = None
         self._has_followers = False  # some waiting request follows a prefilling one
+        self.stats = SchedulerStats()
 
     @classmethod
     def for_model(
@@ -120,17 +124,7 @@ class Scheduler:
     ) -> Scheduler:
         """A scheduler over a loaded model (its device and dtype) with a KV pool of
         `kv_cache_bytes`: by default 256 MiB on the CPU, half the free GPU memory on CUDA."""
-        param = next(model.parameters())
-        if kv_cache_bytes is None:
-            on_cuda = param.device.type == "cuda"
-            kv_cache_bytes = torch.cuda.mem_get_info()[0] // 2 if on_cuda else 256 << 20
-        pool = KVPool.from_budget(
-            model.config,
-            budget_bytes=kv_cache_bytes,
-            page_size=page_size,
-            dtype=param.dtype,
-            device=param.device,
-        )
+        pool = KVPool.for_model(model, budget_bytes=kv_cache_bytes, page_size=page_size)
         return cls(model, pool, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, **options)
 
     # --- requests -----------------------------------------------------------------------------
@@ -291,6 +285,7 @@ class Scheduler:
         """Admit, run one forward pass for every running request, sample, retire finished."""
         if self.paused is not None:
             return []
+        start_s = time.perf_counter()
         finished = self._admit()
         batch = self._plan()
         finished += self._finished_early
@@ -320,6 +315,10 @@ class Scheduler:
             # every row samples in a decode step: no copy of the logits
             whole = not forks and len(logit_rows) == len(batch)
             finished += self._sample(rows, logits_B_V if whole else logits_B_V[logit_rows])
+        now_s = time.perf_counter()  # after sampling's host sync: the tokens exist
+        for r in (*prefilled, *(f for fs in forks.values() for f in fs)):
+            r.first_token_s = r.first_token_s or now_s  # kept across a retraction's re-prefill
+        self.stats.record_step(now_s - start_s, len(rows))
         return finished
 
     def _admit(self) -> list[GenerateOutput]:
@@ -579,6 +578,7 @@ class Scheduler:
 
     def _output(self, r: _Running, reason: str) -> GenerateOutput:
         req = r.request
+        self.stats.record_request(r.prompt_length, r.cached_tokens, r.retractions)
         return GenerateOutput(
             rid=req.rid,
             output_ids=list(r.output_ids),
@@ -590,4 +590,6 @@ class Scheduler:
             cached_tokens=r.cached_tokens,
             input_token_logprobs=list(r.input_logprobs),
             token_weight_versions=list(r.token_versions),
+            # one that finishes in the step of its first token is stamped here
+            first_token_s=r.first_token_s or (time.perf_counter() if r.output_ids else None),
         )

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS
+from verst.engine.metrics import EngineMetrics
 from verst.engine.requests import GenerateOutput, GenerateRequest
 from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
 from verst.engine.sampling import SamplingParams
@@ -106,6 +107,12 @@ class ServingEngine(WeightUpdates):
         self._cond: asyncio.Condition | None = None
         self._engine_lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
+        self.metrics = EngineMetrics(
+            scheduler,
+            model_name=model_path,
+            queued=lambda: len(self._queue),
+            weight_version=lambda: self.weight_version,
+        )
 
     @classmethod
     def from_model_dir(
@@ -358,6 +365,7 @@ class ServingEngine(WeightUpdates):
                 self._resolve(dropped, self.weight_version)
 
     def _resolve(self, outputs: list[GenerateOutput], version: str) -> None:
+        done_s = time.perf_counter()
         for out in outputs:
             p = self._running.pop(out.rid, None)
             if p is None or p.future.done():
@@ -369,6 +377,7 @@ class ServingEngine(WeightUpdates):
                 p.future.set_exception(error)
             else:
                 p.future.set_result(result)
+                self.metrics.observe_finished(out, p.submitted_s, done_s)
 
     def _started(self) -> asyncio.Condition:
         if self._cond is None:
@@ -406,6 +415,7 @@ class ServingEngine(WeightUpdates):
                             p.submitted_s,
                         )
                     )
+                    self.metrics.observe_aborted(p.submitted_s, time.perf_counter())
                     count += 1
             # Callers of running requests get the abort now; the scheduler drops the requests
             # (and frees their KV) before its next step.
@@ -420,6 +430,7 @@ class ServingEngine(WeightUpdates):
                             p.submitted_s,
                         )
                     )
+                    self.metrics.observe_aborted(p.submitted_s, time.perf_counter())
                     count += 1
             self._control.append(lambda: self.scheduler.abort(rid, abort_all=abort_all))
             cond.notify_all()

@@ -10,13 +10,16 @@ Failures are `EngineError(status, body)` in both. The contract itself, `EngineCl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verst.auth import ApiKeys
 from verst.engine.server import control_api as control
 from verst.engine.server import sglang_api as protocol
 from verst.engine.server.app import CONTROL_PATHS
 from verst.engine.serving import ServingEngine
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 
 class EngineError(RuntimeError):
@@ -148,6 +151,9 @@ class InProcessEngineClient:
     async def get_load(self) -> dict[str, Any]:
         return control.loads_body(self.serving)
 
+    async def metric_families(self) -> list[Metric]:
+        return self.serving.metrics.families()
+
     async def close(self) -> None:
         if self.owns_serving:
             await self.serving.stop()
@@ -261,6 +267,17 @@ class HttpEngineClient:
 
     async def get_load(self) -> dict[str, Any]:
         return (await self._request("GET", "/v1/loads"))[1]
+
+    async def metric_families(self) -> list[Metric]:
+        """`GET /metrics` parsed (an SGLang server answers it with `--enable-metrics`)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = self.base_url + "/metrics"
+        async with self._client().get(url, headers=self.api_keys.headers()) as response:
+            text = await response.text()
+            if response.status != 200:
+                raise EngineError(response.status, text, url=url)
+        return list(text_string_to_metric_families(text))
 
     async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
         body = {"lora_name": name, "lora_path": path}

@@ -83,6 +83,7 @@ def make_app(
             "the verst HTTP server needs aiohttp: pip install 'verst[serve]'"
         ) from error
     from verst.engine.server.handlers import EngineHandlers, protocol_errors
+    from verst.engine.server.metrics_api import metrics_handler
 
     h = EngineHandlers(
         serving,
@@ -128,6 +129,7 @@ def make_app(
     routes.add_post("/unload_lora_adapter", h.unload_lora_adapter)
     routes.add_get("/get_weight_version", h.get_weight_version)
     routes.add_post("/update_weight_version", h.update_weight_version)
+    routes.add_get("/metrics", metrics_handler(serving, served_model_name))
     app.cleanup_ctx.append(h.lifecycle)
     return app
 
