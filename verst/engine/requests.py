@@ -8,6 +8,7 @@ speak these records without importing an engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from uuid import uuid4
 
@@ -25,6 +26,10 @@ class GenerateRequest:
     return_logprob: bool = True
     logprob_start_len: int = -1  # >= 0: also score the prompt from this position (no prefix cache)
     lora_path: str | None = None  # the name of a LoRA adapter the engine holds; None: the base
+    # Called with the output ids after each sampled token: the stop string or regex pattern
+    # the text now holds, ending the request (finish "stop"), or None. The serving layer
+    # builds it from the request's stop strings (`verst.engine.stop_strings`).
+    stop_check: Callable[[list[int]], str | None] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -41,3 +46,6 @@ class GenerateOutput:
     input_token_logprobs: list[float | None] = field(default_factory=list)
     # the weight version that produced each output token (a request can span an update)
     token_weight_versions: list[int | str] = field(default_factory=list)
+    # finish "stop": the stop token id (the last output id), or the stop string / regex
+    # pattern `stop_check` matched; None when the reason is not "stop"
+    matched_stop: int | str | None = None

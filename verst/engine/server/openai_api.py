@@ -24,11 +24,6 @@ from verst.engine.serving import ServingEngine
 # ---- OpenAI-compatible -----------------------------------------------------------------------
 
 OPENAI_OFF: dict[str, Any] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_tokens": 0,
-    "logit_bias": None,
     "regex": None,
     "ebnf": None,
     "json_schema": None,
@@ -36,6 +31,17 @@ OPENAI_OFF: dict[str, Any] = {
     "echo": False,
     "suffix": None,
     "best_of": None,
+}
+
+
+# OpenAI request fields passed on as SGLang sampling_params of another name (or the same).
+OPENAI_SAMPLING_NAMES = {
+    "min_tokens": "min_new_tokens",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "stop_regex": "stop_regex",
 }
 
 
@@ -144,6 +150,7 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
         "skip_special_tokens": payload.get("skip_special_tokens"),
         "no_stop_trim": payload.get("no_stop_trim"),
         "sampling_seed": payload.get("seed"),
+        **{key: payload.get(name) for name, key in OPENAI_SAMPLING_NAMES.items()},
     }
     prompts = _openai_prompts(payload, tokenizer, chat)
     lora_path = payload.get("lora_path")
@@ -160,7 +167,10 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
             parsed.append(parse_sampling_params(sampling, len(prompt), context_len))
         except ProtocolError as error:
             inner = error.body.get("error")
-            raise openai_error(inner if isinstance(inner, str) else inner["message"]) from error
+            message = inner if isinstance(inner, str) else inner["message"]
+            for name, key in OPENAI_SAMPLING_NAMES.items():
+                message = message.replace(f"sampling_params.{key}", name)
+            raise openai_error(message) from error
     n = parsed[0][2]
     base = str(payload.get("rid") or uuid.uuid4().hex)
     items = [
