@@ -14,18 +14,29 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from verst.engine.requests import GenerateRequest
 from verst.engine.sampling import RowPenalties, SamplingParams
 
 _FIRST_CAPACITY = 8  # slots, the neutral one included; doubled when full
 
 
+@dataclass
+class StepPenalties:
+    slots_B: torch.Tensor  # each row's slot (0: none)
+    rows: RowPenalties
+
+
 class PenaltySlots:
-    def __init__(self, vocab: int, device: torch.device) -> None:
+    def __init__(self, vocab: int, device: torch.device, eos_token_ids: Iterable[int] = ()) -> None:
         self.vocab = vocab
         self.device = device
+        self.eos_token_ids = set(eos_token_ids)
+        self.requests = 0  # penalized requests in the scheduler (admitted, not yet left)
+        self._slot_of: dict[int, int] = {}  # id(request) -> its slot, once it sampled
         self.capacity = 0
         self._free: list[int] = []
         self._features: dict[int, tuple[str, ...]] = {}  # held slot -> the features it uses
@@ -39,9 +50,60 @@ class PenaltySlots:
         self.stops_S_V: torch.Tensor | None = None  # bool, made for the first min_new_tokens
         self.bias_S_V: torch.Tensor | None = None  # made for the first logit_bias
 
+    @classmethod
+    def for_model(
+        cls, model: torch.nn.Module, device: torch.device, eos_token_ids: Iterable[int]
+    ) -> PenaltySlots:
+        """Rows as wide as the LM head's output: the token ids the sampler can draw."""
+        weight = getattr(model.get_output_embeddings(), "weight", None)
+        vocab = int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
+        return cls(vocab, device, eos_token_ids)
+
     @property
     def held(self) -> int:
         return len(self._features)
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def admit(self, params: SamplingParams) -> None:
+        """A request enters the scheduler; ValueError for a bias on a token the model lacks."""
+        outside = [t for t in params.logit_bias if t >= self.vocab]
+        if outside:
+            raise ValueError(
+                f"logit_bias token id {outside[0]} is outside the vocabulary [0, {self.vocab})"
+            )
+        self.requests += params.penalized
+
+    def leave(self, request: GenerateRequest) -> None:
+        """A request leaves the scheduler (finished or aborted): its slot is free again."""
+        self.requests -= request.sampling_params.penalized
+        slot = self._slot_of.pop(id(request), 0)
+        if slot:
+            self.release(slot)
+
+    def step(self, requests: list[GenerateRequest]) -> StepPenalties | None:
+        """The penalty state of one sampling call's rows; None when no row has penalties
+        (and no work at all while no penalized request is in the scheduler). A request claims
+        its slot when it first samples: queued requests hold none."""
+        if not self.requests:
+            return None
+        slots = [self._slot(r) for r in requests]
+        if not any(slots):
+            return None
+        slots_B = torch.tensor(slots, device=self.device)
+        return StepPenalties(slots_B, self.gather(slots_B))
+
+    def _slot(self, request: GenerateRequest) -> int:
+        params = request.sampling_params
+        slot = self._slot_of.get(id(request), 0)
+        if not slot and params.penalized:
+            stops = set(params.stop_token_ids) | (
+                set() if params.ignore_eos else self.eos_token_ids
+            )
+            slot = self._slot_of[id(request)] = self.claim(params, stops)
+        return slot
+
+    # --- slots --------------------------------------------------------------------------------
 
     def claim(self, params: SamplingParams, stop_ids: Iterable[int]) -> int:
         """A slot for a request about to sample its first token; `stop_ids` are the tokens that

@@ -49,3 +49,18 @@ class GenerateOutput:
     # finish "stop": the stop token id (the last output id), or the stop string / regex
     # pattern `stop_check` matched; None when the reason is not "stop"
     matched_stop: int | str | None = None
+
+
+def finish_reason(
+    request: GenerateRequest, output_ids: list[int], eos_token_ids: list[int]
+) -> tuple[str | None, int | str | None]:
+    """Whether a request ends with the token it just sampled, and what it matched: a stop token
+    (EOS unless `ignore_eos`, or one of `stop_token_ids`), a stop string or regex (its
+    `stop_check`), or its length limit ("length", None); (None, None) while it goes on."""
+    params, token = request.sampling_params, output_ids[-1]
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return FINISH_STOP, token
+    matched = request.stop_check(output_ids) if request.stop_check is not None else None
+    if matched is not None:
+        return FINISH_STOP, matched
+    return (FINISH_LENGTH if len(output_ids) >= params.max_new_tokens else None), None

@@ -31,7 +31,7 @@ from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.penalties import PenaltySlots
 from verst.engine.radix_cache import PrefixMatch, RadixCache
-from verst.engine.requests import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
+from verst.engine.requests import FINISH_LENGTH, GenerateOutput, GenerateRequest, finish_reason
 from verst.engine.sampling import sample_rows
 
 FINISH_ABORT = "abort"
@@ -58,7 +58,6 @@ class _Running:
     leader: _Running | None = None  # a running request prefilling this very prompt
     adapter: int | None = None  # its LoRA adapter's slot (`ModelRunner.adapters`); None: base
     cache_offset: int = 0  # added to token ids in prefix-cache keys: an adapter's KV is its own
-    penalty_slot: int = 0  # its row in `Scheduler.penalties` once it samples; 0: none
     matched_stop: int | str | None = None  # the stop token, string or regex that ended it
 
     @property
@@ -109,9 +108,7 @@ class Scheduler:
         self._finished_early: list[GenerateOutput] = []  # aborted outside a sampling step
         self._params_by_name: dict[str, torch.Tensor] | None = None
         self._has_followers = False  # some waiting request follows a prefilling one
-        self.vocab = logits_width(model)
-        self.penalties = PenaltySlots(self.vocab, self.device)
-        self._penalized = 0  # requests in the scheduler whose sampling params are penalized
+        self.penalties = PenaltySlots.for_model(model, self.device, self.eos_token_ids)
 
     @classmethod
     def for_model(
@@ -150,11 +147,6 @@ class Scheduler:
                 f"logprob_start_len {request.logprob_start_len} must be below the prompt "
                 f"length {len(request.input_ids)} (rid {request.rid})"
             )
-        outside = [t for t in request.sampling_params.logit_bias if t >= self.vocab]
-        if outside:
-            raise ValueError(
-                f"logit_bias token id {outside[0]} is outside the vocabulary [0, {self.vocab})"
-            )
         r = _Running(request, list(request.input_ids), prompt_length=len(request.input_ids))
         if request.lora_path is not None:
             held = self.adapter_registry().slot(request.lora_path)
@@ -163,7 +155,7 @@ class Scheduler:
         if seed is not None:
             r.generator = torch.Generator(device=self.device)
             r.generator.manual_seed(seed)
-        self._penalized += request.sampling_params.penalized
+        self.penalties.admit(request.sampling_params)
         self.waiting.append(r)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
@@ -541,55 +533,25 @@ class Scheduler:
                 r.input_logprobs.append(float(logprobs_T_V[offset, r.tokens[target]]))
 
     def _sample(self, rows: list[_Running], logits_B_V: torch.Tensor) -> list[GenerateOutput]:
-        slots_B = penalties = None
-        if self._penalized:  # else no row has penalties: no per-row work at all
-            slots = [self._penalty_slot(r) for r in rows]
-            if any(slots):
-                slots_B = torch.tensor(slots, device=self.device)
-                penalties = self.penalties.gather(slots_B)
+        penalties = self.penalties.step([r.request for r in rows])
         tokens_B, logprobs_B = sample_rows(
             logits_B_V,
             [r.request.sampling_params for r in rows],
             [r.generator for r in rows],
             self.generator,
-            penalties,
+            None if penalties is None else penalties.rows,
         )
-        if slots_B is not None:  # on the device, before the step's one host sync
-            self.penalties.record(slots_B, tokens_B)
+        if penalties is not None:  # on the device, before the step's one host sync
+            self.penalties.record(penalties.slots_B, tokens_B)
         finished = []
         for r, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
             r.tokens.append(token)
             r.output_logprobs.append(logprob)
             r.token_versions.append(self.weight_version)
-            reason = self._finish_reason(r, token)
+            reason, r.matched_stop = finish_reason(r.request, r.output_ids, self.eos_token_ids)
             if reason is not None:
                 finished.append(self._finish(r, reason))
         return finished
-
-    def _stop_ids(self, r: _Running) -> set[int]:
-        p = r.request.sampling_params
-        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-
-    def _finish_reason(self, r: _Running, token: int) -> str | None:
-        """Whether r ends with the token it just sampled: a stop token, a stop string or
-        regex (the request's `stop_check`), or its length limit."""
-        if token in self._stop_ids(r):
-            r.matched_stop = token
-            return FINISH_STOP
-        check = r.request.stop_check
-        if check is not None:
-            matched = check(r.output_ids)
-            if matched is not None:
-                r.matched_stop = matched
-                return FINISH_STOP
-        return FINISH_LENGTH if self._remaining(r) <= 0 else None
-
-    def _penalty_slot(self, r: _Running) -> int:
-        """r's row of penalty state, claimed when it first samples (a queued request holds
-        none); 0 for a request without penalties."""
-        if not r.penalty_slot and r.request.sampling_params.penalized:
-            r.penalty_slot = self.penalties.claim(r.request.sampling_params, self._stop_ids(r))
-        return r.penalty_slot
 
     def _finish(self, r: _Running, reason: str) -> GenerateOutput:
         self.running.remove(r)
@@ -620,12 +582,8 @@ class Scheduler:
         self.waiting.appendleft(r)
 
     def _output(self, r: _Running, reason: str) -> GenerateOutput:
-        """r's output; r leaves the scheduler (every way out comes here once)."""
         req = r.request
-        self._penalized -= req.sampling_params.penalized
-        if r.penalty_slot:
-            self.penalties.release(r.penalty_slot)
-            r.penalty_slot = 0
+        self.penalties.leave(req)  # every way out of the scheduler comes here, once
         return GenerateOutput(
             rid=req.rid,
             output_ids=list(r.output_ids),
@@ -637,14 +595,5 @@ class Scheduler:
             cached_tokens=r.cached_tokens,
             input_token_logprobs=list(r.input_logprobs),
             token_weight_versions=list(r.token_versions),
-            matched_stop=r.matched_stop if reason == FINISH_STOP else None,
+            matched_stop=r.matched_stop,  # set only by the step that ends r with a stop
         )
-
-
-def logits_width(model: torch.nn.Module) -> int:
-    """The rows of the LM head: the token ids the sampler can draw (and bias)."""
-    head = model.get_output_embeddings()
-    weight = getattr(head, "weight", None)
-    if weight is not None:
-        return int(weight.shape[0])
-    return int(model.config.vocab_size)

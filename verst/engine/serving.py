@@ -291,7 +291,7 @@ class ServingEngine(WeightUpdates):
         if self.vocab_size and (min(input_ids) < 0 or max(input_ids) >= self.vocab_size):
             bad = next(t for t in input_ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        vocab = self.scheduler.vocab
+        vocab = self.scheduler.penalties.vocab
         outside = [t for t in params.logit_bias if t >= vocab]
         if outside:
             raise ValueError(

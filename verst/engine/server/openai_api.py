@@ -15,9 +15,11 @@ from verst.engine.server.sglang_api import (
     GenerateItem,
     GenerateJob,
     ProtocolError,
+    check_job,
     openai_error,
     parse_sampling_params,
     run_job,
+    sample_params,
 )
 from verst.engine.serving import ServingEngine
 
@@ -176,7 +178,7 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
     items = [
         GenerateItem(
             prompt,
-            params,
+            sample_params(params, j),
             detok,
             rid=base if len(prompts) * n == 1 else f"{base}_{i * n + j}",
             return_logprob=logprobs,
@@ -205,6 +207,10 @@ async def run_openai(
     """An OpenAI completions / chat body → its (non-streamed) response body."""
     # Rendering and tokenizing a long prompt takes seconds: never on the event loop.
     job = await asyncio.to_thread(parse_openai, payload, tokenizer, serving.context_len, chat=chat)
+    try:
+        check_job(serving, job)
+    except ProtocolError as error:  # a token id outside the vocabulary: OpenAI's envelope
+        raise openai_error(error.body["error"]["message"]) from error
     results = await run_job(serving, job)
     choices = []
     for index, result in enumerate(results):

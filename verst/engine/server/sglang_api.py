@@ -352,6 +352,12 @@ def _lora_paths(payload: dict[str, Any], n_prompts: int) -> list[str | None]:
     return paths
 
 
+def sample_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of n samples' params: with a seed it draws from seed + j, so they differ."""
+    seed = params.sampling_seed
+    return params if seed is None else replace(params, sampling_seed=(seed + j) % SEED_LIMIT)
+
+
 def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJob:
     """A `/generate` body → one item per (prompt, sample), prompt-major."""
     if not isinstance(payload, dict):
@@ -402,14 +408,10 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
                 f"logprob_start_len ({start}) is larger than the prompt length ({len(prompt)})"
             )
         for j in range(n):
-            seed = params.sampling_seed
             items.append(
                 GenerateItem(
                     input_ids=prompt,
-                    # the j-th of n samples with a seed draws from seed + j, so they differ
-                    params=params
-                    if seed is None
-                    else replace(params, sampling_seed=(seed + j) % SEED_LIMIT),
+                    params=sample_params(params, j),
                     detokenize=detok,
                     rid=prompt_rid if n == 1 else f"{prompt_rid}_{j}",
                     return_logprob=bool(logprob),
