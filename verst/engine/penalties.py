@@ -13,12 +13,11 @@ holds a slot never comes here: the feature costs nothing when it is off.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from verst.engine.requests import GenerateRequest
 from verst.engine.sampling import RowPenalties, SamplingParams
 
 _FIRST_CAPACITY = 8  # slots, the neutral one included; doubled when full
@@ -36,7 +35,7 @@ class PenaltySlots:
         self.device = device
         self.eos_token_ids = set(eos_token_ids)
         self.requests = 0  # penalized requests in the scheduler (admitted, not yet left)
-        self._slot_of: dict[int, int] = {}  # id(request) -> its slot, once it sampled
+        self._slot_of: dict[int, int] = {}  # id(owner) -> its slot, once it sampled
         self.capacity = 0
         self._free: list[int] = []
         self._features: dict[int, tuple[str, ...]] = {}  # held slot -> the features it uses
@@ -74,33 +73,35 @@ class PenaltySlots:
             )
         self.requests += params.penalized
 
-    def leave(self, request: GenerateRequest) -> None:
-        """A request leaves the scheduler (finished or aborted): its slot is free again."""
-        self.requests -= request.sampling_params.penalized
-        slot = self._slot_of.pop(id(request), 0)
+    def leave(self, owner: object, params: SamplingParams) -> None:
+        """A request (`owner`: the scheduler's record of it, one per request in flight) leaves
+        the scheduler, finished or aborted: its slot is free again."""
+        self.requests -= params.penalized
+        slot = self._slot_of.pop(id(owner), 0)
         if slot:
             self.release(slot)
 
-    def step(self, requests: list[GenerateRequest]) -> StepPenalties | None:
+    def step(
+        self, owners: Sequence[object], params: Sequence[SamplingParams]
+    ) -> StepPenalties | None:
         """The penalty state of one sampling call's rows; None when no row has penalties
         (and no work at all while no penalized request is in the scheduler). A request claims
         its slot when it first samples: queued requests hold none."""
         if not self.requests:
             return None
-        slots = [self._slot(r) for r in requests]
+        slots = [self._slot(owner, p) for owner, p in zip(owners, params, strict=True)]
         if not any(slots):
             return None
         slots_B = torch.tensor(slots, device=self.device)
         return StepPenalties(slots_B, self.gather(slots_B))
 
-    def _slot(self, request: GenerateRequest) -> int:
-        params = request.sampling_params
-        slot = self._slot_of.get(id(request), 0)
+    def _slot(self, owner: object, params: SamplingParams) -> int:
+        slot = self._slot_of.get(id(owner), 0)
         if not slot and params.penalized:
             stops = set(params.stop_token_ids) | (
                 set() if params.ignore_eos else self.eos_token_ids
             )
-            slot = self._slot_of[id(request)] = self.claim(params, stops)
+            slot = self._slot_of[id(owner)] = self.claim(params, stops)
         return slot
 
     # --- slots --------------------------------------------------------------------------------

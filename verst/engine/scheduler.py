@@ -533,10 +533,11 @@ class Scheduler:
                 r.input_logprobs.append(float(logprobs_T_V[offset, r.tokens[target]]))
 
     def _sample(self, rows: list[_Running], logits_B_V: torch.Tensor) -> list[GenerateOutput]:
-        penalties = self.penalties.step([r.request for r in rows])
+        params = [r.request.sampling_params for r in rows]
+        penalties = self.penalties.step(rows, params)
         tokens_B, logprobs_B = sample_rows(
             logits_B_V,
-            [r.request.sampling_params for r in rows],
+            params,
             [r.generator for r in rows],
             self.generator,
             None if penalties is None else penalties.rows,
@@ -583,7 +584,7 @@ class Scheduler:
 
     def _output(self, r: _Running, reason: str) -> GenerateOutput:
         req = r.request
-        self.penalties.leave(req)  # every way out of the scheduler comes here, once
+        self.penalties.leave(r, req.sampling_params)  # every way out comes here, once
         return GenerateOutput(
             rid=req.rid,
             output_ids=list(r.output_ids),
