@@ -15,6 +15,8 @@ temperature 1, EOS ignored so every request generates exactly `--new-tokens`.
 
     python bench/engine_throughput.py                      # CPU preset
     python bench/engine_throughput.py --preset h200        # Qwen2-0.5B-shaped, bf16, CUDA
+    python bench/engine_throughput.py --penalties-ab 3 --batches 16 --threads 1 \
+        --engines --sessions 0 --staggered 0               # sampling penalties off vs on
 
 Prints tokens/s and the ratio to HF, and saves JSON.
 """
@@ -90,9 +92,64 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def requests(prompts: list[list[int]], new_tokens: int) -> list[GenerateRequest]:
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+def requests(
+    prompts: list[list[int]], new_tokens: int, **sampling: object
+) -> list[GenerateRequest]:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **sampling)
     return [GenerateRequest(input_ids=p, sampling_params=params) for p in prompts]
+
+
+# The penalties A/B: every request of the batch with these (frequency, presence and repetition
+# penalties read and scatter-update the per-request token counts; min_new_tokens and a
+# logit_bias add their masks), against none.
+PENALTY_CONFIGS = {
+    "off": {},
+    "penalties": dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1),
+    "all": dict(
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        repetition_penalty=1.1,
+        min_new_tokens=8,
+        logit_bias={11: -2.0, 12: 1.5},
+    ),
+}
+
+
+def run_penalties_ab(model, args, preset, dtype, device) -> list[dict]:
+    """Penalties off vs on, the configs alternated and each the best of `--penalties-ab` runs,
+    at every batch size, on one scheduler (warmed up at the batch's shapes first). The ratios
+    are of wall time on CUDA and of the process's CPU time on the CPU, which a machine shared
+    with other work leaves intact at one thread (the wall-clock rates are saved too)."""
+    rows = []
+    for batch in args.batches or preset["batches"]:
+        prompts = batch_prompts(model, preset, batch)
+        scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
+        warm_scheduler(scheduler, prompts, batch)
+        new = preset["new_tokens"]
+        wall = {name: float("inf") for name in PENALTY_CONFIGS}
+        cpu = dict(wall)
+        for _ in range(args.penalties_ab):
+            for name, sampling in PENALTY_CONFIGS.items():
+                start_cpu = time.process_time()
+                spent = timed(partial(cold_generate, scheduler, prompts, new, **sampling))
+                wall[name] = min(wall[name], spent)
+                cpu[name] = min(cpu[name], time.process_time() - start_cpu)
+        basis = wall if device == "cuda" else cpu
+        row = {"batch": batch, "new_tokens": new, "ratio_of": "wall" if device == "cuda" else "cpu"}
+        for name in PENALTY_CONFIGS:
+            row[f"{name}_tok_s"] = batch * new / wall[name]
+            row[f"{name}_tok_per_cpu_s"] = batch * new / cpu[name]
+            row[f"{name}_over_off"] = basis["off"] / basis[name]
+        print(
+            f"penalties A/B, batch {batch} ({row['ratio_of']} time): "
+            + " | ".join(f"{n} {batch * new / basis[n]:.1f} tok/s" for n in PENALTY_CONFIGS)
+            + "".join(
+                f" | {n}/off {row[f'{n}_over_off']:.3f}" for n in PENALTY_CONFIGS if n != "off"
+            ),
+            flush=True,
+        )
+        rows.append(row)
+    return rows
 
 
 def new_scheduler(model, dtype, device, budget_bytes: int) -> Scheduler:
@@ -109,10 +166,12 @@ def warm_scheduler(scheduler: Scheduler, prompts: list[list[int]], batch: int) -
     scheduler.generate(requests(prompts, 4))
 
 
-def cold_generate(scheduler: Scheduler, prompts: list[list[int]], new: int) -> None:
+def cold_generate(
+    scheduler: Scheduler, prompts: list[list[int]], new: int, **sampling: object
+) -> None:
     """Fresh requests on an empty prefix cache (the batch workloads measure no cache hits)."""
     scheduler.flush_cache()
-    scheduler.generate(requests(prompts, new))
+    scheduler.generate(requests(prompts, new, **sampling))
 
 
 def start_vllm(model, args, root: Path):
@@ -372,6 +431,9 @@ def main() -> None:
     )
     parser.add_argument("--arrive", type=int, default=4, help="staggered: requests per arrival")
     parser.add_argument("--arrive-every", type=int, default=6, help="staggered: steps between")
+    parser.add_argument(
+        "--penalties-ab", type=int, default=0, help="penalties off vs on: best of N (0: skip)"
+    )
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     torch.set_num_threads(args.threads)
@@ -392,6 +454,8 @@ def main() -> None:
         result["multiturn"] = run_multiturn(model, args, dtype, device)
     if args.staggered:
         result["staggered"] = run_staggered(model, args, dtype, device)
+    if args.penalties_ab:
+        result["penalties_ab"] = run_penalties_ab(model, args, preset, dtype, device)
     out = args.out or Path(__file__).parent / "results" / f"engine_throughput_{args.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

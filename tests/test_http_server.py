@@ -433,9 +433,10 @@ def test_openai_chat_and_completions(server: Server) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
     status, body, _ = server.run(
-        raw(server, "POST", "/v1/completions", {"prompt": "a", "presence_penalty": 0.5})
+        raw(server, "POST", "/v1/completions", {"prompt": "a", "presence_penalty": 2.5})
     )
     assert status == 400 and body["object"] == "error"
+    assert "presence_penalty must be in [-2, 2]" in body["message"]
 
 
 def test_generate_stream_ends_with_done(server: Server) -> None:

@@ -8,6 +8,7 @@ speak these records without importing an engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from uuid import uuid4
 
@@ -25,6 +26,10 @@ class GenerateRequest:
     return_logprob: bool = True
     logprob_start_len: int = -1  # >= 0: also score the prompt from this position (no prefix cache)
     lora_path: str | None = None  # the name of a LoRA adapter the engine holds; None: the base
+    # Called with the output ids after each sampled token: the stop string or regex pattern
+    # the text now holds, ending the request (finish "stop"), or None. The serving layer
+    # builds it from the request's stop strings (`verst.engine.stop_strings`).
+    stop_check: Callable[[list[int]], str | None] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -43,3 +48,21 @@ class GenerateOutput:
     token_weight_versions: list[int | str] = field(default_factory=list)
     # time.perf_counter() in the engine's process when the first output token was sampled
     first_token_s: float | None = None
+    # finish "stop": the stop token id (the last output id), or the stop string / regex
+    # pattern `stop_check` matched; None when the reason is not "stop"
+    matched_stop: int | str | None = None
+
+
+def finish_reason(
+    request: GenerateRequest, output_ids: list[int], eos_token_ids: list[int]
+) -> tuple[str | None, int | str | None]:
+    """Whether a request ends with the token it just sampled, and what it matched: a stop token
+    (EOS unless `ignore_eos`, or one of `stop_token_ids`), a stop string or regex (its
+    `stop_check`), or its length limit ("length", None); (None, None) while it goes on."""
+    params, token = request.sampling_params, output_ids[-1]
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return FINISH_STOP, token
+    matched = request.stop_check(output_ids) if request.stop_check is not None else None
+    if matched is not None:
+        return FINISH_STOP, matched
+    return (FINISH_LENGTH if len(output_ids) >= params.max_new_tokens else None), None

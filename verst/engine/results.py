@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verst.engine.requests import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
+from verst.engine.stop_strings import StopMatcher
 
 
 @dataclass
@@ -20,6 +21,7 @@ class DetokenizeParams:
     """How output ids become `text` (SGLang's sampling keys that act after sampling)."""
 
     stop: Sequence[str] = ()
+    stop_regex: Sequence[str] = ()
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -59,6 +61,13 @@ class ResultShaper:
             spaces_between_special_tokens=opts.spaces_between_special_tokens,
         )
 
+    def stop_matcher(self, opts: DetokenizeParams) -> StopMatcher | None:
+        """The request's stop strings and regexes over its text as `opts` decodes it; None
+        when it has none."""
+        if not opts.stop and not opts.stop_regex:
+            return None
+        return StopMatcher(opts.stop, opts.stop_regex, lambda ids: self._decode(ids, opts))
+
     def finished(
         self,
         request: GenerateRequest,
@@ -71,10 +80,13 @@ class ResultShaper:
         ids, logprobs = out.output_ids, out.output_token_logprobs
         finish: dict[str, Any]
         text_ids = ids
-        if out.finish_reason == FINISH_STOP:
+        by_token = out.finish_reason == FINISH_STOP and not isinstance(out.matched_stop, str)
+        if by_token:
             finish = {"type": "stop", "matched": ids[-1]}
             if not opts.no_stop_trim:
                 text_ids = ids[:-1]
+        elif out.finish_reason == FINISH_STOP:  # a stop string or regex the scheduler matched
+            finish = {"type": "stop", "matched": out.matched_stop}
         elif out.finish_reason == FINISH_LENGTH:
             finish = {"type": "length", "length": len(ids)}
         else:
@@ -82,8 +94,9 @@ class ResultShaper:
             message = "the request does not fit in the KV cache"
             finish = {"type": "abort", "message": message, "status_code": None}
         text = self._decode(text_ids, opts)
-        if opts.stop and any(s in text for s in opts.stop):
-            k, text, matched = self._cut_at_stop(ids, opts)
+        matcher = self.stop_matcher(opts)
+        if matcher is not None and matcher.first(text) is not None:
+            k, text, matched = self._cut_at_stop(text_ids, opts, matcher)
             ids, logprobs = ids[:k], logprobs[:k]
             finish = {"type": "stop", "matched": matched}
         meta: dict[str, Any] = {
@@ -111,23 +124,31 @@ class ResultShaper:
                 ]
         return GenerateResult(text=text, output_ids=list(ids), meta_info=meta)
 
-    def _cut_at_stop(self, ids: list[int], opts: DetokenizeParams) -> tuple[int, str, str]:
-        """The shortest output prefix whose text holds a stop string: (length, text, matched).
+    def _cut_at_stop(
+        self, ids: list[int], opts: DetokenizeParams, matcher: StopMatcher
+    ) -> tuple[int, str, str]:
+        """The shortest prefix of `ids` (whose whole text holds a stop) whose text holds a stop:
+        (length, text, matched).
 
-        Finding "contains a stop string" is monotone in the prefix length, so a binary search
-        costs O(log n) decodes rather than one per token.
+        "Contains a stop string" is monotone in the prefix length, so a binary search costs
+        O(log n) decodes rather than one per token; a regex that is not monotone (an anchor, a
+        lookahead) whose search ends on a prefix without a match is cut on the whole of `ids`.
         """
         lo, hi = 1, len(ids)
         while lo < hi:
             mid = (lo + hi) // 2
-            if any(s in self._decode(ids[:mid], opts) for s in opts.stop):
+            if matcher.first(self._decode(ids[:mid], opts)) is not None:
                 hi = mid
             else:
                 lo = mid + 1
         text = self._decode(ids[:lo], opts)
-        pos, matched = min((text.find(s), s) for s in opts.stop if s in text)
-        end = pos + len(matched) if opts.no_stop_trim else pos
-        return lo, text[:end], matched
+        hit = matcher.first(text)
+        if hit is None:
+            lo, text = len(ids), self._decode(ids, opts)
+            hit = matcher.first(text)
+        assert hit is not None  # the caller found a stop in the text of `ids`
+        start, end, matched = hit
+        return lo, text[: end if opts.no_stop_trim else start], matched
 
     def _logprob_triples(
         self, ids: list[int], logprobs: list[float], opts: DetokenizeParams

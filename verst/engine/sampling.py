@@ -1,11 +1,17 @@
 """Sampling parameters and the batched next-token sampler.
 
-Owns `SamplingParams` (SGLang's field names) and `sample_next_tokens`, which draws one token per
-row with per-row temperature / top-p / top-k, without Python loops or host syncs.
+Owns `SamplingParams` (SGLang's field names), `RowPenalties` with `apply_penalties` (SGLang's
+frequency / presence / repetition penalties, `min_new_tokens` and `logit_bias` as tensor ops
+over per-row state) and `sample_next_tokens`, which draws one token per row with per-row
+temperature / top-p / top-k, without Python loops or host syncs.
 
-Promise: the log-prob returned for a token is the one the trainer recomputes, i.e.
-`log_softmax(logits / T)[token]` over the full vocabulary in float32 (before top-p / top-k
-truncation), and `log_softmax(logits)[token]` for greedy rows (T == 0).
+Promise: the log-prob returned for a token is that of the distribution the token was drawn
+from, before truncation: `log_softmax(z / T)[token]` over the full vocabulary in float32, where
+z is the model's logits after the request's penalties and logit bias (z = logits when it has
+none), and T = 1 for greedy rows (T == 0). Without penalties this is exactly what the trainer
+recomputes. With them it is not: the trainer scores the model alone, so an RL rollout must not
+use penalties (verst's rollout has no setting for them and the session server refuses them);
+they are for serving and evaluation, and SGLang reports the same post-penalty log-prob.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes [-2^63, 2^64); seeds are [0, 2^64)
+PENALTY_LIMIT = 2.0  # SGLang's range: frequency / presence in [-2, 2], repetition in (0, 2]
 
 
 @dataclass
@@ -28,14 +35,27 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the engine's EOS
     ignore_eos: bool = False
     sampling_seed: int | None = None  # a request with a seed samples reproducibly on its own
+    # The penalties change the distribution sampled from (see the module docstring).
+    min_new_tokens: int = 0  # the stop tokens (and EOS) are blocked until this many are out
+    frequency_penalty: float = 0.0  # subtracted from a token's logit per time it was output
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token output
+    repetition_penalty: float = 1.0  # output tokens' logits: positive / it, negative * it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field (types too: a bool is not a number)."""
-        for name in ("max_new_tokens", "top_k"):
+        for name in ("max_new_tokens", "top_k", "min_new_tokens"):
             value = getattr(self, name)
             if not _is_int(value):
                 raise ValueError(f"{name} must be an int, got {value!r}")
-        for name in ("temperature", "top_p", "min_p"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -54,6 +74,40 @@ class SamplingParams:
         seed = self.sampling_seed
         if seed is not None and not (_is_int(seed) and 0 <= seed < SEED_LIMIT):
             raise ValueError(f"sampling_seed must be an int in [0, 2^64), got {seed!r}")
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= PENALTY_LIMIT:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(
+                f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}"
+            )
+        for token, bias in self.logit_bias.items():
+            if not (_is_int(token) and token >= 0):
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not _is_number(bias) or not math.isfinite(bias):
+                raise ValueError(f"logit_bias[{token}] must be a finite number, got {bias!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes this request's logits (it then holds per-row
+        state in the scheduler)."""
+        return bool(
+            self.min_new_tokens
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +120,44 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class RowPenalties:
+    """The penalty state of each row of one sampling call (gathered from the scheduler's
+    per-request slots, `verst.engine.penalties`). A field is None when no row uses it, and its
+    op is skipped; a row without penalties has zero counts, penalties 0 / 1 and no bias."""
+
+    counts_B_V: torch.Tensor | None = None  # float32: times each token is in the row's output
+    frequency_B: torch.Tensor | None = None
+    presence_B: torch.Tensor | None = None
+    repetition_B: torch.Tensor | None = None
+    blocked_B_V: torch.Tensor | None = None  # bool: stop tokens min_new_tokens holds back now
+    bias_B_V: torch.Tensor | None = None  # float32: logit_bias
+
+
+def apply_penalties(logits_B_V: torch.Tensor, pen: RowPenalties) -> torch.Tensor:
+    """SGLang's order and formulas, on float32 logits z (OpenAI's for the first two):
+    z -= frequency * count + presence * (count > 0); then for tokens already output,
+    z = z / repetition where z > 0 else z * repetition; stop tokens blocked by min_new_tokens
+    -> -inf; z += logit_bias. Returns a new tensor."""
+    z_B_V = logits_B_V.float()
+    counts_B_V = pen.counts_B_V
+    if counts_B_V is not None:
+        seen_B_V = counts_B_V > 0
+    if pen.frequency_B is not None and counts_B_V is not None:
+        z_B_V = z_B_V - pen.frequency_B.unsqueeze(-1) * counts_B_V
+    if pen.presence_B is not None and counts_B_V is not None:
+        z_B_V = z_B_V - pen.presence_B.unsqueeze(-1) * seen_B_V
+    if pen.repetition_B is not None and counts_B_V is not None:
+        rep_B_1 = pen.repetition_B.unsqueeze(-1)
+        scaled_B_V = torch.where(z_B_V > 0, z_B_V / rep_B_1, z_B_V * rep_B_1)
+        z_B_V = torch.where(seen_B_V, scaled_B_V, z_B_V)
+    if pen.blocked_B_V is not None:
+        z_B_V = z_B_V.masked_fill(pen.blocked_B_V, float("-inf"))
+    if pen.bias_B_V is not None:
+        z_B_V = z_B_V + pen.bias_B_V
+    return z_B_V
 
 
 def sample_next_tokens(
@@ -152,13 +244,17 @@ def sample_rows(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     generator: torch.Generator,
+    penalties: RowPenalties | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row under that row's sampling parameters: `(tokens_B, logprobs_B)`.
 
     Rows draw from `generator` together; a row with a generator of its own (a request with a
     seed) draws from that one alone, so its tokens do not depend on which other requests
-    share the step."""
+    share the step. `penalties` (None when no row has any) change the logits first, and the
+    log-probs are of the penalized distribution (module docstring)."""
     device = logits_B_V.device
+    if penalties is not None:
+        logits_B_V = apply_penalties(logits_B_V, penalties)
     temperature_B = torch.tensor([p.temperature for p in params], device=device)
     top_p_B = top_k_B = min_p_B = None
     if any(p.top_p < 1.0 for p in params):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -30,40 +29,16 @@ import torch
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterError, AdapterRegistry
 from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.model_runner import ModelRunner, Row
-from verst.engine.radix_cache import PrefixMatch, RadixCache
-from verst.engine.requests import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
+from verst.engine.penalties import PenaltySlots
+from verst.engine.radix_cache import RadixCache
+from verst.engine.requests import FINISH_LENGTH, GenerateOutput, GenerateRequest, finish_reason
+from verst.engine.running import Running
 from verst.engine.sampling import sample_rows
 from verst.engine.stats import SchedulerStats
 
 FINISH_ABORT = "abort"
 ADAPTER_KEY_SHIFT = 40  # adapter uid << this, added to token ids, namespaces the prefix cache
 PauseMode = Literal["abort", "retract", "in_place"]
-
-
-@dataclass(eq=False)  # identity: `in` / `remove` on the running list stay O(1) per comparison
-class _Running:
-    """One request inside the scheduler."""
-
-    request: GenerateRequest
-    tokens: list[int]  # prompt + output so far
-    prompt_length: int
-    output_logprobs: list[float] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)  # KV of tokens[:computed]
-    match: PrefixMatch | None = None  # the locked cache prefix at the front of `pages`
-    computed: int = 0
-    cached_tokens: int = 0
-    retractions: int = 0
-    generator: torch.Generator | None = None  # the request's own, when it has a seed
-    input_logprobs: list[float | None] = field(default_factory=list)
-    token_versions: list[int | str] = field(default_factory=list)
-    leader: _Running | None = None  # a running request prefilling this very prompt
-    adapter: int | None = None  # its LoRA adapter's slot (`ModelRunner.adapters`); None: base
-    cache_offset: int = 0  # added to token ids in prefix-cache keys: an adapter's KV is its own
-    first_token_s: float | None = None  # time.perf_counter() when its first token was sampled
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_length :]
 
 
 class Scheduler:
@@ -103,13 +78,14 @@ class Scheduler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.weight_version: int | str = 0
-        self.waiting: deque[_Running] = deque()
-        self.running: list[_Running] = []
+        self.waiting: deque[Running] = deque()
+        self.running: list[Running] = []
         self.paused: PauseMode | None = None
         self._finished_early: list[GenerateOutput] = []  # aborted outside a sampling step
         self._params_by_name: dict[str, torch.Tensor] | None = None
         self._has_followers = False  # some waiting request follows a prefilling one
         self.stats = SchedulerStats()
+        self.penalties = PenaltySlots.for_model(model, self.device, self.eos_token_ids)
 
     @classmethod
     def for_model(
@@ -138,7 +114,7 @@ class Scheduler:
                 f"logprob_start_len {request.logprob_start_len} must be below the prompt "
                 f"length {len(request.input_ids)} (rid {request.rid})"
             )
-        r = _Running(request, list(request.input_ids), prompt_length=len(request.input_ids))
+        r = Running(request, list(request.input_ids), prompt_length=len(request.input_ids))
         if request.lora_path is not None:
             held = self.adapter_registry().slot(request.lora_path)
             r.adapter, r.cache_offset = held.index, held.uid << ADAPTER_KEY_SHIFT
@@ -146,6 +122,7 @@ class Scheduler:
         if seed is not None:
             r.generator = torch.Generator(device=self.device)
             r.generator.manual_seed(seed)
+        self.penalties.admit(request.sampling_params)
         self.waiting.append(r)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
@@ -178,7 +155,7 @@ class Scheduler:
         """Abort requests whose rid starts with `rid` (SGLang's prefix rule; only that rid when
         `exact`), or all."""
 
-        def hit(r: _Running) -> bool:
+        def hit(r: Running) -> bool:
             if exact:
                 return r.request.rid == rid
             return abort_all or (bool(rid) and r.request.rid.startswith(rid))
@@ -363,21 +340,21 @@ class Scheduler:
         return finished
 
     @staticmethod
-    def _may_lead(r: _Running) -> bool:
+    def _may_lead(r: Running) -> bool:
         fresh = len(r.tokens) == r.prompt_length  # a retracted request may carry its output
         return fresh and r.computed < r.prompt_length and r.request.logprob_start_len < 0
 
     @staticmethod
-    def _may_follow(r: _Running) -> bool:
+    def _may_follow(r: Running) -> bool:
         return len(r.tokens) == r.prompt_length and r.request.logprob_start_len < 0
 
-    def _fork_followers(self, prefilled: list[_Running]) -> dict[int, list[_Running]]:
+    def _fork_followers(self, prefilled: list[Running]) -> dict[int, list[Running]]:
         """Start every waiting follower of a request whose prefill just ended, on a copy of its
         prompt's KV (whole pages shared through the prefix cache, the last partial page
         copied). Returns the started followers by id(leader); a follower that finds no room
         stays queued and computes its prompt as any request would."""
         leaders = {id(r): r for r in prefilled if r in self.running}
-        forks: dict[int, list[_Running]] = {}
+        forks: dict[int, list[Running]] = {}
         source: list[int] = []
         target: list[int] = []
         for f in self.waiting:
@@ -397,9 +374,7 @@ class Scheduler:
             self.pool.copy_pages(source, target)
         return forks
 
-    def _share_kv(
-        self, f: _Running, leader: _Running, source: list[int], target: list[int]
-    ) -> bool:
+    def _share_kv(self, f: Running, leader: Running, source: list[int], target: list[int]) -> bool:
         """Give f the leader's prompt KV: cached whole pages locked, the rest to copy."""
         shared: list[int] = []
         if self.cache is not None and leader.match is not None:
@@ -418,14 +393,14 @@ class Scheduler:
         f.leader = None
         return True
 
-    def _prompt_key(self, r: _Running) -> tuple[int, ...]:
+    def _prompt_key(self, r: Running) -> tuple[int, ...]:
         """The whole pages of r's prompt that a cache hit can cover (all but its last token),
         as the prefix cache keys them."""
         ps = self.pool.page_size
         return tuple(self._keyed(r, r.tokens[: (r.prompt_length - 1) // ps * ps]))
 
     @staticmethod
-    def _keyed(r: _Running, tokens: list[int]) -> list[int]:
+    def _keyed(r: Running, tokens: list[int]) -> list[int]:
         """Token ids as prefix-cache keys: a request with an adapter has keys of its own (the
         same tokens under another adapter, or none, have other KV)."""
         if not r.cache_offset:
@@ -433,10 +408,10 @@ class Scheduler:
         return [t + r.cache_offset for t in tokens]
 
     @staticmethod
-    def _lead_key(r: _Running) -> tuple[int | None, tuple[int, ...]]:
+    def _lead_key(r: Running) -> tuple[int | None, tuple[int, ...]]:
         return r.adapter, tuple(r.tokens)
 
-    def _share_prompt(self, r: _Running) -> None:
+    def _share_prompt(self, r: Running) -> None:
         """Put r's freshly prefilled prompt pages in the prefix cache now, not when r ends, so
         requests with the same prompt skip its prefill; r keeps them locked while it runs."""
         key = self._prompt_key(r)
@@ -452,7 +427,7 @@ class Scheduler:
         r.pages[:pages] = match.pages  # the tree's copy where another request cached it first
         self.pool.free(duplicates)
 
-    def _plan(self) -> list[tuple[_Running, int]]:
+    def _plan(self) -> list[tuple[Running, int]]:
         """(request, tokens to feed) for this step, with pages allocated for them."""
         budget = self.chunk_tokens
         batch = []
@@ -475,7 +450,7 @@ class Scheduler:
         running = {id(r) for r in self.running}
         return [(r, n) for r, n in batch if id(r) in running]
 
-    def _reserve(self, r: _Running, length: int) -> bool:
+    def _reserve(self, r: Running, length: int) -> bool:
         """Make r's pages cover `length` tokens, evicting cache or retracting newer requests."""
         missing = -(-length // self.pool.page_size) - len(r.pages)
         while missing > 0:
@@ -493,7 +468,7 @@ class Scheduler:
                     return False
         return True
 
-    def _forward(self, batch: list[tuple[_Running, int]]) -> torch.Tensor:
+    def _forward(self, batch: list[tuple[Running, int]]) -> torch.Tensor:
         """Feed each row its next tokens on top of its KV in the pool; returns last-token
         logits [B, V] (float32). Attention reads and writes the pool in place (`ModelRunner`)."""
         rows = [
@@ -515,7 +490,7 @@ class Scheduler:
             r.computed += n
         return last_B_V
 
-    def _score_prompt(self, r: _Running, logits_T_V: torch.Tensor) -> None:
+    def _score_prompt(self, r: Running, logits_T_V: torch.Tensor) -> None:
         """Log-probs of the prompt tokens this chunk predicts (SGLang's input_token_logprobs)."""
         start = r.request.logprob_start_len
         if r.computed == 0:
@@ -527,38 +502,39 @@ class Scheduler:
             if start < target < r.prompt_length:
                 r.input_logprobs.append(float(logprobs_T_V[offset, r.tokens[target]]))
 
-    def _sample(self, rows: list[_Running], logits_B_V: torch.Tensor) -> list[GenerateOutput]:
+    def _sample(self, rows: list[Running], logits_B_V: torch.Tensor) -> list[GenerateOutput]:
+        params = [r.request.sampling_params for r in rows]
+        penalties = self.penalties.step(rows, params)
         tokens_B, logprobs_B = sample_rows(
             logits_B_V,
-            [r.request.sampling_params for r in rows],
+            params,
             [r.generator for r in rows],
             self.generator,
+            None if penalties is None else penalties.rows,
         )
+        if penalties is not None:  # on the device, before the step's one host sync
+            self.penalties.record(penalties.slots_B, tokens_B)
         finished = []
         for r, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
             r.tokens.append(token)
             r.output_logprobs.append(logprob)
             r.token_versions.append(self.weight_version)
-            p = r.request.sampling_params
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-            reason = FINISH_STOP if token in stops else None
-            if reason is None and self._remaining(r) <= 0:
-                reason = FINISH_LENGTH
+            reason, r.matched_stop = finish_reason(r.request, r.output_ids, self.eos_token_ids)
             if reason is not None:
                 finished.append(self._finish(r, reason))
         return finished
 
-    def _finish(self, r: _Running, reason: str) -> GenerateOutput:
+    def _finish(self, r: Running, reason: str) -> GenerateOutput:
         self.running.remove(r)
         self._release(r)
         return self._output(r, reason)
 
     # --- bookkeeping ----------------------------------------------------------------------------
 
-    def _remaining(self, r: _Running) -> int:
+    def _remaining(self, r: Running) -> int:
         return r.request.sampling_params.max_new_tokens - len(r.output_ids)
 
-    def _release(self, r: _Running) -> None:
+    def _release(self, r: Running) -> None:
         """Give r's KV back: whole pages to the prefix cache, the rest to the pool."""
         if self.cache is not None and r.pages:
             full = r.computed // self.pool.page_size
@@ -571,14 +547,15 @@ class Scheduler:
             self.cache.unlock(r.match)
         r.pages, r.match, r.computed = [], None, 0
 
-    def _retract(self, r: _Running) -> None:
+    def _retract(self, r: Running) -> None:
         self._release(r)
         r.retractions += 1
         self.waiting.appendleft(r)
 
-    def _output(self, r: _Running, reason: str) -> GenerateOutput:
+    def _output(self, r: Running, reason: str) -> GenerateOutput:
         req = r.request
         self.stats.record_request(r.prompt_length, r.cached_tokens, r.retractions)
+        self.penalties.leave(r, req.sampling_params)  # every way out comes here, once
         return GenerateOutput(
             rid=req.rid,
             output_ids=list(r.output_ids),
@@ -592,4 +569,5 @@ class Scheduler:
             token_weight_versions=list(r.token_versions),
             # one that finishes in the step of its first token is stamped here
             first_token_s=r.first_token_s or (time.perf_counter() if r.output_ids else None),
+            matched_stop=r.matched_stop,  # set only by the step that ends r with a stop
         )

@@ -247,6 +247,8 @@ class ServingEngine(WeightUpdates):
             await cond.wait_for(lambda: not self._paused and not self._updating)
             if not self.rid_is_free(rid):
                 raise ValueError(f"Duplicate request ID detected: {rid}")
+            detokenize = detokenize or DetokenizeParams()
+            matcher = self.results.stop_matcher(detokenize)
             pending = _Pending(
                 GenerateRequest(
                     list(input_ids),
@@ -255,8 +257,9 @@ class ServingEngine(WeightUpdates):
                     return_logprob=return_logprob,
                     logprob_start_len=logprob_start_len,
                     lora_path=lora_path,
+                    stop_check=None if matcher is None else matcher.check,
                 ),
-                detokenize or DetokenizeParams(),
+                detokenize,
                 submitted_s,
                 asyncio.get_running_loop().create_future(),
             )
@@ -288,6 +291,12 @@ class ServingEngine(WeightUpdates):
         if self.vocab_size and (min(input_ids) < 0 or max(input_ids) >= self.vocab_size):
             bad = next(t for t in input_ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        vocab = self.scheduler.penalties.vocab
+        outside = [t for t in params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(
+                f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
+            )
 
     def rid_is_free(self, rid: str) -> bool:
         """No request with this rid is in flight (SGLang answers a second one with a 400)."""

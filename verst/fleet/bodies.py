@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verst.engine import GenerateOutput, GenerateRequest
+from verst.engine import GenerateOutput, GenerateRequest, SamplingParams
 
 
 def request_body(request: GenerateRequest) -> dict[str, Any]:
@@ -21,6 +21,7 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     }
     if params.sampling_seed is not None:
         sampling["sampling_seed"] = params.sampling_seed
+    sampling.update(_penalties(params))
     body: dict[str, Any] = {
         "input_ids": list(request.input_ids),
         "sampling_params": sampling,
@@ -32,6 +33,24 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
     if request.lora_path is not None:
         body["lora_path"] = request.lora_path
     return body
+
+
+def _penalties(params: SamplingParams) -> dict[str, Any]:
+    """The penalties a request sets, SGLang-named; none when off (a server without them, or
+    the vLLM client, then sees the same body as before)."""
+    fields: dict[str, Any] = {}
+    if params.min_new_tokens:
+        fields["min_new_tokens"] = params.min_new_tokens
+    for name, off in (
+        ("frequency_penalty", 0.0),
+        ("presence_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+    ):
+        if getattr(params, name) != off:
+            fields[name] = getattr(params, name)
+    if params.logit_bias:
+        fields["logit_bias"] = {str(t): b for t, b in params.logit_bias.items()}
+    return fields
 
 
 def _version(value: Any) -> int | str:

@@ -30,7 +30,16 @@ _SAMPLING_KEYS = {
     "min_p": "min_p",
     "seed": "sampling_seed",
 }
-_UNSUPPORTED_KEYS = ("logit_bias", "response_format", "presence_penalty", "frequency_penalty")
+# Refused at any value but their "off" one. The penalties and logit_bias change the distribution
+# tokens are drawn from, so a session's log-probs would not be the policy's the trainer scores.
+_UNSUPPORTED_KEYS: dict[str, Any] = {
+    "logit_bias": None,
+    "response_format": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "min_tokens": 0,
+}
 
 Decode = Callable[[list[int]], str]
 
@@ -94,8 +103,8 @@ def sampling_params(body: dict[str, Any], end_of_turn_id: int) -> dict[str, Any]
     """OpenAI chat parameters → SGLang sampling_params; the end-of-turn id always stops."""
     if body.get("n", 1) != 1:
         raise SessionError(400, "n must be 1: a session is one trajectory", "bad_n")
-    for key in _UNSUPPORTED_KEYS:
-        if body.get(key) not in (None, 0, 0.0):
+    for key, off in _UNSUPPORTED_KEYS.items():
+        if body.get(key) is not None and body[key] != off:
             raise SessionError(400, f"{key} is not supported by the session server", "bad_param")
     check_chat_body(body)
     params: dict[str, Any] = {}

@@ -15,20 +15,17 @@ from verst.engine.server.sglang_api import (
     GenerateItem,
     GenerateJob,
     ProtocolError,
+    check_job,
     openai_error,
     parse_sampling_params,
     run_job,
+    sample_params,
 )
 from verst.engine.serving import ServingEngine
 
 # ---- OpenAI-compatible -----------------------------------------------------------------------
 
 OPENAI_OFF: dict[str, Any] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_tokens": 0,
-    "logit_bias": None,
     "regex": None,
     "ebnf": None,
     "json_schema": None,
@@ -36,6 +33,17 @@ OPENAI_OFF: dict[str, Any] = {
     "echo": False,
     "suffix": None,
     "best_of": None,
+}
+
+
+# OpenAI request fields passed on as SGLang sampling_params of another name (or the same).
+OPENAI_SAMPLING_NAMES = {
+    "min_tokens": "min_new_tokens",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "stop_regex": "stop_regex",
 }
 
 
@@ -144,6 +152,7 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
         "skip_special_tokens": payload.get("skip_special_tokens"),
         "no_stop_trim": payload.get("no_stop_trim"),
         "sampling_seed": payload.get("seed"),
+        **{key: payload.get(name) for name, key in OPENAI_SAMPLING_NAMES.items()},
     }
     prompts = _openai_prompts(payload, tokenizer, chat)
     lora_path = payload.get("lora_path")
@@ -160,13 +169,16 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
             parsed.append(parse_sampling_params(sampling, len(prompt), context_len))
         except ProtocolError as error:
             inner = error.body.get("error")
-            raise openai_error(inner if isinstance(inner, str) else inner["message"]) from error
+            message = inner if isinstance(inner, str) else inner["message"]
+            for name, key in OPENAI_SAMPLING_NAMES.items():
+                message = message.replace(f"sampling_params.{key}", name)
+            raise openai_error(message) from error
     n = parsed[0][2]
     base = str(payload.get("rid") or uuid.uuid4().hex)
     items = [
         GenerateItem(
             prompt,
-            params,
+            sample_params(params, j),
             detok,
             rid=base if len(prompts) * n == 1 else f"{base}_{i * n + j}",
             return_logprob=logprobs,
@@ -195,6 +207,10 @@ async def run_openai(
     """An OpenAI completions / chat body → its (non-streamed) response body."""
     # Rendering and tokenizing a long prompt takes seconds: never on the event loop.
     job = await asyncio.to_thread(parse_openai, payload, tokenizer, serving.context_len, chat=chat)
+    try:
+        check_job(serving, job)
+    except ProtocolError as error:  # a token id outside the vocabulary: OpenAI's envelope
+        raise openai_error(error.body["error"]["message"]) from error
     results = await run_job(serving, job)
     choices = []
     for index, result in enumerate(results):

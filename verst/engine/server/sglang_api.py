@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from verst.engine.results import DetokenizeParams
 from verst.engine.sampling import SEED_LIMIT, SamplingParams
 from verst.engine.serving import ServingEngine
+from verst.engine.stop_strings import MAX_STOPS, compile_stop_regex
 
 SGLANG_TOP_K_ALL = 1 << 30
 FLUSH_CACHE_TEXT = (
@@ -48,18 +50,18 @@ SAMPLING_SUPPORTED = {
     "n",
     "sampling_seed",
     "stream_interval",
+    "min_new_tokens",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "stop_regex",
+    "logit_bias",
 }
 SAMPLING_OFF: dict[str, Any] = {
-    "min_new_tokens": 0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "stop_regex": None,
     "json_schema": None,
     "regex": None,
     "ebnf": None,
     "structural_tag": None,
-    "logit_bias": None,
     "beam_width": None,
     "custom_params": None,
 }
@@ -185,10 +187,7 @@ def parse_sampling_params(
     n = _number(raw, "n", 1, int)
     if n < 1:
         raise value_error(f"sampling_params.n must be >= 1, got {n}")
-    stop = raw.get("stop")
-    stop_list = [] if stop is None else _as_list(stop)
-    if not all(isinstance(s, str) for s in stop_list) or len(stop_list) > 32:
-        raise contract_error("sampling_params.stop must be a string or a list of <= 32 strings")
+    stop_list, stop_regex = _stops(raw, "stop"), _stops(raw, "stop_regex")
     stop_ids = raw.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_token(t) for t in stop_ids):
         raise contract_error("sampling_params.stop_token_ids must be a list of ints")
@@ -197,6 +196,7 @@ def parse_sampling_params(
             f"The input ({prompt_len} tokens) is longer than the model's context length "
             f"({context_len} tokens)."
         )
+    min_new = _min_new_tokens(raw, max_new, context_len - prompt_len if context_len else None)
     if context_len:
         max_new = min(max_new, context_len - prompt_len)
     params = SamplingParams(
@@ -209,6 +209,11 @@ def parse_sampling_params(
         stop_token_ids=list(stop_ids),
         ignore_eos=_flag(raw, "ignore_eos", False, "sampling_params."),
         sampling_seed=_number(raw, "sampling_seed", None, int),
+        min_new_tokens=min_new,
+        frequency_penalty=_number(raw, "frequency_penalty", 0.0, float),
+        presence_penalty=_number(raw, "presence_penalty", 0.0, float),
+        repetition_penalty=_number(raw, "repetition_penalty", 1.0, float),
+        logit_bias=_logit_bias(raw.get("logit_bias")),
     )
     try:
         params.validate()
@@ -216,6 +221,7 @@ def parse_sampling_params(
         raise value_error(str(error)) from error
     detok = DetokenizeParams(
         stop=tuple(stop_list),
+        stop_regex=tuple(stop_regex),
         no_stop_trim=_flag(raw, "no_stop_trim", False, "sampling_params."),
         skip_special_tokens=_flag(raw, "skip_special_tokens", True, "sampling_params."),
         spaces_between_special_tokens=_flag(
@@ -223,6 +229,65 @@ def parse_sampling_params(
         ),
     )
     return params, detok, n
+
+
+def _min_new_tokens(raw: dict[str, Any], max_new: int, room: int | None) -> int:
+    """`min_new_tokens` in [0, max_new_tokens], and within the `room` the context leaves."""
+    min_new = _number(raw, "min_new_tokens", 0, int)
+    if not 0 <= min_new <= max_new:
+        raise value_error(
+            f"sampling_params.min_new_tokens must be in [0, max_new_tokens={max_new}], "
+            f"got {min_new}"
+        )
+    if room is not None and min_new > room:
+        raise value_error(
+            f"sampling_params.min_new_tokens ({min_new}) is more than the context leaves for "
+            f"the output ({room} tokens)"
+        )
+    return min_new
+
+
+def _stops(raw: dict[str, Any], key: str) -> list[str]:
+    """`stop` / `stop_regex`: a string or a list of at most 32 non-empty ones; null or [] is
+    none. Each regex must compile."""
+    value = raw.get(key)
+    stops = [] if value is None else _as_list(value)
+    if not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
+        raise contract_error(f"sampling_params.{key} must be a string or a list of <= 32 strings")
+    if any(not s for s in stops):
+        raise value_error(f"sampling_params.{key} must not hold an empty string")
+    if key == "stop_regex":
+        for pattern in stops:
+            try:
+                compile_stop_regex(pattern)
+            except ValueError as error:
+                raise value_error(str(error)) from error
+    return stops
+
+
+_TOKEN_KEY = re.compile(r"-?[0-9]+")
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """SGLang's / OpenAI's `{"token id": bias}` (JSON keys are strings; in-process callers may
+    use ints); null or {} is none. Ranges are checked by `SamplingParams.validate`."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise contract_error("sampling_params.logit_bias must be an object of token id -> bias")
+    bias: dict[int, float] = {}
+    for key, number in value.items():
+        if _is_token(key):
+            token = key
+        elif isinstance(key, str) and _TOKEN_KEY.fullmatch(key):
+            token = int(key)
+        else:
+            raise contract_error(f"sampling_params.logit_bias key {key!r} is not a token id")
+        ok = isinstance(number, (int, float)) and not isinstance(number, bool)
+        if not ok or not abs(number) <= 1e30:  # NaN compares false
+            raise contract_error(f"sampling_params.logit_bias[{key!r}] must be a finite number")
+        bias[token] = float(number)
+    return bias
 
 
 def _prompts(payload: dict[str, Any], tokenizer: Any) -> tuple[list[list[int]], bool]:
@@ -287,6 +352,12 @@ def _lora_paths(payload: dict[str, Any], n_prompts: int) -> list[str | None]:
     return paths
 
 
+def sample_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of n samples' params: with a seed it draws from seed + j, so they differ."""
+    seed = params.sampling_seed
+    return params if seed is None else replace(params, sampling_seed=(seed + j) % SEED_LIMIT)
+
+
 def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJob:
     """A `/generate` body → one item per (prompt, sample), prompt-major."""
     if not isinstance(payload, dict):
@@ -337,14 +408,10 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
                 f"logprob_start_len ({start}) is larger than the prompt length ({len(prompt)})"
             )
         for j in range(n):
-            seed = params.sampling_seed
             items.append(
                 GenerateItem(
                     input_ids=prompt,
-                    # the j-th of n samples with a seed draws from seed + j, so they differ
-                    params=params
-                    if seed is None
-                    else replace(params, sampling_seed=(seed + j) % SEED_LIMIT),
+                    params=sample_params(params, j),
                     detokenize=detok,
                     rid=prompt_rid if n == 1 else f"{prompt_rid}_{j}",
                     return_logprob=bool(logprob),
