@@ -206,3 +206,33 @@ def test_a_sink_that_cannot_start_stops_the_run_naming_it(tmp_path: Path, capsys
 def test_bad_sink_lists_are_refused_naming_the_field(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         load_config(None, [override])
+
+
+def test_serving_engines_time_each_sync_step_and_trace_their_engine_steps(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    args = [*PLAIN, "num_steps=2", "placement.engines=in_process", "monitor.trace=true"]
+    assert main(["train", *args, "--run-dir", str(run_dir)]) == 0
+    for row in records(run_dir)[1:]:
+        steps = ("pause", "flush", "send", "set_version", "continue", "confirm")
+        times = [row[f"perf/sync_{s}_time_s"] for s in steps]
+        assert all(t >= 0 for t in times)
+        assert sum(times) <= row["perf/sync_time_s"]
+    events = json.loads((run_dir / "trace.json").read_text())
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {"sync pause", "sync send", "sync continue"} <= {e["name"] for e in spans}
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    engine_threads = {threads[e["tid"]] for e in spans if e["name"] == "engine step"}
+    assert engine_threads and "MainThread" not in engine_threads  # the engines' own threads
+    assert len({e["pid"] for e in events}) == 1
+
+
+def test_plot_draws_a_real_run(resumed_run: tuple[Path, str], tmp_path: Path, capsys) -> None:
+    run_dir, _ = resumed_run
+    out = tmp_path / "run.png"
+    assert main(["plot", str(run_dir), "-o", str(out)]) == 0
+    assert out.stat().st_size > 20_000
+    skipped = capsys.readouterr().err
+    # the tiny run has every panel's metrics: only a key absent from the objective is missing
+    assert "no run has data" not in skipped, skipped
