@@ -62,6 +62,10 @@ class Pace:
         self._marks: deque[tuple[float, int]] = deque(maxlen=ETA_WINDOW_STEPS + 1)
 
     def mark(self, step: int) -> None:
+        """`step` is done now (a step marked again, such as step 0 after the warm start,
+        counts from its latest mark)."""
+        if self._marks and self._marks[-1][1] == step:
+            self._marks.pop()
         self._marks.append((time.monotonic(), step))
 
     def eta_s(self) -> float | None:
