@@ -49,3 +49,42 @@ def test_nothing_is_recorded_when_tracing_is_off() -> None:
     trace.complete("engine step", None, cat="engine")
     trace.flush()
     trace.stop()
+
+
+def test_the_async_worker_traces_each_groups_stages_on_a_track_of_its_own(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+
+    from tests.test_async_worker import FakeEngine, FakeSource, reward
+    from verst.rollout.async_worker import RolloutWorker
+    from verst.rollout.buffer import DataBuffer
+
+    async def main() -> None:
+        worker = RolloutWorker(
+            FakeSource(2),
+            DataBuffer(4),
+            FakeEngine(manual=False, delay=lambda key: 0.002 * (key[0] + 1)),
+            reward,
+            n_samples_per_prompt=2,
+            max_inflight=4,
+        )
+        async with worker:
+            await worker.take(2, current_version=0)
+
+    path = tmp_path / "trace.json"
+    trace.start(path, "trainer rank 0")
+    asyncio.run(asyncio.wait_for(main(), timeout=20))
+    trace.stop()
+    events = [e for e in json.loads(path.read_text()) if e["ph"] in "be"]
+    by_group: dict[int, list[tuple[str, str, float]]] = {}
+    for e in events:
+        by_group.setdefault(e["id"], []).append((e["name"], e["ph"], e["ts"]))
+    done = [g for g, marks in by_group.items() if ("group put", "e") in [m[:2] for m in marks]]
+    assert len(done) >= 2  # the groups taken, each on its own track
+    for group in done:
+        marks = by_group[group]
+        stages = [name for name, ph, _ in marks if ph == "b"]
+        assert stages == ["group generate", "group reward", "group put"], marks
+        times = [ts for _, _, ts in marks]
+        assert times == sorted(times), marks  # one stage after the other
