@@ -28,6 +28,7 @@ WANDB_ID_FILE = "wandb_run_id"
 MLFLOW_ID_FILE = "mlflow_run_id"
 MLFLOW_BATCH = 1000  # MLflow's limit on the metrics of one log_batch
 MLFLOW_PARAMS_BATCH = 100  # and on its params
+MLFLOW_PARAM_CHARS = 500  # the longest param value older MLflow servers accept
 
 
 class SinkError(ValueError):
@@ -56,13 +57,16 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """A nested config as dotted keys and text values (MLflow params)."""
+    """A nested config as dotted keys and text values (MLflow params), each value cut to what
+    every MLflow store takes (the whole config is `RUN_DIR/config.yaml`)."""
     flat: dict[str, str] = {}
     for key, value in tree.items():
         if isinstance(value, dict) and value:
             flat |= flat_config(value, f"{prefix}{key}.")
         else:
-            flat[f"{prefix}{key}"] = str(value)
+            text = str(value)
+            cut = len(text) > MLFLOW_PARAM_CHARS
+            flat[f"{prefix}{key}"] = text[: MLFLOW_PARAM_CHARS - 3] + "..." if cut else text
     return flat
 
 
