@@ -37,3 +37,20 @@ def test_a_phase_that_raises_is_still_timed() -> None:
     with pytest.raises(RuntimeError), timer("sync"):
         raise RuntimeError("engine down")
     assert "perf/sync_time_s" in timer.metrics(step_phases=("sync",))
+
+
+def test_the_time_left_follows_the_recent_pace_not_the_start() -> None:
+    from verst.monitor.metrics import Pace, format_duration
+
+    pace = Pace(total_steps=10)
+    pace.mark(0)
+    time.sleep(0.05)  # the warm start: not a step's pace
+    pace.mark(0)
+    assert pace.eta_s() is None
+    for step in (1, 2):
+        time.sleep(0.01)
+        pace.mark(step)
+    eta = pace.eta_s()
+    # 8 steps of 10 ms or a little more; counting the warm start would give >= 0.28 s
+    assert eta is not None and 0.08 <= eta < 0.25
+    assert format_duration(3725.4) == "1:02:05"

@@ -1,5 +1,6 @@
 """The `verst` command: `verst train`, `verst sft`, `verst eval`, `verst serve`, `verst route`,
-`verst sessions`, `verst model create-tiny`, `verst model merge-lora`, `verst sandbox run`.
+`verst sessions`, `verst plot`, `verst model create-tiny`, `verst model merge-lora`,
+`verst sandbox run`.
 
 Config errors, missing files, a run directory that cannot be written and non-finite losses end
 the command with a one-line message and an exit code of `verst.exitcodes` (2 bad input, 3 the
@@ -242,6 +243,18 @@ def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_key_flags(parser, admin=False)
 
 
+def _plot_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plot",
+        help="draw the main curves of runs into a PNG",
+        description="Draw reward, held-out accuracy, response length, log-prob diff / KL, "
+        "gradient norm and the phase breakdown of one run, or of several overlaid, from their "
+        "metrics.jsonl into one PNG; what cannot be drawn is listed on stderr.",
+    )
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument("-o", "--output", type=Path, required=True, help="the PNG to write")
+
+
 def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """argparse cannot tell `CONFIG` from a first override; an `=` decides."""
     config, overrides = args.config, list(args.overrides)
@@ -385,6 +398,16 @@ def _route(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from verst.monitor.plot import plot_runs
+
+    plot = plot_runs(args.run_dirs, args.output)
+    for line in plot.skipped:
+        print(f"verst plot: skipped {line}", file=sys.stderr)
+    print(f"wrote {plot.path} ({len(plot.runs)} run{'s' * (len(plot.runs) != 1)})")
+    return 0
+
+
 def _sessions(args: argparse.Namespace) -> int:
     from verst.auth import ApiKeys
     from verst.sessions.server import run_session_server
@@ -412,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(subparsers)
     _route_parser(subparsers)
     _sessions_parser(subparsers)
+    _plot_parser(subparsers)
     _model_parser(subparsers)
     sandbox_cli.add_parser(subparsers)
     args = parser.parse_args(argv)
@@ -428,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
             return _sessions(args)
         if args.command == "sandbox":
             return sandbox_cli.run_command(args)
+        if args.command == "plot":
+            return _plot(args)
         if args.model_command == "merge-lora":
             return _merge_lora(args)
         return _create_tiny(args)

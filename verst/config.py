@@ -20,6 +20,7 @@ from verst.fleet.health import FaultToleranceConfig
 from verst.fleet.placement import PlacementConfig
 from verst.models.loading import ModelConfig
 from verst.models.tiny import TinyModelConfig
+from verst.monitor.config import MonitorConfig
 from verst.rollout.generate import RolloutConfig
 from verst.rundir import writing
 from verst.sync.fleet_sync import SyncConfig
@@ -76,6 +77,9 @@ class RunConfig(ConfigBase):
     fault_tolerance: FaultToleranceConfig = Field(
         default_factory=FaultToleranceConfig,
         description="engine health checks and restarts",
+    )
+    monitor: MonitorConfig = Field(
+        default_factory=MonitorConfig, description="metric sinks and traces"
     )
 
     @model_validator(mode="after")

@@ -54,7 +54,10 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
     run = launch.build(cfg, run_dir)
     try:
         step, version = run.checkpointer.restore_latest() if resume else (0, 0)
-        with MetricsLogger(run_dir, cfg.num_steps, start_step=step) as log:
+        config = cfg.model_dump(mode="json")
+        with MetricsLogger(
+            run_dir, cfg.num_steps, start_step=step, monitor=cfg.monitor, config=config
+        ) as log:
             version = begin(cfg, run, log, step, version)
             run.ledger.step = step + 1  # fates decided from now on belong to the next step
             run.rollout.start()
@@ -103,7 +106,7 @@ def begin(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, versio
 
 def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, version: int) -> int:
     """One step; returns the weight version the engines hold after it."""
-    timer = PhaseTimer()
+    timer = PhaseTimer(step=step)
     rollout_phase = "wait" if cfg.mode == "fully_async" else "rollout"
     with timer(rollout_phase):
         groups, metrics = run.rollout.groups(version)
@@ -136,9 +139,8 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
         with timer("checkpoint"):
             run.checkpointer.write(step, version)
     step_phases = (rollout_phase, "reward", "teacher", "advantages", "train", "sync")
-    log.log(
-        {"step": step, "weight_version": version} | metrics | timer.metrics(step_phases=step_phases)
-    )
+    perf = timer.metrics(step_phases=step_phases, tokens=metrics.get("rollout/response_tokens"))
+    log.log({"step": step, "weight_version": version} | metrics | perf)
     if checkpoint:  # after the record: a crash before the commit resumes before this step
         run.checkpointer.commit(step)
     for record in run.evals.finished():  # snapshot evaluations, at the steps they measured

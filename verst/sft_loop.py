@@ -79,7 +79,10 @@ def run_sft(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
     check_writable(run_dir)
     run = build_sft(cfg, run_dir)
     step = run.checkpointer.restore_latest()[0] if resume else 0
-    with MetricsLogger(run_dir, run.total_steps, start_step=step, label="SFT") as log:
+    config = cfg.model_dump(mode="json")
+    with MetricsLogger(
+        run_dir, run.total_steps, start_step=step, label="SFT", monitor=cfg.monitor, config=config
+    ) as log:
         if step == 0:
             dump_config(cfg, run_dir / "config.yaml")
             log.info(
@@ -101,7 +104,7 @@ def run_sft(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
 
 def sft_step(run: SFTRun, log: MetricsLogger, step: int) -> bool:
     """One supervised step with its evaluation and checkpoint; True when the run is done."""
-    timer = PhaseTimer()
+    timer = PhaseTimer(step=step)
     with timer("train"):
         epoch = run.batches.epochs_done
         metrics = train_step(run, rank_share(run.items, run.batches.next()), step)
@@ -116,7 +119,8 @@ def sft_step(run: SFTRun, log: MetricsLogger, step: int) -> bool:
     if checkpoint:
         with timer("checkpoint"):
             run.checkpointer.write(step, step)
-    log.log({"step": step, "sft/epoch": epoch} | metrics | timer.metrics(step_phases=("train",)))
+    perf = timer.metrics(step_phases=("train",), tokens=metrics.get("sft/tokens"))
+    log.log({"step": step, "sft/epoch": epoch} | metrics | perf)
     if checkpoint:  # after the record: a crash before the commit resumes before this step
         run.checkpointer.commit(step)
     return last
@@ -136,7 +140,7 @@ def train_step(run: SFTRun, items: list[TrainItem], step: int) -> dict[str, floa
         "sft/tokens": result["tokens"],
         "train/grad_norm": result["grad_norm"],
         "train/lr": lr,
-    }
+    } | {key: value for key, value in result.items() if key.startswith("perf/")}
 
 
 def evaluate(run: SFTRun) -> dict[str, float]:

@@ -15,6 +15,7 @@ The model is the Hugging Face one, layer for layer; only its attention function 
 for one that reads and writes the paged pool in place (`paged_attention`, run by
 `ModelRunner`): no per-step cache rebuild, decode steps on CUDA through a Triton paged kernel
 replayed from CUDA graphs, sampling on the device and one host sync a step (the sampled ids).
+With `monitor.trace` each step that ran a batch is an "engine step" span of the trace.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from verst.engine.requests import FINISH_LENGTH, GenerateOutput, GenerateRequest
 from verst.engine.running import Running
 from verst.engine.sampling import sample_rows
 from verst.engine.stats import SchedulerStats
+from verst.monitor import trace
 
 FINISH_ABORT = "abort"
 ADAPTER_KEY_SHIFT = 40  # adapter uid << this, added to token ids, namespaces the prefix cache
@@ -269,6 +271,7 @@ class Scheduler:
         self._finished_early = []
         if not batch:
             return finished
+        traced = trace.now()  # None unless `monitor.trace` traces this process
         if self.pool.device.type == "cuda" and self.pool.device.index is not None:
             # step() runs on a worker thread, whose current device is cuda:0 by default; the
             # Triton kernels and CUDA graphs launch on the current device
@@ -296,6 +299,9 @@ class Scheduler:
         for r in (*prefilled, *(f for fs in forks.values() for f in fs)):
             r.first_token_s = r.first_token_s or now_s  # kept across a retraction's re-prefill
         self.stats.record_step(now_s - start_s, len(rows))
+        if traced is not None:
+            tokens = sum(n for _, n in batch)
+            trace.complete("engine step", traced, cat="engine", requests=len(batch), tokens=tokens)
         return finished
 
     def _admit(self) -> list[GenerateOutput]:

@@ -43,7 +43,8 @@ buffer reports the groups it drops through `forget` (`build_rollout_worker` wire
 `give_back` and filter to it).
 
 `verst train` runs the worker on the fleet's event loop (`verst.fleet.loop_thread.LoopThread`) and
-reaches it from the synchronous trainer through that loop.
+reaches it from the synchronous trainer through that loop. With `monitor.trace`, each group's
+generation, reward and put are async spans of the trace, one track a group.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from typing import Any, Literal, Protocol
 from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
+from verst.monitor import trace
 from verst.plugins import GroupRewardFunction, RewardFunction, SampleFilter
 from verst.rollout.buffer import (
     DEFAULT_BUFFER,
@@ -161,6 +163,12 @@ class _Flight:
 
     def tasks(self) -> list[asyncio.Task]:
         return [t for t in (self.task, *self.samples) if t is not None]
+
+
+def _traced(stage: str, started: int | None, key: int) -> int | None:
+    """End the trace's span of a group's stage; the next stage's start."""
+    trace.complete(stage, started, cat="rollout", span_id=key, group=key)
+    return trace.now()
 
 
 class _InflightGauge:
@@ -437,6 +445,7 @@ class RolloutWorker:
         return groups[0]
 
     async def _fly(self, key: int, flight: _Flight) -> None:
+        traced = trace.now()  # each stage of the group an async span of the trace
         flight.samples = [
             asyncio.ensure_future(self._generate(key, sample, prompt))
             for sample, prompt in zip(flight.group, flight.prompts, strict=True)
@@ -446,14 +455,17 @@ class RolloutWorker:
             sample.prompt_id, sample.epoch = prompt.prompt_id, prompt.epoch  # a new Sample, say
             sample.retries = prompt.retries
         complete = not is_aborted(flight.group)  # an aborted group is the buffer's to drop
+        traced = _traced("group generate", traced, key)
         if self.rewards is not None and complete:
             await self.rewards.score_group(flight.group)
+            traced = _traced("group reward", traced, key)
         self._in_buffer[id(flight.group)] = (key, flight.prompts)  # a drop at put forgets it
         self._slots.put_begin(key)
         if complete and scored_count(flight.group) < self.min_scored_samples:
             self.set_aside([flight.group], TOO_FEW_SCORED)
         else:
             await self.buffer.put(flight.group)
+            _traced("group put", traced, key)
         # accepted (or dropped by the buffer's rules, or set aside): no longer ours to give back
         self._slots.put_end(key)
         del self._flights[key]

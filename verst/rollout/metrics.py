@@ -37,6 +37,7 @@ def rollout_metrics(
     return dict(zip(counts, totals[8:], strict=True)) | {
         "rollout/reward_mean": reward / n,
         "rollout/response_len_mean": length / n,
+        "rollout/response_tokens": length,
         "rollout/truncated_ratio": truncated / n,
         "rollout/failed_ratio": failed / n,
         "rollout/aborted_ratio": aborted / n,

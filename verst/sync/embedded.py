@@ -8,13 +8,15 @@ reads. Otherwise each push gathers full tensors bucket by bucket and copies them
 engine: with LoRA only the adapters, since the engine holds the same frozen base and applies
 the adapters in its own forward; with multi-LoRA the engine holds the frozen base and takes the
 adapters the last step trained into its adapter registry. `sync/bytes` is what a push copied
-(0 when zero-copy).
+(0 when zero-copy), `perf/sync_send_time_s` how long it took.
 Either way the prefix cache, which holds KV of the old weights, is dropped. The loop is
 synchronous, so the engine is idle during a push: there is nothing to pause, and the version
 protocol of serving engines (`verst.sync.protocol`) is not needed.
 """
 
 from __future__ import annotations
+
+import time
 
 from verst.engine import Scheduler
 from verst.models.lora import LoraConfig, is_adapter
@@ -43,6 +45,7 @@ class EmbeddedSync:
     def push(self, version: int) -> dict[str, float]:
         """Make the engine generate with the trainer's current weights, stamped `version`."""
         sent_bytes = 0
+        started = time.perf_counter()
         if self.multi_lora:
             sent_bytes = self._push_adapters()
         elif not self.zero_copy:
@@ -55,7 +58,10 @@ class EmbeddedSync:
                 self.engine.update_weights_from_tensors(bucket, version)
         self.engine.set_weight_version(version)
         self.engine.weights_changed()
-        return {"sync/bytes": float(sent_bytes)}
+        return {
+            "sync/bytes": float(sent_bytes),
+            "perf/sync_send_time_s": time.perf_counter() - started,
+        }
 
     def _push_adapters(self) -> int:
         """Multi-LoRA: the adapters the last step trained (all of them before the first) into

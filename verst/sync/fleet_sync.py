@@ -247,7 +247,7 @@ class FleetSync:
             "sync/live_engines": float(len(report.engines)),
             "sync/lost_engines": float(len(report.lost)),
             "sync/bytes": float(self.sent_bytes),
-        }
+        } | {f"perf/sync_{step}_time_s": s for step, s in report.step_seconds.items()}
         return self.last_push
 
     def rejoin(self) -> None:

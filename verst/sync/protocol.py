@@ -15,7 +15,9 @@ An engine that joins (or rejoins) gets a full push before it serves: `add_engine
 
 With LoRA the weights of a push are adapters (`AdapterUpdate`s): the frozen base never moves,
 and step 3 sends each adapter in turn, addressed to the engines' adapter registry.
-The version is the trainer's integer; engines carry it as a string, as SGLang does.
+The version is the trainer's integer; engines carry it as a string, as SGLang does. Each step's
+seconds go into the push's report (`PushReport.step_seconds`; `perf/sync_<step>_time_s` in the
+run's metrics, a span each in its trace).
 
 Engines that fail during a push: with `on_engine_lost`, an engine whose control call raises or
 takes longer than `call_timeout_s`, or that is found dead after a failed send, is handed to
@@ -29,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from verst.monitor import trace
 from verst.plugins import AdapterUpdate, EngineClient, NamedTensors, WeightTransport
 
 PauseMode = Literal["retract", "in_place", "abort"]
@@ -59,6 +63,18 @@ class PushReport:
     calls: list[str] = field(default_factory=list)  # the protocol's steps, in order
     engines: list[EngineClient] = field(default_factory=list)  # those that hold the version
     lost: list[EngineClient] = field(default_factory=list)  # those handed to on_engine_lost
+    # seconds of each step: pause, flush, send, set_version, continue, confirm (with resends)
+    step_seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, step: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            with trace.span(f"sync {step}", cat="sync", version=self.version):
+                yield
+        finally:
+            elapsed = time.perf_counter() - started
+            self.step_seconds[step] = self.step_seconds.get(step, 0.0) + elapsed
 
 
 class WeightSync:
@@ -93,7 +109,8 @@ class WeightSync:
 
         async def each(step: str, call: Callable[[EngineClient], Awaitable[Any]]) -> list[Any]:
             report.calls.append(step)
-            return await self._each(report, step, call)
+            with report.timed(step):
+                return await self._each(report, step, call)
 
         await each("pause", lambda e: e.pause_generation(self.pause_mode))
         if self.pause_mode != "in_place":
@@ -101,10 +118,12 @@ class WeightSync:
             if not all(flushed):
                 raise WeightSyncError(f"flush_cache refused by engines {_false(flushed)}")
         report.calls.append("send")
-        await self._send(report, tensors, version)
+        with report.timed("send"):
+            await self._send(report, tensors, version)
         await each("set_version", lambda e: e.update_weight_version(str(version)))
         await each("continue", lambda e: e.continue_generation())
-        await self._confirm(tensors, version, report)
+        with report.timed("confirm"):
+            await self._confirm(tensors, version, report)
         report.seconds = time.perf_counter() - started
         return report
 

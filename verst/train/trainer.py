@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from verst import distributed
 from verst.configbase import ConfigBase
 from verst.models import lora
+from verst.monitor.timer import PhaseTimer
 from verst.train.algorithms import LossConfig
 from verst.train.batching import (
     MicroBatch,
@@ -169,6 +170,8 @@ class Trainer:
         self.stepped_adapters: list[str] = []  # multi-LoRA: the adapters the last step trained
         self.reference: torch.nn.Module | None = None
         self.critic: torch.nn.Module | None = None
+        # the current step's forward / backward / optimizer times (`perf/train_*_time_s`)
+        self.timer = PhaseTimer(device=device)
 
     def make_optimizer(
         self,
@@ -279,11 +282,15 @@ class Trainer:
     # --- steps ---------------------------------------------------------------------------------
 
     def step(self, items: list[TrainItem], *, step: int) -> dict[str, float]:
-        """One RL optimiser step on this rank's items; returns metrics averaged over all ranks.
-        With multi-LoRA, one step of each adapter that has items (`adapter_steps`)."""
+        """One RL optimiser step on this rank's items; returns metrics averaged over all ranks,
+        with this rank's `perf/train_{forward,backward,optimizer}_time_s`. With multi-LoRA, one
+        step of each adapter that has items (`adapter_steps`)."""
+        self.timer = PhaseTimer(device=self.device, step=step, cat="train")
         if self.adapter_optimizers:
-            return self.adapter_steps(items, step=step)
-        return self._step(items, self.optimizer, self.scheduler, step=step)
+            metrics = self.adapter_steps(items, step=step)
+        else:
+            metrics = self._step(items, self.optimizer, self.scheduler, step=step)
+        return metrics | self.timer.metrics()
 
     def adapter_steps(self, items: list[TrainItem], *, step: int) -> dict[str, float]:
         """Multi-LoRA: each adapter with items on any rank takes a step of its own optimizer
@@ -324,7 +331,7 @@ class Trainer:
         norms = Normalisers(token_norm, seq_norm, self.constant_normaliser)
         micros = list(self._micro_batches(items))
         if needs_advantage_pass(cfg):
-            with torch.no_grad():
+            with self.timer("train_forward"), torch.no_grad():
                 for _, micro in micros:
                     self._prepare_advantages(micro)
             if cfg.whiten_advantages:
@@ -332,19 +339,35 @@ class Trainer:
         sums: dict[str, float] = {}
         for is_last, micro in micros:
             self.model.set_requires_gradient_sync(is_last)
-            ref_logprobs = None
-            if cfg.kl_loss_coef > 0:
-                with torch.no_grad():
-                    ref_logprobs = self._logprobs(self._require_reference(), micro)
-            loss, stats = policy_objective(
-                cfg, self._logits(self.model, micro), micro, norms, ref_logprobs
-            )
-            loss.backward()
+            with self.timer("train_forward"):
+                ref_logprobs = None
+                if cfg.kl_loss_coef > 0:
+                    with torch.no_grad():
+                        ref_logprobs = self._logprobs(self._require_reference(), micro)
+                loss, stats = policy_objective(
+                    cfg, self._logits(self.model, micro), micro, norms, ref_logprobs
+                )
+            with self.timer("train_backward"):
+                loss.backward()
             if self.critic is not None:
                 self.critic.set_requires_gradient_sync(is_last)
                 stats |= self._critic_backward(micro, token_norm)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
+        with self.timer("train_optimizer"):
+            metrics = self._optimizer_steps(optimizer, scheduler, sums, step)
+        world = distributed.world_size()
+        reduced = distributed.all_reduce_sum(list(sums.values()), self.device)
+        return {f"train/{k}": v / world for k, v in zip(sums, reduced, strict=True)} | metrics
+
+    def _optimizer_steps(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        sums: dict[str, float],
+        step: int,
+    ) -> dict[str, float]:
+        """Clip, check and step the policy's (and the critic's) optimizer and schedule."""
         grad_norm = self._clip_and_check(self.model, optimizer, sums["loss"], step)
         metrics = {"train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
         if self.critic is not None:
@@ -358,9 +381,7 @@ class Trainer:
             self.critic_optimizer.step()
             self.critic_optimizer.zero_grad(set_to_none=True)
             self.critic_scheduler.step()
-        world = distributed.world_size()
-        reduced = distributed.all_reduce_sum(list(sums.values()), self.device)
-        return {f"train/{k}": v / world for k, v in zip(sums, reduced, strict=True)} | metrics
+        return metrics
 
     def _require_reference(self) -> torch.nn.Module:
         if self.reference is None:
@@ -384,12 +405,17 @@ class Trainer:
     def _critic_backward(self, micro: MicroBatch, token_norm: float) -> dict[str, float]:
         assert micro.old_values_B_T is not None and micro.returns_B_T is not None
         mask = micro.loss_mask_B_T
-        values = response_outputs(self.critic, micro)[..., 0].float()
-        per_token = value_loss(
-            values, micro.old_values_B_T, micro.returns_B_T, value_clip=self.loss_cfg.value_clip
-        )
-        loss = aggregate(per_token, mask, "token_mean", token_normaliser=token_norm)
-        loss.backward()
+        with self.timer("train_forward"):
+            values = response_outputs(self.critic, micro)[..., 0].float()
+            per_token = value_loss(
+                values,
+                micro.old_values_B_T,
+                micro.returns_B_T,
+                value_clip=self.loss_cfg.value_clip,
+            )
+            loss = aggregate(per_token, mask, "token_mean", token_normaliser=token_norm)
+        with self.timer("train_backward"):
+            loss.backward()
         return {
             "value_loss": loss.item(),
             "values_mean": float((values.detach() * mask).sum()) / token_norm,
@@ -405,26 +431,32 @@ class Trainer:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     ) -> dict[str, float]:
         """One supervised step: mean negative log-likelihood of the masked tokens over all
-        ranks; returns `loss`, `grad_norm` and `tokens` (masked tokens, all ranks)."""
+        ranks; returns `loss`, `grad_norm` and `tokens` (masked tokens, all ranks), with this
+        rank's `perf/train_{forward,backward,optimizer}_time_s`."""
+        timer = self.timer = PhaseTimer(device=self.device, step=step, cat="train")
         token_norm, _ = self._global_counts(items)
         total = 0.0
         for is_last, micro in self._micro_batches(items):
             self.model.set_requires_gradient_sync(is_last)
-            logprobs = logprobs_from_logits(self._logits(self.model, micro), micro.response_ids_B_T)
-            loss = -(logprobs * micro.loss_mask_B_T).sum() / token_norm
-            loss.backward()
+            with timer("train_forward"):
+                logits = self._logits(self.model, micro)
+                logprobs = logprobs_from_logits(logits, micro.response_ids_B_T)
+                loss = -(logprobs * micro.loss_mask_B_T).sum() / token_norm
+            with timer("train_backward"):
+                loss.backward()
             total += loss.item()
-        grad_norm = self._clip_and_check(self.model, optimizer, total, step)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
+        with timer("train_optimizer"):
+            grad_norm = self._clip_and_check(self.model, optimizer, total, step)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
         world = distributed.world_size()
         return {
             "loss": distributed.all_reduce_sum([total], self.device)[0] / world,
             "grad_norm": grad_norm,
             "tokens": token_norm * world,
-        }
+        } | timer.metrics()
 
     @torch.no_grad()
     def sft_eval(self, items: list[TrainItem]) -> dict[str, float]:
