@@ -112,7 +112,8 @@ def record_step(
     asking = [i for i, record in enumerate(records) if record is not None]
     if not asking:
         return
-    logprobs_A_V = scaled_logprobs(logits_B_V[asking], [params[i].temperature for i in asking])
+    rows_A_V = logits_B_V if len(asking) == len(records) else logits_B_V[asking]
+    logprobs_A_V = scaled_logprobs(rows_A_V, [params[i].temperature for i in asking])
     chosen = [records[i] for i in asking]
     top, picked = logprob_extras(
         logprobs_A_V, [r.top_k for r in chosen], [r.token_ids for r in chosen]
