@@ -9,14 +9,18 @@ Runs, in one process and on one random-weight Qwen3-shaped model:
   prompt a concurrent `/generate` (request validation, limits and result shaping included);
 - `hf-generate`: `model.generate(do_sample=True)` on the same prompts;
 for each batch size, plus a multi-turn shared-prefix workload (sessions whose every turn
-extends the previous one) that reports the scheduler's prefix-cache hit rate, and a staggered
-workload (requests arriving while others decode, the scheduler alone). Sampling at
-temperature 1, EOS ignored so every request generates exactly `--new-tokens`.
+extends the previous one) that reports the scheduler's prefix-cache hit rate, a staggered
+workload (requests arriving while others decode, the scheduler alone), and, with
+`--logprob-ab`, the scheduler with per-request features off against top-k log-probs on
+(`top_logprobs_num`; runs alternated, best of `--repeats`). Sampling at temperature 1, EOS
+ignored so every request generates exactly its new tokens.
 
     python bench/engine_throughput.py                      # CPU preset
     python bench/engine_throughput.py --preset h200        # Qwen2-0.5B-shaped, bf16, CUDA
     python bench/engine_throughput.py --penalties-ab 3 --batches 16 --threads 1 \
         --engines --sessions 0 --staggered 0               # sampling penalties off vs on
+    python bench/engine_throughput.py --engines --sessions 0 --staggered 0 \
+        --logprob-ab 16 --threads 1 --new-tokens 32 --repeats 3   # the log-prob A/B alone
 
 Prints tokens/s and the ratio to HF, and saves JSON.
 """
@@ -27,6 +31,7 @@ import argparse
 import json
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from functools import partial
@@ -93,10 +98,13 @@ def timed(fn) -> float:
 
 
 def requests(
-    prompts: list[list[int]], new_tokens: int, **sampling: object
+    prompts: list[list[int]], new_tokens: int, top_logprobs: int = 0, **sampling: object
 ) -> list[GenerateRequest]:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **sampling)
-    return [GenerateRequest(input_ids=p, sampling_params=params) for p in prompts]
+    return [
+        GenerateRequest(input_ids=p, sampling_params=params, top_logprobs_num=top_logprobs)
+        for p in prompts
+    ]
 
 
 # The penalties A/B: every request of the batch with these (frequency, presence and repetition
@@ -167,11 +175,15 @@ def warm_scheduler(scheduler: Scheduler, prompts: list[list[int]], batch: int) -
 
 
 def cold_generate(
-    scheduler: Scheduler, prompts: list[list[int]], new: int, **sampling: object
+    scheduler: Scheduler,
+    prompts: list[list[int]],
+    new: int,
+    top_logprobs: int = 0,
+    **sampling: object,
 ) -> None:
     """Fresh requests on an empty prefix cache (the batch workloads measure no cache hits)."""
     scheduler.flush_cache()
-    scheduler.generate(requests(prompts, new, **sampling))
+    scheduler.generate(requests(prompts, new, top_logprobs, **sampling))
 
 
 def start_vllm(model, args, root: Path):
@@ -323,6 +335,54 @@ def batch_row(batch: int, preset: dict, seconds: dict[str, float]) -> dict:
     return row
 
 
+def run_logprob_ab(model, args, preset, dtype, device) -> list[dict]:
+    """The scheduler at each `--logprob-ab` batch: features off (the sampled token's log-prob
+    only) against top-k log-probs on, for each k of `--top-logprobs`; the configurations run in
+    turn, `--repeats` rounds, so drift hits them all. Ratios over "off" from the best run and
+    from the median, in wall time and in this process's CPU time (on a shared CPU the latter
+    moves less)."""
+    rows = []
+    configs = {"off": 0, **{f"top_{k}": k for k in args.top_logprobs}}
+    for batch in args.logprob_ab:
+        prompts = batch_prompts(model, preset, batch)
+        new = preset["new_tokens"]
+        scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
+        warm_scheduler(scheduler, prompts, batch)
+        for k in args.top_logprobs:  # untimed: the top-k path's first use
+            scheduler.generate(requests(prompts, 4, k))
+        wall: dict[str, list[float]] = {name: [] for name in configs}
+        cpu: dict[str, list[float]] = {name: [] for name in configs}
+        for _ in range(args.repeats):
+            for name, k in configs.items():
+                cpu_start = time.process_time()
+                wall[name].append(timed(partial(cold_generate, scheduler, prompts, new, k)))
+                cpu[name].append(time.process_time() - cpu_start)
+        row: dict = {"batch": batch, "new_tokens": new, "wall_s": wall, "cpu_s": cpu}
+        for name in configs:
+            row[f"{name}_tok_s"] = batch * new / min(wall[name])
+            if name != "off":
+                for kind, spent in (("wall", wall), ("cpu", cpu)):
+                    row[f"{name}_over_off_{kind}_best"] = min(spent["off"]) / min(spent[name])
+                    row[f"{name}_over_off_{kind}_median"] = statistics.median(
+                        spent["off"]
+                    ) / statistics.median(spent[name])
+        print(
+            f"log-prob A/B batch {batch:4d}: "
+            + " | ".join(f"{name} {row[f'{name}_tok_s']:7.1f} tok/s" for name in configs)
+            + "".join(
+                f" | {name}/off wall {row[f'{name}_over_off_wall_best']:.3f}x"
+                f" (median {row[f'{name}_over_off_wall_median']:.3f}x),"
+                f" CPU {row[f'{name}_over_off_cpu_best']:.3f}x"
+                f" (median {row[f'{name}_over_off_cpu_median']:.3f}x)"
+                for name in configs
+                if name != "off"
+            ),
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
 def run_multiturn(model, args, dtype, device) -> dict:
     """S sessions × T turns; each turn's prompt = the previous prompt + its answer + 16 new
     tokens, all sessions' turn k submitted together (as a rollout's agents would)."""
@@ -434,8 +494,21 @@ def main() -> None:
     parser.add_argument(
         "--penalties-ab", type=int, default=0, help="penalties off vs on: best of N (0: skip)"
     )
+    parser.add_argument(
+        "--logprob-ab",
+        type=int,
+        nargs="*",
+        default=[],
+        help="batches of the A/B features off vs top-k log-probs on (default: none)",
+    )
+    parser.add_argument(
+        "--top-logprobs", type=int, nargs="+", default=[5, 20], help="--logprob-ab: the k's"
+    )
+    parser.add_argument("--new-tokens", type=int, help="tokens per request (default: preset's)")
     args = parser.parse_args()
-    preset = PRESETS[args.preset]
+    preset = dict(PRESETS[args.preset])
+    if args.new_tokens:
+        preset["new_tokens"] = args.new_tokens
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, preset["dtype"])
@@ -448,8 +521,10 @@ def main() -> None:
         "threads": args.threads,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "batches": run_batches(model, args, preset, dtype, device),
+        "batches": run_batches(model, args, preset, dtype, device) if args.engines else [],
     }
+    if args.logprob_ab:
+        result["logprob_ab"] = run_logprob_ab(model, args, preset, dtype, device)
     if args.sessions:
         result["multiturn"] = run_multiturn(model, args, dtype, device)
     if args.staggered:

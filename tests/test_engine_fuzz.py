@@ -44,7 +44,8 @@ KEYS = [
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids",
     "ignore_eos", "sampling_seed", "seed", "prompt", "messages", "max_tokens", "logprobs",
     "stream_options", "chat_template_kwargs", "return_text_in_logprobs", "skip_special_tokens",
-    "content", "role", "abort_all",
+    "content", "role", "abort_all", "top_logprobs_num", "token_ids_logprob", "top_logprobs",
+    "echo",
 ]  # fmt: skip
 NUMBERS = [
     0, 1, -1, 2, 1.5, -0.5, 1e-9, 1e30, -1e30, 1e308, 2**31, 2**63, 2**64, 2**64 - 1,
@@ -183,7 +184,10 @@ def test_fuzzed_requests_never_get_a_500(server: tuple[LoopThread, Any]) -> None
         async with aiohttp.ClientSession() as session:
             async with session.get(engine.url + "/health") as r:
                 health = r.status
-            good = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}
+            good = {
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+            }
             async with session.post(engine.url + "/generate", json=good) as r:
                 return health, r.status, await r.json()
 

@@ -131,11 +131,11 @@ def test_stop_regex_stops_generation_at_the_match(server: Server) -> None:
     pattern = re.escape(text[4]) + "." + re.escape(text[6])  # a real regex: any middle char
     kept, chars = shortest_stop(server, full, pattern)
     steps = server.serving.num_batches
-    status, body = server.generate({**VARIED, "max_new_tokens": 200, "stop_regex": [pattern]})
+    status, body = server.generate({**VARIED, "max_new_tokens": 100, "stop_regex": [pattern]})
     assert status == 200, body
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
     assert body["output_ids"] == full[:kept] and body["text"] == text[:chars]
-    assert server.serving.num_batches - steps <= kept + 2  # it ended there, not at 200 tokens
+    assert server.serving.num_batches - steps <= kept + 2  # it ended there, not at 100 tokens
     status, body = server.generate(
         {**VARIED, "stop_regex": pattern, "no_stop_trim": True}, return_logprob=True
     )
@@ -163,7 +163,7 @@ def test_stop_strings_end_the_request_early(server: Server) -> None:
     text = server.serving.tokenizer.decode(full)
     stop = text[5:7]
     steps = server.serving.num_batches
-    status, body = server.generate({**VARIED, "max_new_tokens": 200, "stop": stop})
+    status, body = server.generate({**VARIED, "max_new_tokens": 100, "stop": stop})
     assert status == 200, body
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert body["text"] == text[: text.find(stop)]

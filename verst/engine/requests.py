@@ -9,7 +9,7 @@ speak these records without importing an engine.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from uuid import uuid4
 
 from verst.engine.sampling import SamplingParams
@@ -30,6 +30,17 @@ class GenerateRequest:
     # the text now holds, ending the request (finish "stop"), or None. The serving layer
     # builds it from the request's stop strings (`verst.engine.stop_strings`).
     stop_check: Callable[[list[int]], str | None] | None = field(default=None, repr=False)
+    # with return_logprob: also the k likeliest tokens' log-probs at every scored position
+    top_logprobs_num: int = 0
+    # with return_logprob: also these token ids' log-probs at every scored position
+    token_ids_logprob: list[int] | None = None
+
+    @property
+    def wants_logprob_extras(self) -> bool:
+        """Top-k or chosen-id log-probs are asked for (computed only for such requests)."""
+        return self.return_logprob and (
+            self.top_logprobs_num > 0 or self.token_ids_logprob is not None
+        )
 
 
 @dataclass
@@ -51,6 +62,25 @@ class GenerateOutput:
     # finish "stop": the stop token id (the last output id), or the stop string / regex
     # pattern `stop_check` matched; None when the reason is not "stop"
     matched_stop: int | str | None = None
+    # top_logprobs_num > 0: per output token its k likeliest (logprob, token id), likeliest
+    # first; per scored prompt position likewise (the first None, as input_token_logprobs)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    # token_ids_logprob: per output token (and scored prompt position) each asked id's log-prob
+    output_token_ids_logprobs: list[list[float]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[float] | None] = field(default_factory=list)
+
+    def first(self, n: int) -> GenerateOutput:
+        """This output cut to its first n output tokens (every per-token list with them)."""
+        return replace(
+            self,
+            output_ids=self.output_ids[:n],
+            output_token_logprobs=self.output_token_logprobs[:n],
+            completion_tokens=min(self.completion_tokens, n),
+            token_weight_versions=self.token_weight_versions[:n],
+            output_top_logprobs=self.output_top_logprobs[:n],
+            output_token_ids_logprobs=self.output_token_ids_logprobs[:n],
+        )
 
 
 def finish_reason(

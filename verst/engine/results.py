@@ -53,6 +53,7 @@ def version_spans(versions: Sequence[int | str]) -> list[dict[str, Any]]:
 class ResultShaper:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}  # one token's text, for return_text_in_logprobs
 
     def _decode(self, ids: list[int], opts: DetokenizeParams) -> str:
         return self.tokenizer.decode(
@@ -75,9 +76,11 @@ class ResultShaper:
         submitted_s: float,
         out: GenerateOutput,
         version: str,
+        abort_message: str = "the request does not fit in the KV cache",
     ) -> GenerateResult:
-        """A scheduler output as SGLang's `/generate` item."""
-        ids, logprobs = out.output_ids, out.output_token_logprobs
+        """A scheduler output as SGLang's `/generate` item. An abort finish says
+        `abort_message`: by default the scheduler's own reason (user aborts pass theirs)."""
+        ids = out.output_ids
         finish: dict[str, Any]
         text_ids = ids
         by_token = out.finish_reason == FINISH_STOP and not isinstance(out.matched_stop, str)
@@ -90,14 +93,13 @@ class ResultShaper:
         elif out.finish_reason == FINISH_LENGTH:
             finish = {"type": "length", "length": len(ids)}
         else:
-            # user aborts are answered when asked; the scheduler aborts only what cannot fit
-            message = "the request does not fit in the KV cache"
-            finish = {"type": "abort", "message": message, "status_code": None}
+            finish = {"type": "abort", "message": abort_message, "status_code": None}
         text = self._decode(text_ids, opts)
         matcher = self.stop_matcher(opts)
         if matcher is not None and matcher.first(text) is not None:
             k, text, matched = self._cut_at_stop(text_ids, opts, matcher)
-            ids, logprobs = ids[:k], logprobs[:k]
+            out = out.first(k)
+            ids = out.output_ids
             finish = {"type": "stop", "matched": matched}
         meta: dict[str, Any] = {
             "id": out.rid,
@@ -111,18 +113,71 @@ class ResultShaper:
             "e2e_latency": time.perf_counter() - submitted_s,
         }
         if request.return_logprob:
-            meta["output_token_logprobs"] = self._logprob_triples(ids, logprobs, opts)
-            meta["output_token_logprobs_length"] = len(ids)
-            if request.logprob_start_len >= 0:
-                meta["input_token_logprobs"] = [
-                    [lp, tid, None]
-                    for lp, tid in zip(
-                        out.input_token_logprobs,
-                        request.input_ids[request.logprob_start_len :],
-                        strict=True,
-                    )
-                ]
+            meta.update(self._logprob_meta(request, out, opts.return_text_in_logprobs))
         return GenerateResult(text=text, output_ids=list(ids), meta_info=meta)
+
+    def _logprob_meta(
+        self, request: GenerateRequest, out: GenerateOutput, with_text: bool
+    ) -> dict[str, Any]:
+        """SGLang's log-prob keys: `[logprob, token_id, text]` triples per position (text null
+        unless `with_text`). Input lists cover the prompt from `logprob_start_len` (its last
+        token when -1, as SGLang) and start with a null log-prob: that position is predicted
+        by nothing the request scored."""
+        start = request.logprob_start_len
+        if start < 0:
+            start = len(request.input_ids) - 1
+            input_lps: list[float | None] = [None]
+            input_top: list[Any] = [None]
+            input_chosen: list[Any] = [None]
+        else:
+            input_lps, input_top = out.input_token_logprobs, out.input_top_logprobs
+            input_chosen = out.input_token_ids_logprobs
+        meta: dict[str, Any] = {
+            # an abort during the prompt's prefill has scored only part of it
+            "input_token_logprobs": self._triples(
+                input_lps, request.input_ids[start : start + len(input_lps)], with_text
+            ),
+            "output_token_logprobs": self._triples(
+                out.output_token_logprobs, out.output_ids, with_text
+            ),
+            "output_token_logprobs_length": len(out.output_ids),
+        }
+        if request.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = [self._top(e, with_text) for e in input_top]
+            meta["output_top_logprobs"] = [self._top(e, with_text) for e in out.output_top_logprobs]
+        asked = request.token_ids_logprob
+        if asked is not None:
+            meta["input_token_ids_logprobs"] = [
+                self._chosen(e, asked, with_text) for e in input_chosen
+            ]
+            meta["output_token_ids_logprobs"] = [
+                self._chosen(e, asked, with_text) for e in out.output_token_ids_logprobs
+            ]
+        return meta
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone (SGLang's text in log-prob triples)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _triples(
+        self, logprobs: Sequence[float | None], ids: Sequence[int], with_text: bool
+    ) -> list[list[Any]]:
+        return [
+            [lp, tid, self.token_text(tid) if with_text else None]
+            for lp, tid in zip(logprobs, ids, strict=True)
+        ]
+
+    def _top(self, entries: Sequence[tuple[float, int]] | None, with_text: bool) -> Any:
+        """One position's top-k triples; null where nothing was scored (SGLang's shape)."""
+        if not entries:
+            return None
+        return self._triples([lp for lp, _ in entries], [tid for _, tid in entries], with_text)
+
+    def _chosen(self, values: Sequence[float] | None, asked: list[int], with_text: bool) -> Any:
+        return self._triples(values, asked, with_text) if values else None
 
     def _cut_at_stop(
         self, ids: list[int], opts: DetokenizeParams, matcher: StopMatcher
@@ -150,29 +205,22 @@ class ResultShaper:
         start, end, matched = hit
         return lo, text[: end if opts.no_stop_trim else start], matched
 
-    def _logprob_triples(
-        self, ids: list[int], logprobs: list[float], opts: DetokenizeParams
-    ) -> list[list[Any]]:
-        return [
-            [lp, tid, self.tokenizer.decode([tid]) if opts.return_text_in_logprobs else None]
-            for lp, tid in zip(logprobs, ids, strict=True)
-        ]
-
     def aborted(
-        self, request: GenerateRequest, message: str, version: str, submitted_s: float
+        self,
+        request: GenerateRequest,
+        opts: DetokenizeParams,
+        message: str,
+        version: str,
+        submitted_s: float,
     ) -> GenerateResult:
         """A request answered with an abort before it produced anything."""
-        meta: dict[str, Any] = {
-            "id": request.rid,
-            "finish_reason": {"type": "abort", "message": message, "status_code": None},
-            "prompt_tokens": len(request.input_ids),
-            "completion_tokens": 0,
-            "cached_tokens": 0,
-            "reasoning_tokens": 0,
-            "weight_version": version,
-            "e2e_latency": time.perf_counter() - submitted_s,
-        }
-        if request.return_logprob:
-            meta["output_token_logprobs"] = []
-            meta["output_token_logprobs_length"] = 0
-        return GenerateResult(text="", output_ids=[], meta_info=meta)
+        nothing = GenerateOutput(
+            rid=request.rid,
+            output_ids=[],
+            output_token_logprobs=[],
+            finish_reason="abort",
+            prompt_tokens=len(request.input_ids),
+            completion_tokens=0,
+            weight_version=0,
+        )
+        return self.finished(request, opts, submitted_s, nothing, version, message)

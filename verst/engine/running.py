@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verst.engine.logprob_extras import LogprobRecord
 from verst.engine.radix_cache import PrefixMatch
 from verst.engine.requests import GenerateRequest
 
@@ -32,6 +33,7 @@ class Running:
     cache_offset: int = 0  # added to token ids in prefix-cache keys: an adapter's KV is its own
     first_token_s: float | None = None  # time.perf_counter() when its first token was sampled
     matched_stop: int | str | None = None  # the stop token, string or regex that ended it
+    extras: LogprobRecord | None = None  # its top-k / chosen-id log-probs, when it asks for them
 
     @property
     def output_ids(self) -> list[int]:

@@ -29,6 +29,7 @@ import torch
 
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterError, AdapterRegistry
 from verst.engine.kv_pool import KVPool, OutOfPages
+from verst.engine.logprob_extras import LogprobRecord, record_step, score_prompt
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.penalties import PenaltySlots
 from verst.engine.radix_cache import RadixCache
@@ -107,16 +108,12 @@ class Scheduler:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def submit(self, request: GenerateRequest) -> None:
+    def submit(self, request: GenerateRequest) -> Running:
         request.sampling_params.validate()
         if not request.input_ids:
             raise ValueError(f"input_ids must be non-empty (rid {request.rid})")
-        if request.logprob_start_len >= len(request.input_ids):
-            raise ValueError(
-                f"logprob_start_len {request.logprob_start_len} must be below the prompt "
-                f"length {len(request.input_ids)} (rid {request.rid})"
-            )
         r = Running(request, list(request.input_ids), prompt_length=len(request.input_ids))
+        r.extras = LogprobRecord.for_request(request)  # checks the log-prob options too
         if request.lora_path is not None:
             held = self.adapter_registry().slot(request.lora_path)
             r.adapter, r.cache_offset = held.index, held.uid << ADAPTER_KEY_SHIFT
@@ -126,6 +123,7 @@ class Scheduler:
             r.generator.manual_seed(seed)
         self.penalties.admit(request.sampling_params)
         self.waiting.append(r)
+        return r
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateOutput]:
         """Submit, run until these requests finish, and return their outputs in order."""
@@ -498,15 +496,13 @@ class Scheduler:
 
     def _score_prompt(self, r: Running, logits_T_V: torch.Tensor) -> None:
         """Log-probs of the prompt tokens this chunk predicts (SGLang's input_token_logprobs)."""
-        start = r.request.logprob_start_len
         if r.computed == 0:
             r.input_logprobs = [None]  # position `start` has no prediction in SGLang's shape
-        temperature = r.request.sampling_params.temperature or 1.0
-        logprobs_T_V = torch.log_softmax(logits_T_V.float() / temperature, dim=-1)
-        for offset in range(logits_T_V.shape[0]):
-            target = r.computed + offset + 1  # the position this logit predicts
-            if start < target < r.prompt_length:
-                r.input_logprobs.append(float(logprobs_T_V[offset, r.tokens[target]]))
+        # logits row o predicts position computed + o + 1; scored: start + 1 ... prompt - 1
+        first = max(r.request.logprob_start_len - r.computed, 0)
+        targets = r.tokens[r.computed + first + 1 : r.prompt_length]
+        temperature, fresh = r.request.sampling_params.temperature, r.computed == 0
+        r.input_logprobs += score_prompt(logits_T_V[first:], targets, temperature, r.extras, fresh)
 
     def _sample(self, rows: list[Running], logits_B_V: torch.Tensor) -> list[GenerateOutput]:
         params = [r.request.sampling_params for r in rows]
@@ -520,11 +516,12 @@ class Scheduler:
         )
         if penalties is not None:  # on the device, before the step's one host sync
             self.penalties.record(penalties.slots_B, tokens_B)
+        record_step([r.extras for r in rows], params, logits_B_V)
         finished = []
         for r, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
-            r.tokens.append(token)
             r.output_logprobs.append(logprob)
             r.token_versions.append(self.weight_version)
+            r.tokens.append(token)  # last: `output_so_far` counts the tokens first
             reason, r.matched_stop = finish_reason(r.request, r.output_ids, self.eos_token_ids)
             if reason is not None:
                 finished.append(self._finish(r, reason))
@@ -576,4 +573,10 @@ class Scheduler:
             # one that finishes in the step of its first token is stamped here
             first_token_s=r.first_token_s or (time.perf_counter() if r.output_ids else None),
             matched_stop=r.matched_stop,  # set only by the step that ends r with a stop
+            **(r.extras.output_fields() if r.extras is not None else {}),
         )
+
+    def output_so_far(self, r: Running) -> GenerateOutput:
+        """An aborted request's answer, its tokens so far (safe while a step runs: see _sample)."""
+        n = len(r.output_ids)  # first: a token being appended meanwhile is left out
+        return self._output(r, FINISH_ABORT).first(n)

@@ -11,7 +11,7 @@ Promises (SGLang's semantics):
   queued and running request, `retract` requeues running requests (their KV goes to the prefix
   cache and is recomputed on return), `in_place` freezes them with their KV;
 - an aborted request returns at once with `finish_reason.type == "abort"` and the tokens it
-  had so far;
+  had so far, with their log-probs (a token a step is sampling meanwhile is left out);
 - weights change only between steps; a request running across an update keeps its KV and
   finishes with the new version stamped;
 - an un-paused disk update waits for the requests already submitted, and holds new ones.
@@ -49,6 +49,7 @@ class _Pending:
     detokenize: DetokenizeParams
     submitted_s: float
     future: asyncio.Future[GenerateResult] = field(repr=False)
+    handle: Any = None  # the scheduler's handle, once submitted (`Scheduler.output_so_far`)
 
 
 def context_length(config: Any) -> int:
@@ -237,12 +238,20 @@ class ServingEngine(WeightUpdates):
         detokenize: DetokenizeParams | None = None,
         logprob_start_len: int = -1,
         lora_path: str | None = None,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: list[int] | None = None,
     ) -> GenerateResult:
         """Queue one request and wait for its result (SGLang's `/generate` item shape);
         `lora_path` names the LoRA adapter it runs with (None: the base model)."""
         cond = self._started()
         submitted_s = time.perf_counter()
-        self.check_request(input_ids, params, lora_path)
+        self.check_request(
+            input_ids,
+            params,
+            lora_path,
+            top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
+        )
         async with cond:
             await cond.wait_for(lambda: not self._paused and not self._updating)
             if not self.rid_is_free(rid):
@@ -258,6 +267,8 @@ class ServingEngine(WeightUpdates):
                     logprob_start_len=logprob_start_len,
                     lora_path=lora_path,
                     stop_check=None if matcher is None else matcher.check,
+                    top_logprobs_num=top_logprobs_num,
+                    token_ids_logprob=token_ids_logprob,
                 ),
                 detokenize,
                 submitted_s,
@@ -280,10 +291,17 @@ class ServingEngine(WeightUpdates):
             raise
 
     def check_request(
-        self, input_ids: list[int], params: SamplingParams, lora_path: str | None = None
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        lora_path: str | None = None,
+        *,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: list[int] | None = None,
     ) -> None:
         """Raise ValueError for a request the engine cannot run (before it reaches a batch)."""
         params.validate()
+        self._check_logprob_options(top_logprobs_num, token_ids_logprob)
         if lora_path is not None:
             self.scheduler.adapter_registry().slot(lora_path)  # AdapterError names the held ones
         if not input_ids:
@@ -297,6 +315,22 @@ class ServingEngine(WeightUpdates):
             raise ValueError(
                 f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
             )
+
+    def _check_logprob_options(self, top_k: int, token_ids: list[int] | None) -> None:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+            raise ValueError(f"top_logprobs_num must be an int >= 0, got {top_k!r}")
+        if self.vocab_size and top_k > self.vocab_size:
+            raise ValueError(
+                f"top_logprobs_num ({top_k}) is larger than the vocabulary ({self.vocab_size})"
+            )
+        for token_id in token_ids or ():
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise ValueError("token_ids_logprob must be a flat list of integers.")
+            if token_id < 0 or (self.vocab_size and token_id >= self.vocab_size):
+                raise ValueError(
+                    f"token_ids_logprob contains out-of-vocabulary token id {token_id}; "
+                    f"valid range is [0, {self.vocab_size})."
+                )
 
     def rid_is_free(self, rid: str) -> bool:
         """No request with this rid is in flight (SGLang answers a second one with a 400)."""
@@ -355,7 +389,7 @@ class ServingEngine(WeightUpdates):
         """Hand the queued requests to the scheduler; one it refuses fails alone."""
         for p in self._queue.values():
             try:
-                self.scheduler.submit(p.request)
+                p.handle = self.scheduler.submit(p.request)
             except Exception as error:
                 logger.warning("request %s refused by the scheduler: %r", p.request.rid, error)
                 if not p.future.done():
@@ -419,6 +453,7 @@ class ServingEngine(WeightUpdates):
                     p.future.set_result(
                         self.results.aborted(
                             p.request,
+                            p.detokenize,
                             message or "Abort in waiting queue.",
                             self.weight_version,
                             p.submitted_s,
@@ -426,24 +461,30 @@ class ServingEngine(WeightUpdates):
                     )
                     self.metrics.observe_aborted(p.submitted_s, time.perf_counter())
                     count += 1
-            # Callers of running requests get the abort now; the scheduler drops the requests
-            # (and frees their KV) before its next step.
+            # Callers of running requests get the abort now, with the tokens generated so far;
+            # the scheduler drops the requests (and frees their KV) before its next step.
             for p in [p for p in self._running.values() if hit(p)]:
                 del self._running[p.request.rid]
                 if not p.future.done():
-                    p.future.set_result(
-                        self.results.aborted(
-                            p.request,
-                            message or "Abort running request.",
-                            self.weight_version,
-                            p.submitted_s,
-                        )
-                    )
+                    self._answer_running_abort(p, message or "Abort running request.")
                     self.metrics.observe_aborted(p.submitted_s, time.perf_counter())
                     count += 1
             self._control.append(lambda: self.scheduler.abort(rid, abort_all=abort_all))
             cond.notify_all()
         return count
+
+    def _answer_running_abort(self, p: _Pending, message: str) -> None:
+        """Answer an aborted running request with what it has generated so far."""
+        try:
+            out = self.scheduler.output_so_far(p.handle)
+            result = self.results.finished(
+                p.request, p.detokenize, p.submitted_s, out, self.weight_version, message
+            )
+        except Exception as error:  # shaping it failed: that request fails alone
+            logger.exception("request %s: shaping its abort failed", p.request.rid)
+            p.future.set_exception(error)
+        else:
+            p.future.set_result(result)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         if mode not in PAUSE_MODES:

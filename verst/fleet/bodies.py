@@ -32,6 +32,10 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["logprob_start_len"] = request.logprob_start_len
     if request.lora_path is not None:
         body["lora_path"] = request.lora_path
+    if request.top_logprobs_num > 0:
+        body["top_logprobs_num"] = request.top_logprobs_num
+    if request.token_ids_logprob is not None:
+        body["token_ids_logprob"] = list(request.token_ids_logprob)
     return body
 
 
@@ -56,6 +60,15 @@ def _penalties(params: SamplingParams) -> dict[str, Any]:
 def _version(value: Any) -> int | str:
     text = str(value)
     return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _top(rows: Any) -> list[Any]:
+    """SGLang's per-position `[[logprob, id, text], ...]` (or null) as (logprob, id) pairs."""
+    return [None if row is None else [(float(e[0]), int(e[1])) for e in row] for row in rows or []]
+
+
+def _chosen(rows: Any) -> list[Any]:
+    return [None if row is None else [float(e[0]) for e in row] for row in rows or []]
 
 
 def output_from_body(request: GenerateRequest, body: dict[str, Any]) -> GenerateOutput:
@@ -83,4 +96,8 @@ def output_from_body(request: GenerateRequest, body: dict[str, Any]) -> Generate
         cached_tokens=int(meta.get("cached_tokens", 0)),
         input_token_logprobs=input_logprobs,
         token_weight_versions=token_versions,
+        output_top_logprobs=_top(meta.get("output_top_logprobs")),
+        input_top_logprobs=_top(meta.get("input_top_logprobs")),
+        output_token_ids_logprobs=_chosen(meta.get("output_token_ids_logprobs")),
+        input_token_ids_logprobs=_chosen(meta.get("input_token_ids_logprobs")),
     )

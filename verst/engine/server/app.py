@@ -105,6 +105,11 @@ def make_app(
     routes.add_post("/v1/completions", h.completions)
     routes.add_post("/v1/chat/completions", h.chat_completions)
     routes.add_get("/v1/models", h.models)
+    routes.add_get("/v1/models/{model:.+}", h.model)  # the served name may be a path
+    for path in ("/tokenize", "/v1/tokenize"):
+        routes.add_post(path, h.tokenize)
+    for path in ("/detokenize", "/v1/detokenize"):
+        routes.add_post(path, h.detokenize)
     routes.add_get("/health", h.health)
     routes.add_get("/health_generate", h.health_generate)
     routes.add_get("/ready", h.ready)

@@ -36,8 +36,21 @@ def model_info_body(serving: ServingEngine, served_model_name: str) -> dict[str,
     }
 
 
+def max_total_num_tokens(serving: ServingEngine) -> int:
+    """The tokens the KV pool holds (SGLang's `max_total_num_tokens`)."""
+    pool = serving.scheduler.pool
+    return pool.num_pages * pool.page_size
+
+
+def max_req_input_len(serving: ServingEngine) -> int:
+    """The longest prompt served: below the context and within the KV pool (SGLang's
+    `max_req_input_len`, `min(context_len - 1, max_total_num_tokens - 1)`)."""
+    total = max_total_num_tokens(serving) - 1
+    return min(serving.context_len - 1, total) if serving.context_len else total
+
+
 def loads_body(serving: ServingEngine) -> dict[str, Any]:
-    """`/v1/loads`: one DP rank; token counts are 0 until the paged KV cache lands."""
+    """`/v1/loads`: one DP rank; the used-token counts and rates are 0 (not tracked)."""
     load = serving.load()
     return {
         "timestamp": time.time(),
@@ -49,7 +62,7 @@ def loads_body(serving: ServingEngine) -> dict[str, Any]:
                 "num_waiting_reqs": load["num_waiting_reqs"],
                 "num_used_tokens": 0,
                 "num_total_tokens": 0,
-                "max_total_num_tokens": 0,
+                "max_total_num_tokens": max_total_num_tokens(serving),
                 "token_usage": 0.0,
                 "gen_throughput": 0.0,
                 "cache_hit_rate": 0.0,
@@ -72,6 +85,8 @@ def server_info_body(
         "dp_size": 1,
         "context_length": serving.context_len,
         "max_running_requests": serving.max_batch_size,
+        "max_total_num_tokens": max_total_num_tokens(serving),
+        "max_req_input_len": max_req_input_len(serving),
         "random_seed": None,
         "weight_version": serving.weight_version,
         "num_running_reqs": load["num_running_reqs"],

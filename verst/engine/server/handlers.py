@@ -48,6 +48,7 @@ from verst.engine.server.sglang_api import (
     validation_error,
     value_error,
 )
+from verst.engine.server.tokenize_api import detokenize_body, tokenize_body
 from verst.engine.serving import ServingEngine
 
 # A weights route's protocol call: (serving, JSON body) → (status, response body).
@@ -233,8 +234,8 @@ class EngineHandlers:
     async def loads(self, request: web.Request) -> web.Response:
         return json_response(loads_body(self.serving))
 
-    async def models(self, request: web.Request) -> web.Response:
-        model = {
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.served_model_name,
             "object": "model",
             "created": int(time.time()),
@@ -242,7 +243,37 @@ class EngineHandlers:
             "root": self.serving.model_path,
             "max_model_len": self.serving.context_len,
         }
-        return json_response({"object": "list", "data": [model]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """`GET /v1/models/{id}`: the served model's card, or SGLang's 404."""
+        name = request.match_info["model"]
+        if name != self.served_model_name:
+            error = {
+                "message": f"The model '{name}' does not exist",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+            return json_response({"error": error}, 404)
+        return json_response(self._model_card())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        payload = await read_json(request)
+        # Tokenizing a long prompt takes seconds: never on the event loop.
+        body = await asyncio.to_thread(
+            tokenize_body, self.tokenizer, payload, self.serving.context_len
+        )
+        return json_response(body)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        payload = await read_json(request)
+        body = await asyncio.to_thread(
+            detokenize_body, self.tokenizer, payload, self.serving.vocab_size
+        )
+        return json_response(body)
 
     # ---- control ---------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+from verst.engine.server.openai_logprobs import chat_logprobs, completion_logprobs
 from verst.engine.server.sglang_api import (
     GenerateItem,
     GenerateJob,
@@ -30,7 +31,6 @@ OPENAI_OFF: dict[str, Any] = {
     "ebnf": None,
     "json_schema": None,
     "tools": None,
-    "echo": False,
     "suffix": None,
     "best_of": None,
 }
@@ -130,15 +130,10 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
     response_format = payload.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
         raise openai_error("response_format other than text is not supported yet")
+    logprobs, top, start = _logprob_options(payload, chat=chat)
     if chat:
-        if payload.get("top_logprobs"):
-            raise openai_error("top_logprobs > 0 is not supported by the verst engine yet")
-        logprobs = bool(payload.get("logprobs"))
         max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
     else:
-        if payload.get("logprobs"):
-            raise openai_error("logprobs > 0 (top alternatives) is not supported yet; use 0")
-        logprobs = payload.get("logprobs") is not None
         max_tokens = payload.get("max_tokens", 16)
     raw: dict[str, Any] = {
         "temperature": payload.get("temperature"),
@@ -175,6 +170,8 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
             raise openai_error(message) from error
     n = parsed[0][2]
     base = str(payload.get("rid") or uuid.uuid4().hex)
+    for _, detok, _ in parsed:
+        detok.return_text_in_logprobs = logprobs  # OpenAI's log-probs name tokens by their text
     items = [
         GenerateItem(
             prompt,
@@ -182,12 +179,47 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
             detok,
             rid=base if len(prompts) * n == 1 else f"{base}_{i * n + j}",
             return_logprob=logprobs,
+            logprob_start_len=start,
             lora_path=lora_path,
+            top_logprobs_num=top,
         )
         for i, (prompt, (params, detok, _)) in enumerate(zip(prompts, parsed, strict=True))
         for j in range(n)
     ]
     return GenerateJob(items=items, is_list=True, return_prompt_token_ids=False, n=n)
+
+
+def _logprob_options(payload: dict[str, Any], *, chat: bool) -> tuple[bool, int, int]:
+    """(return_logprob, top_logprobs_num, logprob_start_len) of an OpenAI body. Chat:
+    `logprobs` (a boolean) and `top_logprobs` (alternatives per token, needs `logprobs`).
+    Completions: `logprobs` (alternatives per token, 0 for none; null for no log-probs at all)
+    and `echo` (the prompt first in `text`, and in the log-probs from its first token)."""
+    count_key = "top_logprobs" if chat else "logprobs"
+    top = payload.get(count_key)
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
+        raise openai_error(f"{count_key} must be an int >= 0, got {top!r}")
+    if chat:
+        logprobs = payload.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise openai_error(f"logprobs must be a boolean, got {logprobs!r}")
+        if top and not logprobs:
+            raise openai_error("top_logprobs needs logprobs: true")
+        return bool(logprobs), top or 0, -1
+    echo = payload.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise openai_error(f"echo must be a boolean, got {echo!r}")
+    return top is not None, top or 0, 0 if echo and top is not None else -1
+
+
+def _echo_texts(payload: dict[str, Any], tokenizer: Any) -> list[str]:
+    """The prompt text `echo` puts before each prompt's completions (token prompts decoded)."""
+    prompt = payload["prompt"]
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    prompts = [prompt] if all(isinstance(t, int) for t in prompt) else prompt
+    return [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
 
 
 def _openai_finish(meta: dict[str, Any]) -> tuple[str, Any]:
@@ -212,37 +244,18 @@ async def run_openai(
     except ProtocolError as error:  # a token id outside the vocabulary: OpenAI's envelope
         raise openai_error(error.body["error"]["message"]) from error
     results = await run_job(serving, job)
+    echo = not chat and payload.get("echo") is True
+    echoed = _echo_texts(payload, tokenizer) if echo else []
     choices = []
     for index, result in enumerate(results):
         meta = result["meta_info"]
         finish, matched = _openai_finish(meta)
         logprobs = None
-        if job.items[index].return_logprob:
-            triples = meta.get("output_token_logprobs", [])
-            tokens = [tokenizer.decode([tid]) for _, tid, _ in triples]
-            if chat:
-                logprobs = {
-                    "content": [
-                        {
-                            "token": tok,
-                            "bytes": list(tok.encode()),
-                            "logprob": lp,
-                            "top_logprobs": [],
-                        }
-                        for tok, (lp, _, _) in zip(tokens, triples, strict=True)
-                    ]
-                }
-            else:
-                offsets, offset = [], 0
-                for tok in tokens:
-                    offsets.append(offset)
-                    offset += len(tok)
-                logprobs = {
-                    "tokens": tokens,
-                    "token_logprobs": [lp for lp, _, _ in triples],
-                    "text_offset": offsets,
-                    "top_logprobs": None,
-                }
+        item = job.items[index]
+        if item.return_logprob and chat:
+            logprobs = chat_logprobs(meta)
+        elif item.return_logprob:
+            logprobs = completion_logprobs(meta, echo=echo, top=item.top_logprobs_num > 0)
         choice: dict[str, Any] = {"index": index}
         if chat:
             choice["message"] = {
@@ -252,7 +265,7 @@ async def run_openai(
                 "tool_calls": None,
             }
         else:
-            choice["text"] = result["text"]
+            choice["text"] = (echoed[index // job.n] if echo else "") + result["text"]
         choice.update(logprobs=logprobs, finish_reason=finish, matched_stop=matched)
         choices.append(choice)
     prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in results[:: job.n])

@@ -71,7 +71,6 @@ GENERATE_UNSUPPORTED = (
     "session_params",
     "session_id",
     "custom_logit_processor",
-    "token_ids_logprob",
     "image_data",
     "video_data",
     "audio_data",
@@ -120,6 +119,8 @@ class GenerateItem:
     return_logprob: bool
     logprob_start_len: int = -1  # >= 0: also score the prompt from here (input_token_logprobs)
     lora_path: str | None = None  # the LoRA adapter it runs with (a name the engine holds)
+    top_logprobs_num: int = 0  # with return_logprob: the k likeliest tokens at each position
+    token_ids_logprob: list[int] | None = None  # with return_logprob: these ids' log-probs
 
 
 @dataclass
@@ -191,14 +192,10 @@ def parse_sampling_params(
     stop_ids = raw.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_token(t) for t in stop_ids):
         raise contract_error("sampling_params.stop_token_ids must be a list of ints")
-    if context_len and prompt_len >= context_len:
-        raise value_error(
-            f"The input ({prompt_len} tokens) is longer than the model's context length "
-            f"({context_len} tokens)."
-        )
-    min_new = _min_new_tokens(raw, max_new, context_len - prompt_len if context_len else None)
     if context_len:
-        max_new = min(max_new, context_len - prompt_len)
+        check_context(prompt_len, raw.get("max_new_tokens"), context_len)
+        max_new = min(max_new, context_len - prompt_len)  # only the default can be larger
+    min_new = _min_new_tokens(raw, max_new, context_len - prompt_len if context_len else None)
     params = SamplingParams(
         max_new_tokens=max_new,
         # SGLang: temperature below 1e-6 is greedy.
@@ -290,6 +287,24 @@ def _logit_bias(value: Any) -> dict[int, float]:
     return bias
 
 
+def check_context(prompt_len: int, max_new_tokens: int | None, context_len: int) -> None:
+    """SGLang's 400s for a prompt the context cannot hold, and for an explicit
+    `max_new_tokens` that would run past it (never silently capped)."""
+    if prompt_len >= context_len:
+        raise value_error(
+            f"The input ({prompt_len} tokens) is longer than the model's context length "
+            f"({context_len} tokens)."
+        )
+    if max_new_tokens is not None and prompt_len + max_new_tokens > context_len:
+        raise value_error(
+            "Requested token count exceeds the model's maximum context length of "
+            f"{context_len} tokens. You requested a total of {prompt_len + max_new_tokens} "
+            f"tokens: {prompt_len} tokens from the input messages and {max_new_tokens} tokens "
+            "for the completion. Please reduce the number of tokens in the input messages or "
+            "the completion to fit within the limit."
+        )
+
+
 def _prompts(payload: dict[str, Any], tokenizer: Any) -> tuple[list[list[int]], bool]:
     text, input_ids = payload.get("text"), payload.get("input_ids")
     if text is not None:  # SGLang: text wins when several are given
@@ -358,6 +373,29 @@ def sample_params(params: SamplingParams, j: int) -> SamplingParams:
     return params if seed is None else replace(params, sampling_seed=(seed + j) % SEED_LIMIT)
 
 
+def _logprob_extras(payload: dict[str, Any], n_prompts: int) -> list[tuple[int, Any]]:
+    """`top_logprobs_num` (an int, or one per prompt) and `token_ids_logprob` (a list of ids,
+    or one list or null per prompt), as (k, ids) per prompt; 400 for a wrong type."""
+    top = payload.get("top_logprobs_num")
+    tops = top if isinstance(top, list) else [top] * n_prompts
+    if len(tops) != n_prompts:
+        raise contract_error("top_logprobs_num list must have one entry per prompt")
+    if not all(t is None or (_is_token(t) and t >= 0) for t in tops):
+        raise contract_error(f"top_logprobs_num must be an int >= 0 (or one per prompt): {top!r}")
+    ids = payload.get("token_ids_logprob")
+    if ids is None or (isinstance(ids, list) and all(_is_token(t) for t in ids)):
+        id_lists = [ids] * n_prompts
+    elif isinstance(ids, list) and len(ids) == n_prompts:
+        id_lists = ids
+    else:
+        raise contract_error(
+            "token_ids_logprob must be a list of token ids, or one list (or null) per prompt"
+        )
+    if not all(i is None or (isinstance(i, list) and all(map(_is_token, i))) for i in id_lists):
+        raise contract_error("token_ids_logprob must be a list of token ids")
+    return [(t or 0, i) for t, i in zip(tops, id_lists, strict=True)]
+
+
 def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJob:
     """A `/generate` body → one item per (prompt, sample), prompt-major."""
     if not isinstance(payload, dict):
@@ -365,9 +403,6 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
     for key in GENERATE_UNSUPPORTED:
         if payload.get(key) is not None:
             raise value_error(f"{key} is not supported by the verst engine")
-    for key in ("top_logprobs_num",):
-        if payload.get(key):
-            raise value_error(f"{key} > 0 is not supported by the verst engine yet")
     start = payload.get("logprob_start_len", -1)
     start = -1 if start is None else start
     if not isinstance(start, int) or isinstance(start, bool) or start < -1:
@@ -382,6 +417,7 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
         raise contract_error("sampling_params list must have one entry per prompt")
     return_logprob, rid = _per_prompt_fields(payload, len(prompts))
     lora_paths = _lora_paths(payload, len(prompts))
+    extras = _logprob_extras(payload, len(prompts))
     text_in_logprobs = _flag(payload, "return_text_in_logprobs", False)
 
     parsed = []
@@ -417,6 +453,9 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
                     return_logprob=bool(logprob),
                     logprob_start_len=start if logprob else -1,
                     lora_path=lora_paths[i],
+                    # SGLang reads them only with return_logprob
+                    top_logprobs_num=extras[i][0] if logprob else 0,
+                    token_ids_logprob=extras[i][1] if logprob else None,
                 )
             )
     return GenerateJob(
@@ -432,7 +471,13 @@ def check_job(serving: ServingEngine, job: GenerateJob) -> None:
     flight is a 400, and the good items batched with it never start."""
     for item in job.items:
         try:
-            serving.check_request(item.input_ids, item.params, item.lora_path)
+            serving.check_request(
+                item.input_ids,
+                item.params,
+                item.lora_path,
+                top_logprobs_num=item.top_logprobs_num,
+                token_ids_logprob=item.token_ids_logprob,
+            )
         except ValueError as error:
             raise value_error(str(error)) from error
         if not serving.rid_is_free(item.rid):
@@ -454,6 +499,8 @@ async def run_job(serving: ServingEngine, job: GenerateJob) -> list[dict[str, An
                 detokenize=item.detokenize,
                 logprob_start_len=item.logprob_start_len,
                 lora_path=item.lora_path,
+                top_logprobs_num=item.top_logprobs_num,
+                token_ids_logprob=item.token_ids_logprob,
             )
         except ValueError as error:
             raise value_error(str(error)) from error
