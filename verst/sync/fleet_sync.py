@@ -264,6 +264,8 @@ class FleetSync:
         assert self.protocol is not None and self.fleet is not None
         fleet = self.fleet
         fleet.raise_failure()
+        if not engines and fleet.recovering:  # every live engine died while others restart
+            engines, every_adapter = await fleet.restarted_engines(), True
         if not engines:
             raise WeightSyncError(
                 "every engine is down and none is restarting: no engine left to update"
