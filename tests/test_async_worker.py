@@ -9,8 +9,8 @@ import random
 import pytest
 from pydantic import ValidationError
 
+from verst.rollout.async_config import AsyncConfig
 from verst.rollout.async_worker import (
-    AsyncConfig,
     RolloutWorker,
     RolloutWorkerError,
     build_rollout_worker,

@@ -51,23 +51,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from pydantic import Field, field_validator
-
-from verst.configbase import ConfigBase
 from verst.monitor import trace
 from verst.plugins import GroupRewardFunction, RewardFunction, SampleFilter
+from verst.rollout.async_config import AsyncConfig
 from verst.rollout.buffer import (
-    DEFAULT_BUFFER,
     Buffer,
     GiveBack,
     is_aborted,
-    load_buffer_class,
     make_buffer,
 )
 from verst.rollout.ledger import TOO_FEW_SCORED, Ledger
@@ -81,65 +76,6 @@ log = logging.getLogger(__name__)
 GenerateSample = Callable[[Sample], Awaitable[Sample]]
 SetAside = Callable[[list[Group], str], None]
 """Takes groups that will not be trained, and why (a `verst.rollout.ledger` reason)."""
-
-
-class AsyncConfig(ConfigBase):
-    """Fully asynchronous rollout: the worker's in-flight limit and the data buffer."""
-
-    max_inflight: int | None = Field(
-        None,
-        ge=1,
-        description="most trajectories generating at once; null = one step's worth "
-        "(prompts_per_step × n_samples_per_prompt)",
-    )
-    replacement: Replacement = Field(
-        "sample",
-        description="when a new group starts: 'sample' = once enough finished trajectories have "
-        "freed their places, 'group' = only when a whole group has finished",
-    )
-    buffer_factor: float = Field(
-        2.0,
-        ge=1.0,
-        description="data buffer capacity in train batches: ceil(factor × prompts_per_step) groups",
-    )
-    max_staleness: int | None = Field(
-        4,
-        ge=0,
-        description="drop a group at take when current version − its oldest token's version "
-        "exceeds this, and start none while this many batches wait untrained; null = never",
-    )
-    unused: Literal["drop", "retry"] = Field(
-        "retry",
-        description="fully async: aborted, stale and too-few-scored groups: discard them, or "
-        "return their prompts to the data source to be served again",
-    )
-    buffer: str = Field(
-        DEFAULT_BUFFER, description="data buffer class by import path, e.g. pkg.mod:MyBuffer"
-    )
-
-    @field_validator("buffer")
-    @classmethod
-    def _buffer_importable(cls, value: str) -> str:
-        load_buffer_class(value)
-        return value
-
-    def buffer_capacity(self, prompts_per_step: int) -> int:
-        """The buffer's capacity in groups for a train batch of `prompts_per_step` groups."""
-        return max(prompts_per_step, math.ceil(self.buffer_factor * prompts_per_step - 1e-9))
-
-    def ahead_limit(self, prompts_per_step: int) -> int | None:
-        """Most groups drawn and not yet served (generating or buffered): a group with
-        `max_staleness` batches ahead of it would be stale by the time a take reaches it, so
-        it is not started (its generation would be thrown away)."""
-        if self.max_staleness is None:
-            return None
-        return max(self.max_staleness, 1) * prompts_per_step
-
-    def inflight_limit(self, prompts_per_step: int, n_samples_per_prompt: int) -> int:
-        """`max_inflight`, or one step's worth of trajectories when it is unset."""
-        if self.max_inflight is not None:
-            return self.max_inflight
-        return prompts_per_step * n_samples_per_prompt
 
 
 class PromptSource(Protocol):

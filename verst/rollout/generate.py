@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from verst.engine import GenerateOutput, GenerateRequest, SamplingParams
 from verst.plugins import Generator
 from verst.rollout.agent import AgentConfig
-from verst.rollout.async_worker import AsyncConfig
+from verst.rollout.async_config import AsyncConfig
 from verst.rollout.layers import LayersConfig
 from verst.rollout.rewards import load_reward_fn
 from verst.types import Group, Sample, Status
