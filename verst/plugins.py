@@ -461,6 +461,21 @@ def load_plugin(path: str, protocol: type, *, field: str) -> Any:
     return obj
 
 
+def load_named(
+    path: str, builtins: dict[str, Any], protocol: type, *, field: str, kind: str
+) -> Any:
+    """A built-in `kind` by bare name, or `load_plugin`'s object for an import path;
+    `PluginError` naming `field` for a bare name that is no built-in."""
+    if ":" in path or "." in path:
+        return load_plugin(path, protocol, field=field)
+    if path not in builtins:
+        raise PluginError(
+            f"{field}: unknown {kind} {path!r}: built-ins are "
+            f"{', '.join(sorted(builtins))}; or give an import path 'pkg.mod:fn'"
+        )
+    return builtins[path]
+
+
 def check_plugin(obj: Any, protocol: type, *, field: str, path: str) -> None:
     """Raise `PluginError` when `obj` (loaded from `path` for `field`) does not fit `protocol`."""
     members = _members(protocol)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from verst import distributed
-from verst.plugins import PluginError, SampleFilter, load_plugin
+from verst.plugins import SampleFilter, load_named
 from verst.rollout.ledger import NO_VARIANCE
 from verst.types import Group
 
@@ -47,14 +47,7 @@ BUILTIN_FILTERS: dict[str, SampleFilter] = {"reward_variance": reward_variance}
 def load_filter(path: str) -> SampleFilter:
     """A built-in filter by bare name, or any 'pkg.mod:fn' that takes a group; `PluginError`
     naming `rollout.filter` otherwise."""
-    if ":" not in path and "." not in path:
-        if path not in BUILTIN_FILTERS:
-            raise PluginError(
-                f"{FILTER_FIELD}: unknown filter {path!r}: built-ins are "
-                f"{', '.join(sorted(BUILTIN_FILTERS))}; or give an import path 'pkg.mod:fn'"
-            )
-        return BUILTIN_FILTERS[path]
-    return load_plugin(path, SampleFilter, field=FILTER_FIELD)
+    return load_named(path, BUILTIN_FILTERS, SampleFilter, field=FILTER_FIELD, kind="filter")
 
 
 def drop_reason(keep: SampleFilter, group: Group) -> str | None:

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from verst.plugins import GroupRewardFunction, PluginError, RewardFunction, load_plugin
+from verst.plugins import GroupRewardFunction, RewardFunction, load_named
 from verst.types import Group, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -94,14 +94,7 @@ BUILTIN_REWARDS: dict[str, RewardFunction] = {
 def load_reward_fn(path: str, *, field: str = "rollout.reward") -> RewardFunction:
     """A built-in by bare name ("exact_match", "numeric_match"), or any 'pkg.mod:fn' that takes
     a Sample; `PluginError` naming `field` and `path` otherwise."""
-    if ":" not in path and "." not in path:
-        if path not in BUILTIN_REWARDS:
-            raise PluginError(
-                f"{field}: unknown reward function {path!r}: built-ins are "
-                f"{', '.join(sorted(BUILTIN_REWARDS))}; or give an import path 'pkg.mod:fn'"
-            )
-        return BUILTIN_REWARDS[path]
-    return load_plugin(path, RewardFunction, field=field)
+    return load_named(path, BUILTIN_REWARDS, RewardFunction, field=field, kind="reward function")
 
 
 class AdapterRewards:
