@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import transformers
 
 from verst.models.forward import cached_forward, new_cache
 from verst.types import Sample
@@ -145,6 +146,17 @@ def response_outputs(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
     continue it. The last response token predicts nothing we train on and nothing attends to
     it, so only tokens 0..T-2 are fed.
     """
+    first_B_1_X, cache = prompt_outputs(model, micro)
+    if micro.response_ids_B_T.shape[1] == 1:
+        return first_B_1_X
+    return torch.cat([first_B_1_X, continuation_outputs(model, micro, cache)], dim=1)
+
+
+def prompt_outputs(
+    model: torch.nn.Module, micro: MicroBatch
+) -> tuple[torch.Tensor, transformers.DynamicCache]:
+    """The prediction [B, 1, X] for each response's first token (from its prompt's last
+    position), and the prompts' KV cache with rows repeated per response."""
     cache = new_cache(model)
     prompt_positions_K_L = (micro.prompt_mask_K_L.cumsum(-1) - 1).clamp(min=0)
     last_K_1_X = cached_forward(
@@ -155,16 +167,19 @@ def response_outputs(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
         cache,
         last_only=True,
     )
+    if micro.response_ids_B_T.shape[1] > 1:
+        cache.batch_select_indices(micro.prompt_index_B)
+    return last_K_1_X[micro.prompt_index_B], cache
+
+
+def continuation_outputs(
+    model: torch.nn.Module, micro: MicroBatch, cache: transformers.DynamicCache
+) -> torch.Tensor:
+    """The predictions [B, T-1, X] for response tokens 1..T-1, fed tokens 0..T-2 on top of
+    `cache` (from `prompt_outputs`)."""
     index_B = micro.prompt_index_B
-    first_B_1_X = last_K_1_X[index_B]
     width_t = micro.response_ids_B_T.shape[1]
-    if width_t == 1:
-        return first_B_1_X
-    cache.batch_select_indices(index_B)
     prompt_lengths_B_1 = micro.prompt_mask_K_L.sum(-1, keepdim=True)[index_B]
     positions_B_T = prompt_lengths_B_1 + torch.arange(width_t - 1, device=index_B.device)
     mask_B_S = torch.cat([micro.prompt_mask_K_L[index_B], micro.response_mask_B_T[:, :-1]], 1)
-    response_B_T_X = cached_forward(
-        model, micro.response_ids_B_T[:, :-1], mask_B_S, positions_B_T, cache
-    )
-    return torch.cat([first_B_1_X, response_B_T_X], dim=1)
+    return cached_forward(model, micro.response_ids_B_T[:, :-1], mask_B_S, positions_B_T, cache)

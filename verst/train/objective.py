@@ -22,7 +22,7 @@ from verst.train.advantages import masked_whiten, opd_advantages
 from verst.train.algorithms import LossConfig
 from verst.train.batching import MicroBatch
 from verst.train.correction import ess_ratio, mis_weights, tis_weights, train_rollout_kl
-from verst.train.losses import aggregate, entropy_from_logits, kl_penalty, logprobs_from_logits
+from verst.train.losses import aggregate, kl_penalty
 
 
 @dataclass
@@ -89,12 +89,14 @@ def whiten_globally(micros: list[MicroBatch], device: torch.device) -> None:
 
 def policy_objective(
     cfg: LossConfig,
-    logits_B_T_V: torch.Tensor,
+    logprobs: torch.Tensor,
+    entropy_B_T: torch.Tensor,
     micro: MicroBatch,
     norms: Normalisers,
     ref_logprobs_B_T: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """This micro-batch's share of the step's policy loss, and its share of each metric."""
+    """This micro-batch's share of the step's policy loss, and its share of each metric, from
+    the trainer's fp32 log-prob and entropy [B, T] of each response token."""
     mask = micro.loss_mask_B_T
     rollout = micro.rollout_logprobs_B_T
 
@@ -108,7 +110,6 @@ def policy_objective(
             constant_normaliser=norms.constant,
         )
 
-    logprobs = logprobs_from_logits(logits_B_T_V, micro.response_ids_B_T)
     corrected = cfg.use_tis or cfg.mis_level is not None
     old = logprobs.detach() if corrected else rollout
     pg, clipped = cfg.policy_loss_fn(logprobs, old, micro.advantages_B_T, mask, cfg)
@@ -144,10 +145,10 @@ def policy_objective(
         kl = reduce(kl_penalty(logprobs, ref_logprobs_B_T, cfg.kl_loss_type))
         loss = loss + cfg.kl_loss_coef * kl
         stats["kl_loss"] = kl.item()
+    entropy = reduce(entropy_B_T)
     if cfg.entropy_coef > 0:
-        entropy = reduce(entropy_from_logits(logits_B_T_V))
         loss = loss - cfg.entropy_coef * entropy
-        stats["entropy"] = entropy.item()
+    stats["entropy"] = entropy.item()
     with torch.no_grad():
         diff = (logprobs - rollout).abs()
         stats["pg_clipfrac"] = float((clipped * mask).sum()) / norms.tokens

@@ -48,6 +48,7 @@ from verst.train.objective import (
     set_token_advantages,
     whiten_globally,
 )
+from verst.train.token_logprobs import response_scores
 
 
 class TrainerConfig(ConfigBase):
@@ -67,6 +68,12 @@ class TrainerConfig(ConfigBase):
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 disables")
     micro_batch_tokens: int = Field(
         16384, ge=1, description="token budget per micro-batch (padded length × sequences)"
+    )
+    logprob_chunk_tokens: int = Field(
+        4096,
+        ge=0,
+        description="tokens whose full-vocabulary logits exist at once when the trainer scores "
+        "responses (log-probs, entropy; recomputed in the backward); 0 = a micro-batch's at once",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype; auto = bfloat16 on CUDA, float32 on CPU"
@@ -249,8 +256,15 @@ class Trainer:
         """Temperature-scaled fp32 logits [B, T, V]; position j predicts response token j."""
         return response_outputs(model, micro).float() / self.temperature
 
+    def _scores(
+        self, model: torch.nn.Module, micro: MicroBatch, *, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (log-prob, entropy) [B, T] of each response token at the sampling temperature."""
+        chunk = self.cfg.logprob_chunk_tokens
+        return response_scores(model, micro, self.temperature, chunk, entropy_grad=entropy_grad)
+
     def _logprobs(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-        return logprobs_from_logits(self._logits(model, micro), micro.response_ids_B_T)
+        return self._scores(model, micro)[0]
 
     def _micro_batches(self, items: list[TrainItem]) -> Iterator[tuple[bool, MicroBatch]]:
         """Micro-batches within the token budget; every rank yields the same number of them,
@@ -344,9 +358,10 @@ class Trainer:
                 if cfg.kl_loss_coef > 0:
                     with torch.no_grad():
                         ref_logprobs = self._logprobs(self._require_reference(), micro)
-                loss, stats = policy_objective(
-                    cfg, self._logits(self.model, micro), micro, norms, ref_logprobs
+                logprobs, entropy = self._scores(
+                    self.model, micro, entropy_grad=cfg.entropy_coef > 0
                 )
+                loss, stats = policy_objective(cfg, logprobs, entropy, micro, norms, ref_logprobs)
             with self.timer("train_backward"):
                 loss.backward()
             if self.critic is not None:
@@ -439,8 +454,7 @@ class Trainer:
         for is_last, micro in self._micro_batches(items):
             self.model.set_requires_gradient_sync(is_last)
             with timer("train_forward"):
-                logits = self._logits(self.model, micro)
-                logprobs = logprobs_from_logits(logits, micro.response_ids_B_T)
+                logprobs = self._logprobs(self.model, micro)
                 loss = -(logprobs * micro.loss_mask_B_T).sum() / token_norm
             with timer("train_backward"):
                 loss.backward()

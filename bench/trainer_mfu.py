@@ -1,0 +1,251 @@
+"""The trainer's model FLOPs utilisation and peak memory on one device, against a plain HF loop.
+
+The verst trainer's full RL step (forward, log-probs of the sampled tokens, GRPO loss,
+backward, AdamW) on a random model, next to a plain PyTorch loop over the same tokens in the
+same run: HF forward with bf16 autocast over fp32 weights, cross-entropy of the response
+tokens (`logits_to_keep`: no head on the prompt), backward, fused AdamW. Each variant runs in
+a fresh process so its peak memory is its own.
+
+MFU counts the work an RL step needs, the same for every variant: 6 × (non-embedding
+parameters) per token of every sequence, 6 × d_model × vocabulary per response token (the
+head), and causal attention, 6 × layers × heads × head_dim × (t + 1) for the token at
+position t; over measured step time and the device's dense bf16 peak.
+
+    python bench/trainer_mfu.py --preset h200   # Qwen2-0.5B's shape, 16 × 2,048 tokens
+    python bench/trainer_mfu.py --preset cpu    # a small model, a check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+PRESETS = {
+    "h200": dict(
+        model=dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+        device="cuda",
+        peak_flops=989e12,  # H200 SXM dense bf16
+        sequences=16,
+        prompt_tokens=1024,
+        response_tokens=1024,
+        warmup_steps=2,
+        steps=6,
+        hf_micro_sequences=4,
+        variants=[
+            ("hf", 0, 0),
+            ("verst", 16384, 0),
+            ("verst", 16384, 2048),
+            ("verst", 16384, 4096),
+            ("verst", 65536, 0),
+            ("verst", 65536, 2048),
+            ("verst", 65536, 4096),
+            ("verst", 32768, 4096),
+        ],
+    ),
+    "cpu": dict(
+        model=dict(
+            vocab_size=4096,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        ),
+        device="cpu",
+        peak_flops=None,
+        sequences=4,
+        prompt_tokens=32,
+        response_tokens=32,
+        warmup_steps=1,
+        steps=3,
+        hf_micro_sequences=2,
+        variants=[("hf", 0, 0), ("verst", 256, 0), ("verst", 256, 32)],
+    ),
+}
+
+
+def model_flops(preset: dict) -> float:
+    """The FLOPs of one training step's forward and backward over the preset's batch."""
+    spec = preset["model"]
+    d, ffn, layers = spec["hidden_size"], spec["intermediate_size"], spec["num_hidden_layers"]
+    head_dim = d // spec["num_attention_heads"]
+    kv = spec["num_key_value_heads"] * head_dim
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * ffn  # q, o, k, v, gate / up / down
+    length = preset["prompt_tokens"] + preset["response_tokens"]
+    attention = 6 * layers * d * (length * (length + 1) // 2)  # QKᵀ and AV, causal
+    backbone = 6 * layers * per_layer * length
+    head = 6 * d * spec["vocab_size"] * preset["response_tokens"]
+    return float(preset["sequences"] * (backbone + attention + head))
+
+
+def build(preset: dict) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**preset["model"], attn_implementation="sdpa")
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def batch(preset: dict):
+    """Distinct random prompts (no prefix shared, so no variant skips work) and responses."""
+    from verst.train.batching import TrainItem
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, length = preset["model"]["vocab_size"], preset["response_tokens"]
+    items = []
+    for i in range(preset["sequences"]):
+        prompt = torch.randint(10, vocab, (preset["prompt_tokens"],), generator=gen).tolist()
+        response = torch.randint(10, vocab, (length,), generator=gen).tolist()
+        logprobs = (-3 * torch.rand(length, generator=gen)).tolist()
+        advantage = 1.0 if i % 2 else -1.0
+        items.append(TrainItem(prompt + response, length, [1] * length, logprobs, advantage))
+    return items
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def verst_steps(preset: dict, micro_tokens: int, chunk_tokens: int, device: torch.device):
+    from verst.train.algorithms import LossConfig
+    from verst.train.trainer import Trainer, TrainerConfig
+
+    cfg = TrainerConfig(lr=1e-6, micro_batch_tokens=micro_tokens, logprob_chunk_tokens=chunk_tokens)
+    trainer = Trainer(
+        build(preset), cfg, LossConfig(), total_steps=100, pad_token_id=0, device=device
+    )
+    items = batch(preset)
+    return lambda step: trainer.step(items, step=step)["train/loss"]
+
+
+def hf_steps(preset: dict, device: torch.device):
+    model = build(preset).to(device).train()
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=fused)
+    items = batch(preset)
+    ids = torch.tensor([item.tokens for item in items], device=device)
+    length = preset["response_tokens"]
+    micro = preset["hf_micro_sequences"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def step(_: int) -> float:
+        total = 0.0
+        for start in range(0, len(items), micro):
+            rows = ids[start : start + micro]
+            with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+                logits = model(input_ids=rows[:, :-1], logits_to_keep=length).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), rows[:, -length:].flatten()
+            ) * (len(rows) / len(items))
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
+def worker(spec: dict) -> dict:
+    preset = PRESETS[spec["preset"]]
+    device = torch.device(preset["device"])
+    if spec["kind"] == "hf":
+        step = hf_steps(preset, device)
+    else:
+        step = verst_steps(preset, spec["micro_tokens"], spec["chunk_tokens"], device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(preset["warmup_steps"] + preset["steps"]):
+        sync(device)
+        start = time.perf_counter()
+        losses.append(step(i + 1))
+        sync(device)
+        times.append(time.perf_counter() - start)
+    timed = times[preset["warmup_steps"] :]
+    result = {"step_s": times, "step_median_s": statistics.median(timed), "losses": losses}
+    if device.type == "cuda":
+        result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return result
+
+
+def run_variant(preset_name: str, kind: str, micro_tokens: int, chunk_tokens: int) -> dict:
+    spec = dict(preset=preset_name, kind=kind, micro_tokens=micro_tokens, chunk_tokens=chunk_tokens)
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr[-4000:])
+        return spec | {"error": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"}
+    return spec | json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    preset = PRESETS[args.preset]
+    flops = model_flops(preset)
+    rows = [run_variant(args.preset, *variant) for variant in preset["variants"]]
+    baseline = rows[0].get("step_median_s")
+    for row in rows:
+        if "error" in row:
+            print(
+                f"{row['kind']:5} micro {row['micro_tokens']:6} chunk {row['chunk_tokens']:5}: "
+                f"{row['error']}"
+            )
+            continue
+        row["tflops_per_s"] = flops / row["step_median_s"] / 1e12
+        if preset["peak_flops"]:
+            row["mfu"] = flops / row["step_median_s"] / preset["peak_flops"]
+        row["speed_vs_hf"] = baseline / row["step_median_s"] if baseline else None
+        mfu = f" | MFU {row['mfu']:.1%}" if "mfu" in row else ""
+        memory = f" | peak {row['peak_memory_gb']:.1f} GB" if "peak_memory_gb" in row else ""
+        print(
+            f"{row['kind']:5} micro {row['micro_tokens']:6} chunk {row['chunk_tokens']:5} | "
+            f"{row['step_median_s']:.3f} s/step | {row['tflops_per_s']:.1f} TFLOP/s{mfu}{memory}"
+            f" | {row['speed_vs_hf']:.2f}x the HF loop"
+        )
+    result = {
+        "bench": "trainer_mfu",
+        "preset": args.preset,
+        "model": preset["model"],
+        "batch": {k: preset[k] for k in ("sequences", "prompt_tokens", "response_tokens")},
+        "model_flops_per_step": flops,
+        "device": torch.cuda.get_device_name() if preset["device"] == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "variants": rows,
+    }
+    out = args.out or REPO / "bench" / "results" / f"trainer_mfu_{args.preset}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
