@@ -1,5 +1,5 @@
 """The trainer's chunked token scores on CUDA in bf16: a step with them equals a step with the
-full logits (within bf16 tolerance), and they keep the head's logits out of memory."""
+full logits, within bf16 tolerance."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _items() -> list[TrainItem]:
     return items
 
 
-def _step(chunk_tokens: int) -> tuple[dict[str, float], list[torch.Tensor]]:
+def _step(chunk_tokens: int) -> dict[str, float]:
     shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
     model = build_tiny_model(TinyModelConfig(**shape), vocab_size=VOCAB, seed=0)
     cfg = TrainerConfig(lr=1e-3, device="cuda", logprob_chunk_tokens=chunk_tokens)
@@ -37,14 +37,11 @@ def _step(chunk_tokens: int) -> tuple[dict[str, float], list[torch.Tensor]]:
         pad_token_id=0,
         device=torch.device("cuda"),
     )
-    metrics = trainer.step(_items(), step=1)
-    return metrics, [p.detach().float().cpu() for p in trainer.model.parameters()]
+    return trainer.step(_items(), step=1)
 
 
 def test_chunked_step_equals_full_logits_step_in_bf16() -> None:
-    full, full_weights = _step(0)
-    chunked, chunked_weights = _step(5)
-    for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm"):
+    full, chunked = _step(0), _step(5)
+    keys = ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm")
+    for key in (*keys, "train/train_rollout_logprob_abs_diff"):
         assert chunked[key] == pytest.approx(full[key], rel=2e-2, abs=2e-3), key
-    for want, got in zip(full_weights, chunked_weights, strict=True):
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
