@@ -67,11 +67,13 @@ class WeightMap:
             dense += layer_dense
             experts += layer_experts
         last = self.pp - 1
-        dense.append(Entry("decoder.final_layernorm.weight", last, "replicated", ("model.norm.weight",)))
+        norm = ("model.norm.weight",)
+        dense.append(Entry("decoder.final_layernorm.weight", last, "replicated", norm))
         if not self.tied:
             dense.append(Entry("output_layer.weight", last, "vocab", ("lm_head.weight",)))
         elif self.pp > 1:  # the last stage holds its own copy of the shared embedding
-            dense.append(Entry("output_layer.weight", last, "vocab", ("model.embed_tokens.weight",)))
+            embed = ("model.embed_tokens.weight",)
+            dense.append(Entry("output_layer.weight", last, "vocab", embed))
         return dense + experts
 
     def _place(self, layer: int) -> tuple[int, str, str]:
@@ -83,10 +85,12 @@ class WeightMap:
         stage, m, h = self._place(layer)
         attn = h + "self_attn."
         out = [
-            Entry(m + "input_layernorm.weight", stage, "replicated", (h + "input_layernorm.weight",)),
+            Entry(m + "input_layernorm.weight", stage, "replicated",
+                  (h + "input_layernorm.weight",)),
             Entry(m + "self_attention.linear_qkv.weight", stage, "qkv",
                   tuple(f"{attn}{p}_proj.weight" for p in "qkv")),
-            Entry(m + "self_attention.linear_proj.weight", stage, "cols", (attn + "o_proj.weight",)),
+            Entry(m + "self_attention.linear_proj.weight", stage, "cols",
+                  (attn + "o_proj.weight",)),
             Entry(m + "pre_mlp_layernorm.weight", stage, "replicated",
                   (h + "post_attention_layernorm.weight",)),
         ]  # fmt: skip
@@ -197,6 +201,8 @@ class WeightMap:
                 state[entry.name] = self.split(entry, hf)[tp_rank].clone()
         return state
 
-    def merge_experts(self, entry: Entry, per_rank: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def merge_experts(
+        self, entry: Entry, per_rank: list[list[torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
         """An expert entry's stacked HF tensor from each EP rank's local experts (rank order)."""
         return {entry.hf_names[0]: torch.stack([t for local in per_rank for t in local])}
