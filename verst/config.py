@@ -26,6 +26,7 @@ from verst.rundir import writing
 from verst.sync.fleet_sync import SyncConfig
 from verst.train.algorithms import LossConfig
 from verst.train.checkpoint import CheckpointConfig
+from verst.train.objective import needs_advantage_pass
 from verst.train.sft import SFTConfig, WarmStartConfig
 from verst.train.trainer import TrainerConfig
 
@@ -94,6 +95,7 @@ class RunConfig(ConfigBase):
         check_no_reward(self)
         check_multi_lora(self)
         check_eval(self)
+        check_megatron(self)
         return self
 
     @property
@@ -109,6 +111,24 @@ class RunConfig(ConfigBase):
         if self.rollout.pause_mode is not None:
             return self.rollout.pause_mode
         return "in_place" if self.mode == "fully_async" else "retract"
+
+
+def check_megatron(cfg: RunConfig) -> None:
+    """What the megatron backend does not train yet fails before any work, naming the field."""
+    if cfg.trainer.backend != "megatron":
+        return
+    unsupported = {
+        "model.lora.enabled": cfg.model.lora.enabled,
+        "mode=sft": cfg.mode == "sft",
+        "warm_start.enabled": cfg.warm_start.enabled,
+        "a KL reference model (loss.kl_loss_coef / loss.kl_coef)": cfg.loss.needs_reference_model,
+        f"loss.advantage_estimator={cfg.loss.advantage_estimator}'s per-token pass (critic, "
+        "KL reward, whitening)": needs_advantage_pass(cfg.loss),
+        "loss.opd": cfg.loss.opd is not None,
+    }
+    for field, on in unsupported.items():
+        if on:
+            raise ValueError(f"trainer.backend=megatron does not support {field}; use fsdp2")
 
 
 MAX_ADAPTERS = 8  # what the engines hold by default (`verst serve --max-loras-per-batch`)

@@ -107,6 +107,26 @@ def load_policy(
     return device, model, shell, tokenizer
 
 
+def make_trainer(
+    cfg: RunConfig, model: PreTrainedModel, pad_token_id: int, device: torch.device
+) -> Trainer:
+    """The policy trainer of `trainer.backend`: FSDP2, or Megatron-core (same interface)."""
+    common = dict(
+        total_steps=cfg.num_steps,
+        pad_token_id=pad_token_id,
+        temperature=cfg.rollout.temperature,
+        constant_normaliser=cfg.loss.constant_normaliser or float(cfg.rollout.max_new_tokens),
+        device=device,
+    )
+    if cfg.trainer.backend == "megatron":
+        from verst.train.megatron.trainer import MegatronTrainer  # megatron-core: an extra
+
+        return MegatronTrainer(model, cfg.trainer, cfg.loss, seed=cfg.seed, **common)  # type: ignore[return-value]
+    lora = cfg.model.lora
+    adapter_lrs = {a.name: a.lr or cfg.trainer.lr for a in lora.adapters} or None
+    return Trainer(model, cfg.trainer, cfg.loss, adapter_lrs=adapter_lrs, **common)
+
+
 def build(cfg: RunConfig, run_dir: Path) -> Run:
     device, model, shell, tokenizer = load_policy(cfg)
     teacher = None
@@ -120,17 +140,7 @@ def build(cfg: RunConfig, run_dir: Path) -> Run:
     registry = lora.enabled and (cfg.placement.serving or bool(lora.adapters))
     engine_model = copy.deepcopy(shell if registry else model)
     engine_model = engine_model.to(dtype=compute_dtype(cfg.trainer.dtype, device)).eval()
-    trainer = Trainer(
-        model,
-        cfg.trainer,
-        cfg.loss,
-        total_steps=cfg.num_steps,
-        pad_token_id=tokenizer.pad_token_id,
-        temperature=cfg.rollout.temperature,
-        constant_normaliser=cfg.loss.constant_normaliser or float(cfg.rollout.max_new_tokens),
-        device=device,
-        adapter_lrs={a.name: a.lr or cfg.trainer.lr for a in lora.adapters} or None,
-    )
+    trainer = make_trainer(cfg, model, tokenizer.pad_token_id, device)
     policy = PolicyModels(trainer, shell, cfg.loss, run_dir, cfg.model.lora)
     engine, sync, fleet = build_engine(cfg, run_dir, engine_model, policy, tokenizer)
     try:

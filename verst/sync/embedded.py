@@ -20,7 +20,7 @@ import time
 
 from verst.engine import Scheduler
 from verst.models.lora import LoraConfig, is_adapter
-from verst.sync.buckets import AdapterTensors, bucketed, full_parameters
+from verst.sync.buckets import AdapterTensors, bucketed
 from verst.sync.colocated import share_storage
 from verst.train.trainer import Trainer
 
@@ -52,7 +52,7 @@ class EmbeddedSync:
             dtype = next(self.engine.model.parameters()).dtype
             # with LoRA only the adapters are taken: each tensor taken is a gather under FSDP
             keep = is_adapter if self.trainer.lora else None
-            named = full_parameters(self.trainer.model, dtype, keep=keep)
+            named = self.trainer.full_parameters(dtype, keep=keep)
             for bucket in bucketed(named, self.bucket_bytes):
                 sent_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 self.engine.update_weights_from_tensors(bucket, version)

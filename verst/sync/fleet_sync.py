@@ -37,7 +37,7 @@ from verst.fleet.placement import PlacementConfig
 from verst.models.lora import POLICY_ADAPTER, LoraConfig
 from verst.plugins import AdapterUpdate, EngineClient, WeightTransport
 from verst.sync.broadcast import BroadcastTransport
-from verst.sync.buckets import AdapterTensors, full_parameters
+from verst.sync.buckets import AdapterTensors
 from verst.sync.colocated import ColocatedTransport
 from verst.sync.disk import DiskPublisher, DiskTransport
 from verst.sync.protocol import (
@@ -192,7 +192,7 @@ class FleetSync:
         """The trainer's full parameters in the engines' dtype, one tensor at a time; with LoRA
         its adapter's (`adapter`'s, with multi-LoRA), named as engines take them."""
         if self.lora is None:
-            named = full_parameters(self.trainer.model, self.engine_dtype)
+            named = self.trainer.full_parameters(self.engine_dtype)
         else:
             if adapter not in self._adapters:
                 trainable = self.trainer.trainable_parameters

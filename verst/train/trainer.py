@@ -29,6 +29,7 @@ from verst import distributed
 from verst.configbase import ConfigBase
 from verst.models import lora
 from verst.monitor.timer import PhaseTimer
+from verst.sync.buckets import full_parameters
 from verst.train.algorithms import LossConfig
 from verst.train.batching import (
     MicroBatch,
@@ -41,6 +42,7 @@ from verst.train.batching import (
 )
 from verst.train.critic import ValueModel, policy_body_weights
 from verst.train.losses import aggregate, kl_penalty, logprobs_from_logits, value_loss
+from verst.train.megatron.config import MegatronConfig
 from verst.train.objective import (
     Normalisers,
     needs_advantage_pass,
@@ -52,6 +54,12 @@ from verst.train.token_logprobs import response_scores
 
 
 class TrainerConfig(ConfigBase):
+    backend: Literal["fsdp2", "megatron"] = Field(
+        "fsdp2", description="training backend: PyTorch FSDP2, or Megatron-core (TP / PP / EP)"
+    )
+    megatron: MegatronConfig = Field(
+        default_factory=MegatronConfig, description="parallel layout of the megatron backend"
+    )
     lr: float = Field(1e-6, gt=0, description="peak learning rate of AdamW")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="decay after warm-up, down to min_lr_ratio × lr at the last step"
@@ -243,6 +251,13 @@ class Trainer:
             for name, param in self.model.named_parameters()
             if lora.is_adapter(name)
         }
+
+    def full_parameters(
+        self, dtype: torch.dtype | None = None, keep: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter as a full tensor, one at a time (`verst.sync.buckets.full_parameters`:
+        a gather per tensor, a collective every rank joins)."""
+        return full_parameters(self.model, dtype, keep=keep)
 
     def named_local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's shard of each parameter, as plain tensors sharing the trainer's storage."""

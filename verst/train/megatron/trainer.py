@@ -1,0 +1,243 @@
+"""The Megatron-core policy trainer: the FSDP2 trainer's interface (`step`, `full_state_dict`,
+`full_parameters`, `optimizer_state`, `load_state`) over a GPTModel split by tensor, pipeline
+and expert parallelism.
+
+Promises: every rank of a model-parallel group trains on the same items (the world's items are
+gathered, and data-parallel rank d takes every dp-th); micro-batches follow the token budget
+and the same token-mean / sequence-mean normalisers as FSDP2 (global counts over the
+data-parallel ranks, gradients summed over them and divided by their number); weights leave
+as full HF tensors, non-expert ones first (`verst.train.megatron.gather`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+
+from verst import distributed
+from verst.monitor.timer import PhaseTimer
+from verst.train.algorithms import LossConfig
+from verst.train.batching import (
+    MicroBatch,
+    TrainItem,
+    balance_micro_batches,
+    collate,
+    masked_out,
+    pack_micro_batches,
+)
+from verst.train.megatron import gather
+from verst.train.megatron.config import check_layout
+from verst.train.megatron.inputs import response_logits, sequence_inputs
+from verst.train.megatron.mapping import WeightMap
+from verst.train.megatron.model import build_model, init_parallel, load_hf_weights
+from verst.train.objective import Normalisers, policy_objective
+from verst.train.trainer import NonFiniteLossError, TrainerConfig, _lr_lambda, compute_dtype
+
+
+class MegatronTrainer:
+    lora = False
+    stepped_adapters: list[str] = []
+    adapter_optimizers: dict = {}
+    reference = None
+    critic = None
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainerConfig,
+        loss_cfg: LossConfig,
+        *,
+        total_steps: int,
+        pad_token_id: int,
+        temperature: float = 1.0,
+        constant_normaliser: float = 1.0,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        """`model`: the HF policy; its config and weights build this rank's Megatron stage."""
+        self.cfg, self.loss_cfg, self.device = cfg, loss_cfg, device
+        self.dtype = compute_dtype(cfg.dtype, device)
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.constant_normaliser = constant_normaliser
+        distributed.init_distributed(device)
+        layout = cfg.megatron
+        check_layout(layout, model.config, distributed.world_size())
+        init_parallel(layout, seed, device)
+        self.mapping = WeightMap(model.config, layout)
+        self.vocab = model.config.vocab_size
+        self.model = build_model(model.config, layout, self.dtype)
+        load_hf_weights(self.model, self.mapping, model.state_dict())
+        self.model.to(device).train()
+        self.trainable_parameters = list(self.model.named_parameters())
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in self.trainable_parameters],
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(cfg, total_steps)
+        )
+        self.timer = PhaseTimer(device=device)
+
+    # --- weights out ---------------------------------------------------------------------------
+
+    def full_parameters(
+        self, dtype: torch.dtype | None = None, keep: Any = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF tensors on rank 0, one entry at a time (a collective every rank joins)."""
+        for name, tensor in gather.hf_tensors(self.model, self.mapping, to_all=False):
+            if keep is None or keep(name):
+                yield name, tensor if dtype is None else tensor.to(dtype)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model in HF names, fp32 on the CPU, on every rank."""
+        return {
+            name: tensor.cpu()
+            for name, tensor in gather.hf_tensors(self.model, self.mapping, to_all=True)
+        }
+
+    def named_local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Megatron names: an HF engine never shares this storage."""
+        yield from self.model.named_parameters()
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def step(self, items: list[TrainItem], *, step: int) -> dict[str, float]:
+        """One RL optimiser step over the world's items; metrics from the loss ranks."""
+        self.timer = PhaseTimer(device=self.device, step=step, cat="train")
+        mine = gather.data_parallel_share(items)
+        token_norm, seq_norm = gather.global_counts(mine, self.device)
+        norms = Normalisers(token_norm, seq_norm, self.constant_normaliser)
+        sums: dict[str, float] = {}
+        for micro in self._micro_batches(mine):
+            with self.timer("train_forward"):
+                stats = self._forward_backward(micro, partial(self._rl_loss, norms=norms))
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + value
+        sums = gather.loss_rank_sums(sums)
+        with self.timer("train_optimizer"):
+            grad_norm = self._finish_gradients(sums.get("loss", 0.0), step)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+        dp = gather.data_parallel_size()
+        metrics = {f"train/{k}": v / dp for k, v in sums.items()}
+        return metrics | {"train/grad_norm": grad_norm, "train/lr": lr} | self.timer.metrics()
+
+    def _micro_batches(self, items: list[TrainItem]) -> Iterator[MicroBatch]:
+        """As the FSDP2 trainer's: every rank runs the same number (a short rank repeats a
+        masked-out item), since each micro-batch is a round of collectives."""
+        lengths = [len(item.tokens) for item in items]
+        count = distributed.all_reduce_max(
+            len(pack_micro_batches(lengths, self.cfg.micro_batch_tokens)), self.device
+        )
+        pad = self.pad_token_id
+        stand_in = masked_out(items[0]) if items else TrainItem([pad] * 3, 2, [0, 0], [0.0] * 2, 0)
+        for indices in balance_micro_batches(lengths, count):
+            yield collate([items[i] for i in indices] or [stand_in], pad, self.device)
+
+    def _forward_backward(self, micro: MicroBatch, loss_fn: Any, forward_only: bool = False):
+        """One micro-batch forward (and backward); the loss stage's stats (empty elsewhere).
+        With PP > 1 it goes through Megatron's pipeline schedule (CUDA only: the schedules
+        allocate on "cuda"); with one stage the model is called directly, which is all the
+        no-pipelining schedule does."""
+        inputs = sequence_inputs(micro, self.pad_token_id)
+        on = self.dtype != torch.float32
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=on):
+            if self.cfg.megatron.pipeline_parallel == 1:
+                output = self.model(
+                    inputs.ids_B_S, inputs.positions_B_S, attention_mask=inputs.mask_B_1_S_S
+                )
+                loss, stats = loss_fn(output, micro=micro, inputs=inputs)
+                if not forward_only:
+                    loss.backward()
+                return stats
+            return self._pipelined(micro, inputs, loss_fn, forward_only)
+
+    def _pipelined(self, micro: MicroBatch, inputs: Any, loss_fn: Any, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
+            next(data_iterator)
+            output = model(inputs.ids_B_S, inputs.positions_B_S, attention_mask=inputs.mask_B_1_S_S)
+            return output, partial(loss_fn, micro=micro, inputs=inputs)
+
+        stored = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([micro]),
+            model=self.model,
+            num_microbatches=1,
+            seq_length=inputs.ids_B_S.shape[1],
+            micro_batch_size=inputs.ids_B_S.shape[0],
+            forward_only=forward_only,
+        )
+        return stored[0] if stored else {}
+
+    def logits(self, output: torch.Tensor, inputs: Any) -> torch.Tensor:
+        return response_logits(output, inputs, self.vocab) / self.temperature
+
+    def _rl_loss(self, output: torch.Tensor, *, micro: MicroBatch, inputs: Any, norms: Normalisers):
+        loss, stats = policy_objective(
+            self.loss_cfg, self.logits(output, inputs), micro, norms, None
+        )
+        return loss, stats
+
+    @torch.no_grad()
+    def logprobs(self, items: list[TrainItem]) -> list[list[float]]:
+        """Each item's response-token log-probs (at the trainer's temperature), on every rank;
+        items are not split over data-parallel ranks."""
+        from verst.train.losses import logprobs_from_logits
+
+        rows: list[list[float]] = []
+        for item in items:
+            micro = collate([item], self.pad_token_id, self.device)
+
+            def keep(output: torch.Tensor, *, micro: MicroBatch, inputs: Any) -> tuple:
+                values = logprobs_from_logits(self.logits(output, inputs), micro.response_ids_B_T)
+                return output.new_zeros(()), {"logprobs": values[0].tolist()}
+
+            self.model.eval()
+            stats = self._forward_backward(micro, keep, forward_only=True)
+            self.model.train()
+            rows.append(gather.from_loss_rank(stats.get("logprobs")))
+        return rows
+
+    def _finish_gradients(self, loss: float, step: int) -> float:
+        """Sum gradients over data-parallel ranks (÷ their number), clip by the global norm."""
+        gather.reduce_gradients(self.model)
+        norm = gather.gradient_norm(self.model)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(
+                f"non-finite loss ({loss}) or gradient norm ({norm}) at step {step}; "
+                "the weights were not updated"
+            )
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        if norm > max_norm:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    # --- checkpoint state -----------------------------------------------------------------------
+
+    def optimizer_state(self) -> dict:
+        """This rank's optimiser state (Megatron names) and the schedule, gathered to all."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return {"ranks": distributed.all_gather_object(state)}
+
+    def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
+        """Weights in HF names (as `full_state_dict` gave them), the optimiser of each rank."""
+        load_hf_weights(self.model, self.mapping, weights)
+        if optimizer_state is not None:
+            state = optimizer_state["ranks"][distributed.rank()]
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
