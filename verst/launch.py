@@ -352,6 +352,7 @@ def build_engine(
             else eos_ids[0],
             max_running=cfg.placement.max_batch_size,
             seed=cfg.seed + distributed.rank(),
+            tokenizer=tokenizer,
         )
         return scheduler, EmbeddedSync(trainer, scheduler, lora=cfg.model.lora), None
     fleet = None

@@ -4,6 +4,7 @@ cache match, log-probs and versions so far, its adapter slot and its timing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ class Running:
     first_token_s: float | None = None  # time.perf_counter() when its first token was sampled
     matched_stop: int | str | None = None  # the stop token, string or regex that ended it
     extras: LogprobRecord | None = None  # its top-k / chosen-id log-probs, when it asks for them
+    grammar: Any = None  # its grammar's matcher (`verst.engine.grammar`), when it has one
 
     @property
     def output_ids(self) -> list[int]:

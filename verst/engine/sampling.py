@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verst.engine.grammar import Constraint
+
 SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes [-2^63, 2^64); seeds are [0, 2^64)
 PENALTY_LIMIT = 2.0  # SGLang's range: frequency / presence in [-2, 2], repetition in (0, 2]
 
@@ -41,6 +43,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from the logit of every token output
     repetition_penalty: float = 1.0  # output tokens' logits: positive / it, negative * it
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # the output must match it (SGLang's json_schema / regex / ebnf); masks the distribution
+    constraint: Constraint | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field (types too: a bool is not a number)."""
@@ -75,6 +79,8 @@ class SamplingParams:
         if seed is not None and not (_is_int(seed) and 0 <= seed < SEED_LIMIT):
             raise ValueError(f"sampling_seed must be an int in [0, 2^64), got {seed!r}")
         self._validate_penalties()
+        if self.constraint is not None:
+            self.constraint.validate()
 
     def _validate_penalties(self) -> None:
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:

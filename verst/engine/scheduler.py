@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterError, AdapterRegistry
+from verst.engine.grammar import Constraint, Grammars
 from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.logprob_extras import LogprobRecord, record_step, score_prompt
 from verst.engine.model_runner import ModelRunner, Row
@@ -60,7 +61,9 @@ class Scheduler:
         lean_forward: bool = True,
         fused_kernels: bool = True,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
+        tokenizer: Any = None,
     ) -> None:
+        """`tokenizer` (the model's HF tokenizer) enables constrained decoding."""
         self.model = model
         self.pool = pool
         self.runner = ModelRunner(
@@ -89,6 +92,11 @@ class Scheduler:
         self._has_followers = False  # some waiting request follows a prefilling one
         self.stats = SchedulerStats()
         self.penalties = PenaltySlots.for_model(model, self.device, self.eos_token_ids)
+        self.grammars = (
+            None
+            if tokenizer is None
+            else Grammars(tokenizer, self.penalties.vocab, self.eos_token_ids)
+        )
 
     @classmethod
     def for_model(
@@ -122,6 +130,8 @@ class Scheduler:
             r.generator = torch.Generator(device=self.device)
             r.generator.manual_seed(seed)
         self.penalties.admit(request.sampling_params)
+        if request.sampling_params.constraint is not None:
+            r.grammar = self.grammar_matcher(request.sampling_params.constraint)
         self.waiting.append(r)
         return r
 
@@ -504,8 +514,21 @@ class Scheduler:
         temperature, fresh = r.request.sampling_params.temperature, r.computed == 0
         r.input_logprobs += score_prompt(logits_T_V[first:], targets, temperature, r.extras, fresh)
 
+    def grammar_matcher(self, constraint: Constraint) -> Any:
+        """A matcher of `constraint` for one request; ValueError when it does not compile or
+        this scheduler has no tokenizer to compile it with."""
+        if self.grammars is None:
+            raise ValueError(
+                f"{constraint.kind} needs an engine built with its tokenizer (constrained decoding)"
+            )
+        return self.grammars.matcher(constraint)
+
     def _sample(self, rows: list[Running], logits_B_V: torch.Tensor) -> list[GenerateOutput]:
         params = [r.request.sampling_params for r in rows]
+        matchers = [r.grammar for r in rows]  # masked in place: the log-probs are constrained
+        if any(m is not None for m in matchers):
+            assert self.grammars is not None  # a request gets a matcher from them only
+            self.grammars.mask(matchers, logits_B_V)
         penalties = self.penalties.step(rows, params)
         tokens_B, logprobs_B = sample_rows(
             logits_B_V,
@@ -519,6 +542,8 @@ class Scheduler:
         record_step([r.extras for r in rows], params, logits_B_V)
         finished = []
         for r, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
+            if r.grammar is not None:
+                Grammars.accept(r.grammar, token)
             r.output_logprobs.append(logprob)
             r.token_versions.append(self.weight_version)
             r.tokens.append(token)  # last: `output_so_far` counts the tokens first

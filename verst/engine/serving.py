@@ -180,6 +180,7 @@ class ServingEngine(WeightUpdates):
             max_running=max_batch_size,
             seed=seed,
             max_adapters=max_adapters,
+            tokenizer=tokenizer,
         )
         return cls(scheduler, tokenizer, batch_wait_s=batch_wait_s, model_path=model_path)
 
@@ -309,6 +310,8 @@ class ServingEngine(WeightUpdates):
         if self.vocab_size and (min(input_ids) < 0 or max(input_ids) >= self.vocab_size):
             bad = next(t for t in input_ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.constraint is not None:
+            self.scheduler.grammar_matcher(params.constraint)  # compiles it (then cached)
         vocab = self.scheduler.penalties.vocab
         outside = [t for t in params.logit_bias if t >= vocab]
         if outside:

@@ -7,6 +7,7 @@ OpenAI's response and streaming-chunk shapes, with OpenAI's error envelope.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Any
@@ -27,9 +28,6 @@ from verst.engine.serving import ServingEngine
 # ---- OpenAI-compatible -----------------------------------------------------------------------
 
 OPENAI_OFF: dict[str, Any] = {
-    "regex": None,
-    "ebnf": None,
-    "json_schema": None,
     "tools": None,
     "suffix": None,
     "best_of": None,
@@ -44,6 +42,8 @@ OPENAI_SAMPLING_NAMES = {
     "repetition_penalty": "repetition_penalty",
     "logit_bias": "logit_bias",
     "stop_regex": "stop_regex",
+    "regex": "regex",  # SGLang's extra fields on the OpenAI routes
+    "ebnf": "ebnf",
 }
 
 
@@ -127,9 +127,6 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
         raise openai_error("stream must be a boolean")
     if not isinstance(payload.get("stream_options") or {}, dict):
         raise openai_error("stream_options must be an object")
-    response_format = payload.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
-        raise openai_error("response_format other than text is not supported yet")
     logprobs, top, start = _logprob_options(payload, chat=chat)
     if chat:
         max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
@@ -148,6 +145,7 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
         "no_stop_trim": payload.get("no_stop_trim"),
         "sampling_seed": payload.get("seed"),
         **{key: payload.get(name) for name, key in OPENAI_SAMPLING_NAMES.items()},
+        "json_schema": _response_format_schema(payload.get("response_format")),
     }
     prompts = _openai_prompts(payload, tokenizer, chat)
     lora_path = payload.get("lora_path")
@@ -187,6 +185,29 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
         for j in range(n)
     ]
     return GenerateJob(items=items, is_list=True, return_prompt_token_ids=False, n=n)
+
+
+def _response_format_schema(response_format: Any) -> str | None:
+    """OpenAI `response_format` as SGLang's `json_schema` (a JSON string), as SGLang maps it:
+    `json_object` is any object; `json_schema` takes its `schema`; `text` is none."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise openai_error("response_format must be an object")
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise openai_error("response_format.json_schema.schema must be a JSON schema object")
+        return json.dumps(schema)
+    raise openai_error(
+        f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+    )
 
 
 def _logprob_options(payload: dict[str, Any], *, chat: bool) -> tuple[bool, int, int]:

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from verst.engine.grammar import GRAMMAR_FIELDS, Constraint
 from verst.engine.results import DetokenizeParams
 from verst.engine.sampling import SEED_LIMIT, SamplingParams
 from verst.engine.serving import ServingEngine
@@ -56,11 +57,9 @@ SAMPLING_SUPPORTED = {
     "repetition_penalty",
     "stop_regex",
     "logit_bias",
+    *GRAMMAR_FIELDS,
 }
 SAMPLING_OFF: dict[str, Any] = {
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
     "structural_tag": None,
     "beam_width": None,
     "custom_params": None,
@@ -211,6 +210,7 @@ def parse_sampling_params(
         presence_penalty=_number(raw, "presence_penalty", 0.0, float),
         repetition_penalty=_number(raw, "repetition_penalty", 1.0, float),
         logit_bias=_logit_bias(raw.get("logit_bias")),
+        constraint=_constraint(raw),
     )
     try:
         params.validate()
@@ -226,6 +226,19 @@ def parse_sampling_params(
         ),
     )
     return params, detok, n
+
+
+def _constraint(raw: dict[str, Any]) -> Constraint | None:
+    """`json_schema` / `regex` / `ebnf` (at most one; null is none) as a `Constraint`."""
+    given = [key for key in GRAMMAR_FIELDS if raw.get(key) is not None]
+    if len(given) > 1:
+        raise value_error("Only one of regex, json_schema, or EBNF can be set.")
+    if not given:
+        return None
+    value = raw[given[0]]
+    if not isinstance(value, str):
+        raise contract_error(f"sampling_params.{given[0]} must be a string")
+    return Constraint(given[0], value)
 
 
 def _min_new_tokens(raw: dict[str, Any], max_new: int, room: int | None) -> int:
