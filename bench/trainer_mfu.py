@@ -13,6 +13,7 @@ position t; over measured step time and the device's dense bf16 peak.
 
     python bench/trainer_mfu.py --preset h200   # Qwen2-0.5B's shape, 16 × 2,048 tokens
     python bench/trainer_mfu.py --preset cpu    # a small model, a check that it runs
+    python bench/trainer_mfu.py --preset h200 --megatron   # and the megatron backend
 """
 
 from __future__ import annotations
@@ -126,14 +127,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def verst_steps(preset: dict, micro_tokens: int, chunk_tokens: int, device: torch.device):
+def verst_steps(
+    preset: dict, backend: str, micro_tokens: int, chunk_tokens: int, device: torch.device
+):
     from verst.train.algorithms import LossConfig
     from verst.train.trainer import Trainer, TrainerConfig
 
-    cfg = TrainerConfig(lr=1e-6, micro_batch_tokens=micro_tokens, logprob_chunk_tokens=chunk_tokens)
-    trainer = Trainer(
-        build(preset), cfg, LossConfig(), total_steps=100, pad_token_id=0, device=device
+    cfg = TrainerConfig(
+        lr=1e-6,
+        micro_batch_tokens=micro_tokens,
+        logprob_chunk_tokens=chunk_tokens,
+        backend=backend,
     )
+    common = dict(total_steps=100, pad_token_id=0, device=device)
+    if backend == "megatron":
+        from verst.train.megatron.trainer import MegatronTrainer
+
+        trainer = MegatronTrainer(build(preset), cfg, LossConfig(), seed=0, **common)
+    else:
+        trainer = Trainer(build(preset), cfg, LossConfig(), **common)
     items = batch(preset)
     return lambda step: trainer.step(items, step=step)["train/loss"]
 
@@ -173,7 +185,8 @@ def worker(spec: dict) -> dict:
     if spec["kind"] == "hf":
         step = hf_steps(preset, device)
     else:
-        step = verst_steps(preset, spec["micro_tokens"], spec["chunk_tokens"], device)
+        backend = "megatron" if spec["kind"] == "megatron" else "fsdp2"
+        step = verst_steps(preset, backend, spec["micro_tokens"], spec["chunk_tokens"], device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
@@ -205,6 +218,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results)")
+    parser.add_argument(
+        "--megatron",
+        action="store_true",
+        help="also the megatron backend (pip install 'verst[megatron]') at the largest budget",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -212,7 +230,10 @@ def main() -> None:
         return
     preset = PRESETS[args.preset]
     flops = model_flops(preset)
-    rows = [run_variant(args.preset, *variant) for variant in preset["variants"]]
+    variants = list(preset["variants"])
+    if args.megatron:
+        variants.append(("megatron", max(v[1] for v in variants), 0))
+    rows = [run_variant(args.preset, *variant) for variant in variants]
     baseline = rows[0].get("step_median_s")
     for row in rows:
         if "error" in row:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from verst.models import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from verst.models.families import FAMILIES
 from verst.train.batching import TrainItem, collate, response_outputs
 from verst.train.losses import entropy_from_logits, logprobs_from_logits
 from verst.train.token_logprobs import (
@@ -88,7 +87,8 @@ def _micro():
     return collate(items, pad_token_id=0, device=torch.device("cpu"))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# a dense model, one whose soft-capped head keeps the full logits, an MoE and an MLA one
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "qwen3-moe", "deepseek-v3"])
 def test_response_scores_equal_the_full_forward(family: str) -> None:
     shape = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=32)
     model = build_tiny_model(TinyModelConfig(family=family, **shape), vocab_size=VOCAB, seed=0)
