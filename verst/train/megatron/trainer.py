@@ -29,6 +29,7 @@ from verst.train.batching import (
     masked_out,
     pack_micro_batches,
 )
+from verst.train.losses import entropy_from_logits, logprobs_from_logits
 from verst.train.megatron import gather
 from verst.train.megatron.config import check_layout
 from verst.train.megatron.inputs import response_logits, sequence_inputs
@@ -185,17 +186,16 @@ class MegatronTrainer:
         return response_logits(output, inputs, self.vocab) / self.temperature
 
     def _rl_loss(self, output: torch.Tensor, *, micro: MicroBatch, inputs: Any, norms: Normalisers):
-        loss, stats = policy_objective(
-            self.loss_cfg, self.logits(output, inputs), micro, norms, None
-        )
-        return loss, stats
+        logits_B_T_V = self.logits(output, inputs)
+        logprobs_B_T = logprobs_from_logits(logits_B_T_V, micro.response_ids_B_T)
+        with torch.set_grad_enabled(self.loss_cfg.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy_B_T = entropy_from_logits(logits_B_T_V)
+        return policy_objective(self.loss_cfg, logprobs_B_T, entropy_B_T, micro, norms, None)
 
     @torch.no_grad()
     def logprobs(self, items: list[TrainItem]) -> list[list[float]]:
         """Each item's response-token log-probs (at the trainer's temperature), on every rank;
         items are not split over data-parallel ranks."""
-        from verst.train.losses import logprobs_from_logits
-
         rows: list[list[float]] = []
         for item in items:
             micro = collate([item], self.pad_token_id, self.device)
