@@ -157,6 +157,11 @@ class Environment(ABC):
     async def step(self, action: Action) -> StepResult:
         """Act on one model turn; its tool calls name declared tools with valid arguments."""
 
+    async def truncate(self) -> StepResult | None:
+        """The episode ran out of turns (`env.max_turns`) before it was done: a last result,
+        e.g. a checker's verdict on the state the model left, or None for nothing more."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 (an optional hook)
         """Release what the episode holds (the runner closes its sandbox itself)."""
 
