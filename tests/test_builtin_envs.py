@@ -79,8 +79,9 @@ def test_math_env_checks_answers_with_math_verify() -> None:
     assert math_equal("x = 3/4", "\\frac{3}{4}")
     assert not math_equal("\\boxed{3}", "2") and not math_equal("no idea", "2")
     cfg = EnvConfig(name="math")
-    opening, [right], _ = scripted(MathEnv, cfg, "1/2 + 1/4?", {"label": "3/4"},
-                                   [{"content": "It is $\\frac{3}{4}$"}])
+    opening, [right], _ = scripted(
+        MathEnv, cfg, "1/2 + 1/4?", {"label": "3/4"}, [{"content": "It is $\\frac{3}{4}$"}]
+    )
     assert opening == [{"role": "user", "content": "1/2 + 1/4?"}]
     assert right.done and right.reward == 1.0 and right.info["correct"]
     _, [wrong], _ = scripted(MathEnv, cfg, "1/2 + 1/4?", {"label": "3/4"}, [{"content": "0.7"}])
@@ -106,8 +107,9 @@ def test_python_code_env_scores_the_fraction_of_tests_passed(tmp_path: Path) -> 
     half = "```python\ndef add(a, b):\n    return a + b if a > 0 else 7\n```"
     right = "```python\ndef add(a, b):\n    return a + b\n```"
     meta = {"tests": TESTS}
-    _, [first, second], _ = scripted(PythonCodeEnv, cfg, "write add", meta,
-                                     [{"content": half}, {"content": right}])
+    _, [first, second], _ = scripted(
+        PythonCodeEnv, cfg, "write add", meta, [{"content": half}, {"content": right}]
+    )
     assert not first.done and first.info["tests_passed"] == 2
     assert abs(first.reward - 2 / 3) < 1e-9
     assert "assert add(-1, 1) == 0" in first.observation[0]["content"]
@@ -119,8 +121,13 @@ def test_python_code_env_scores_the_fraction_of_tests_passed(tmp_path: Path) -> 
         "def add(a, b) return",  # a syntax error
     ]
     for cheat in cheats:
-        _, [step], _ = scripted(PythonCodeEnv, cfg.model_copy(update={"max_turns": 1}),
-                                "write add", meta, [{"content": cheat}])
+        _, [step], _ = scripted(
+            PythonCodeEnv,
+            cfg.model_copy(update={"max_turns": 1}),
+            "write add",
+            meta,
+            [{"content": cheat}],
+        )
         assert step.reward == 0.0 and step.info["tests_passed"] == 0, cheat
 
 
@@ -200,14 +207,19 @@ def test_reasoning_gym_rows_and_scorer() -> None:
     json.dumps(rows)  # rows travel as JSON
     row = rows[0]
     reward = load_reward_fn("reasoning_gym")
-    right = Sample(prompt=row["prompt"], label=row["label"],
-                   metadata={**row, "response_text": str(row["label"])})
-    wrong = Sample(prompt=row["prompt"], label=row["label"],
-                   metadata={**row, "response_text": "banana"})
+    right = Sample(
+        prompt=row["prompt"],
+        label=row["label"],
+        metadata={**row, "response_text": str(row["label"])},
+    )
+    wrong = Sample(
+        prompt=row["prompt"], label=row["label"], metadata={**row, "response_text": "banana"}
+    )
     assert reward(right) == 1.0 and reward(wrong) < 1.0
     cfg = EnvConfig(name="reasoning_gym")
-    _, [step], _ = scripted(ReasoningGymEnv, cfg, row["prompt"], row,
-                            [{"content": str(row["label"])}])
+    _, [step], _ = scripted(
+        ReasoningGymEnv, cfg, row["prompt"], row, [{"content": str(row["label"])}]
+    )
     assert step.done and step.reward == 1.0
     with pytest.raises(ValueError, match="rg_entry"):
         scripted(ReasoningGymEnv, cfg, "q", {"label": "1"}, [])

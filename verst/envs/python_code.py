@@ -49,6 +49,7 @@ for i, test in enumerate(tests):
 report({"passed": passed, "failures": failures})
 """
 
+
 def extract_code(text: str) -> str:
     """The last fenced code block of `text`, or all of it when it has none."""
     blocks = _FENCE.findall(text)

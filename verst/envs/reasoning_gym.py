@@ -42,8 +42,12 @@ def reasoning_gym_rows(seed: int, dataset: str, size: int = 1000, **config: Any)
     for entry in entries:
         plain = json.loads(json.dumps(dict(entry), default=str))  # rows travel as JSON
         rows.append(
-            {"prompt": plain["question"], "label": plain["answer"], "rg_dataset": dataset,
-             "rg_entry": plain}
+            {
+                "prompt": plain["question"],
+                "label": plain["answer"],
+                "rg_dataset": dataset,
+                "rg_entry": plain,
+            }
         )
     return rows
 

@@ -19,7 +19,6 @@ from typing import Any
 from verst.envs.base import Message, StepResult, ToolEnvironment, tool
 from verst.envs.python_tool import describe_run
 
-
 _STRING = {"type": "string"}
 
 
