@@ -37,7 +37,7 @@ def scripted(
     async def play() -> tuple[Any, ...]:
         box = make_sandbox(cfg.sandbox).open() if env_cls.needs_sandbox else None
         try:
-            env = env_cls(box)
+            env = env_cls(box, cfg.options)
             opening = await env.reset(prompt, metadata)
             steps, tally = [], _tally()
             for message in turns:

@@ -137,12 +137,16 @@ def parse_action(message: Message, finish_reason: str = "stop") -> Action:
 
 class Environment(ABC):
     """One episode. Built by the runner with the episode's sandbox (None unless
-    `needs_sandbox`), reset once, stepped until done or the turn limit, then closed."""
+    `needs_sandbox`) and `env.options`, reset once, stepped until done or the turn limit,
+    then closed."""
 
     needs_sandbox: ClassVar[bool] = False
 
-    def __init__(self, sandbox: Sandbox | None = None) -> None:
+    def __init__(
+        self, sandbox: Sandbox | None = None, options: dict[str, Any] | None = None
+    ) -> None:
         self.sandbox = sandbox
+        self.options = dict(options or {})  # `env.options`: settings of the run's environment
 
     @property
     def tools(self) -> list[Tool]:

@@ -9,6 +9,7 @@ single-turn runs without an environment.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -32,9 +33,14 @@ def math_equal(answer: str, label: Any) -> bool:
     """Whether the answer's final expression equals the label, as math-verify judges it.
 
     The label is read as LaTeX or a plain expression (a `$` pair is added when it has none, so
-    `\\frac{1}{2}` parses); an answer or label it cannot parse is not a match."""
+    `\\frac{1}{2}` parses); an answer or label it cannot parse is not a match. Verdicts are
+    cached: a rollout repeats answers often, and a check costs milliseconds of sympy."""
+    return _equal(answer, str(label).strip())
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _equal(answer: str, gold_text: str) -> bool:
     mv = _math_verify()
-    gold_text = str(label).strip()
     if "$" not in gold_text and "\\boxed" not in gold_text:
         gold_text = f"${gold_text}$"
     # math-verify's timeouts use SIGALRM, which only the main thread may set

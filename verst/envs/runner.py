@@ -54,6 +54,7 @@ BUILTIN_ENVS = {
     "python_code": "verst.envs.python_code:PythonCodeEnv",
     "terminal": "verst.envs.terminal:TerminalEnv",
     "reasoning_gym": "verst.envs.reasoning_gym:ReasoningGymEnv",
+    "openenv": "verst.envs.openenv_connector:OpenEnvEnvironment",
 }
 
 
@@ -62,9 +63,13 @@ class EnvConfig(ConfigBase):
 
     name: str | None = Field(
         None,
-        description="the environment: a built-in (math, python_code, python_tool, reasoning_gym, "
-        "terminal) or 'pkg.mod:Class', an "
+        description="the environment: a built-in (math, openenv, python_code, python_tool, "
+        "reasoning_gym, terminal) or 'pkg.mod:Class', an "
         "Environment subclass; unset = no environment",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="settings the environment reads (env.options; e.g. openenv's url)",
     )
     max_turns: int = Field(4, ge=1, description="model turns per episode at most")
     on_error: Literal["observe", "abort"] = Field(
@@ -163,7 +168,7 @@ class EnvironmentAgent:
         request_kwargs: dict[str, Any],
         metadata: dict[str, Any],
     ) -> dict[str, Any]:
-        env = self.env_cls(box)
+        env = self.env_cls(box, self.cfg.options)
         tally = _Tally()
         try:
             messages = list(await env.reset(prompt, metadata))
