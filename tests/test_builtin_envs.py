@@ -14,7 +14,7 @@ import pytest
 
 from tests.test_envs import _tally, call_message, left_behind, sandbox_cfg
 from verst.data.tasks import make_task
-from verst.envs.base import Action, Environment, StepResult
+from verst.envs.base import Action, Environment, StepResult, tool
 from verst.envs.python_code import PythonCodeEnv, extract_code
 from verst.envs.runner import EnvConfig, EnvironmentAgent, load_environment
 from verst.envs.sandbox import make_sandbox
@@ -225,3 +225,51 @@ def test_reasoning_gym_rows_and_scorer() -> None:
         scripted(ReasoningGymEnv, cfg, "q", {"label": "1"}, [])
     with pytest.raises(ValueError, match="dataset"):
         make_task("reasoning_gym", "train", 0, dataset="no_such_dataset", size=2)
+
+
+# ---- bad input in a sandboxed episode ------------------------------------------------------
+
+
+def test_terminal_commands_that_hang_or_flood_come_back_as_observations(tmp_path: Path) -> None:
+    cfg = EnvConfig(name="terminal", max_observation_chars=200, sandbox=sandbox_cfg(tmp_path))
+    row = {"files": {}, "check": "true"}
+    turns = [
+        call_message("sh", {"cmd": "sleep 30"}),
+        call_message("sh", {"cmd": "yes | head -c 3000000"}),
+        call_message("sh", '{"cmd": "echo'),  # arguments that are not JSON
+        call_message("rm", {"cmd": "-rf /"}),  # a tool that does not exist
+        {"content": "done"},
+    ]
+    _, [hang, flood, malformed, unknown, end], _ = scripted(TerminalEnv, cfg, "x", row, turns)
+    assert "timed out (killed)" in hang.observation[0]["content"]
+    cut = EnvironmentAgent(cfg)._cut(flood.observation[0])["content"]
+    assert len(cut) < 300 and cut.endswith("[output cut]")
+    assert "not a JSON object" in malformed.observation[0]["content"]
+    assert "unknown tool 'rm'" in unknown.observation[0]["content"]
+    assert end.done and end.reward == 1.0  # the episode went on to its end
+
+
+class CrashingTerminal(TerminalEnv):
+    @tool("Run a shell command", {"cmd": {"type": "string"}})
+    async def sh(self, cmd: str) -> str:
+        raise RuntimeError("the tool crashed")
+
+
+def test_an_environment_that_raises_aborts_and_its_sandbox_is_closed(tmp_path: Path) -> None:
+    cfg = EnvConfig(name="terminal", on_error="abort", sandbox=sandbox_cfg(tmp_path))
+    agent = EnvironmentAgent(cfg)
+    ids: list[str] = []
+
+    async def play() -> None:
+        pool = agent.pool()
+        assert pool is not None
+        async with pool.episode() as box:
+            ids.append(box.id)
+            env = CrashingTerminal(box)
+            await env.reset("x", {"files": {}, "check": "true"})
+            await agent._step(env, _parse(call_message("sh", {"cmd": "true"})), _tally())
+        pool.close()
+
+    with pytest.raises(Exception, match="the tool crashed"):
+        asyncio.run(play())
+    assert ids and left_behind(ids) == []

@@ -7,7 +7,6 @@ episodes through the agent layer and the session server."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time
@@ -114,4 +113,3 @@ def test_an_openenv_server_that_is_not_there_aborts_the_sample(sessions_url: str
     for sample in play(sessions_url, agent, n=2):
         assert sample.status is Status.ABORTED
         assert "agent_error" in sample.metadata
-    asyncio.get_event_loop_policy()  # the loop of `play` is closed; nothing is left running
