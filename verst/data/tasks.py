@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 SPLITS = ("train", "dev", "test")
 
@@ -55,10 +56,31 @@ def arithmetic(split: str, seed: int, digits: int = 2) -> list[dict]:
     return rows
 
 
+def terminal(split: str, seed: int, **kwargs: Any) -> list[dict]:
+    """Toy terminal tasks for `env.name: terminal` (`verst.envs.terminal.terminal_tasks`:
+    description, files, checker); test is the first 200, dev the next 200, train the rest."""
+    from verst.envs.terminal import terminal_tasks
+
+    return _split_rows(terminal_tasks(seed, **kwargs), split)
+
+
+def reasoning_gym(split: str, seed: int, **kwargs: Any) -> list[dict]:
+    """A reasoning-gym dataset (`task_kwargs`: `dataset`, `size`, the generator's config); the
+    splits are made from different seeds of the generator (`verst.envs.reasoning_gym`), so
+    they are the generator's, disjoint as far as its space of tasks is large."""
+    from verst.envs.reasoning_gym import reasoning_gym_rows
+
+    if "dataset" not in kwargs:
+        raise ValueError("reasoning_gym: task_kwargs needs 'dataset' (a reasoning-gym name)")
+    return reasoning_gym_rows(seed * len(SPLITS) + SPLITS.index(split), **kwargs)
+
+
 TASKS: dict[str, Callable[..., list[dict]]] = {
     "addition": addition,
     "subtraction": subtraction,
     "arithmetic": arithmetic,
+    "terminal": terminal,
+    "reasoning_gym": reasoning_gym,
 }
 
 

@@ -137,12 +137,16 @@ def parse_action(message: Message, finish_reason: str = "stop") -> Action:
 
 class Environment(ABC):
     """One episode. Built by the runner with the episode's sandbox (None unless
-    `needs_sandbox`), reset once, stepped until done or the turn limit, then closed."""
+    `needs_sandbox`) and `env.options`, reset once, stepped until done or the turn limit,
+    then closed."""
 
     needs_sandbox: ClassVar[bool] = False
 
-    def __init__(self, sandbox: Sandbox | None = None) -> None:
+    def __init__(
+        self, sandbox: Sandbox | None = None, options: dict[str, Any] | None = None
+    ) -> None:
         self.sandbox = sandbox
+        self.options = dict(options or {})  # `env.options`: settings of the run's environment
 
     @property
     def tools(self) -> list[Tool]:
@@ -156,6 +160,11 @@ class Environment(ABC):
     @abstractmethod
     async def step(self, action: Action) -> StepResult:
         """Act on one model turn; its tool calls name declared tools with valid arguments."""
+
+    async def truncate(self) -> StepResult | None:
+        """The episode ran out of turns (`env.max_turns`) before it was done: a last result,
+        e.g. a checker's verdict on the state the model left, or None for nothing more."""
+        return None
 
     async def close(self) -> None:  # noqa: B027 (an optional hook)
         """Release what the episode holds (the runner closes its sandbox itself)."""

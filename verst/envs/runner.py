@@ -9,6 +9,7 @@ the environment needs one), builds the environment, and loops
     action = the answer, its tool calls parsed by the session server in the template's format
     result = env.step(action); messages += result.observation; until done or env.max_turns
 
+and, when the turns ran out before done, `env.truncate()` (a last reward, e.g. a checker's);
 then closes the environment and the sandbox (kills what is left, deletes the work directory).
 
 A malformed tool call, an unknown tool, bad arguments, and an environment that raises are
@@ -47,7 +48,14 @@ from verst.types import Sample
 
 log = logging.getLogger(__name__)
 
-BUILTIN_ENVS = {"python_tool": "verst.envs.python_tool:PythonToolEnv"}
+BUILTIN_ENVS = {
+    "python_tool": "verst.envs.python_tool:PythonToolEnv",
+    "math": "verst.envs.math_env:MathEnv",
+    "python_code": "verst.envs.python_code:PythonCodeEnv",
+    "terminal": "verst.envs.terminal:TerminalEnv",
+    "reasoning_gym": "verst.envs.reasoning_gym:ReasoningGymEnv",
+    "openenv": "verst.envs.openenv_connector:OpenEnvEnvironment",
+}
 
 
 class EnvConfig(ConfigBase):
@@ -55,8 +63,13 @@ class EnvConfig(ConfigBase):
 
     name: str | None = Field(
         None,
-        description="the environment: a built-in (python_tool) or 'pkg.mod:Class', an "
+        description="the environment: a built-in (math, openenv, python_code, python_tool, "
+        "reasoning_gym, terminal) or 'pkg.mod:Class', an "
         "Environment subclass; unset = no environment",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="settings the environment reads (env.options; e.g. openenv's url)",
     )
     max_turns: int = Field(4, ge=1, description="model turns per episode at most")
     on_error: Literal["observe", "abort"] = Field(
@@ -155,7 +168,7 @@ class EnvironmentAgent:
         request_kwargs: dict[str, Any],
         metadata: dict[str, Any],
     ) -> dict[str, Any]:
-        env = self.env_cls(box)
+        env = self.env_cls(box, self.cfg.options)
         tally = _Tally()
         try:
             messages = list(await env.reset(prompt, metadata))
@@ -168,28 +181,40 @@ class EnvironmentAgent:
                 if result.done:
                     break
                 messages.extend(self._cut(m) for m in result.observation)
+            else:
+                last = await self._guard(env.truncate(), tally, "user")
+                if last is not None:
+                    tally.add(last, turn=False)
         finally:
             await env.close()
         return tally.summary()
 
     async def _step(self, env: Environment, action: Any, tally: _Tally) -> StepResult:
         """`env.step`, with bad calls and environment errors handled by `on_error`."""
-        try:
+        role = "tool" if action.tool_calls or action.malformed else "user"
+
+        async def checked() -> StepResult:
             check_calls(action, env.tools)
             return await env.step(action)
+
+        result = await self._guard(checked(), tally, role)
+        return result if result is not None else StepResult()
+
+    async def _guard(self, call: Any, tally: _Tally, role: str) -> StepResult | None:
+        """Await an environment call; an error it raises is handled by `on_error` (abort, or
+        a result whose observation is the error as a `role` message)."""
+        try:
+            return await call
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - a tool call or an environment failing
-            kind = "tool call" if isinstance(error, ToolCallError) else "environment"
-            reason = (
-                f"{kind} error: {error}"
-                if kind == "tool call"
-                else (f"environment error: {type(error).__name__}: {error}")
-            )
+            if isinstance(error, ToolCallError):
+                reason = f"tool call error: {error}"
+            else:
+                reason = f"environment error: {type(error).__name__}: {error}"
             tally.error(reason)
             if self.cfg.on_error == "abort":
                 raise EpisodeError(reason) from error
-            role = "tool" if action.tool_calls or action.malformed else "user"
             return StepResult(observation=[{"role": role, "content": f"error: {reason}"}])
 
     def _cut(self, message: Message) -> Message:
@@ -205,9 +230,9 @@ class _Tally:
         self.errors: list[str] = []
         self.info: dict[str, Any] = {}
 
-    def add(self, result: StepResult) -> None:
+    def add(self, result: StepResult, turn: bool = True) -> None:
         self.reward += float(result.reward)
-        self.steps += 1
+        self.steps += int(turn)
         self.done = self.done or result.done
         self.info.update(result.info)
 

@@ -84,9 +84,25 @@ def no_reward(sample: Sample) -> float:
     return 0.0
 
 
+def math_verify(sample: Sample) -> float:
+    """1.0 when math-verify finds the response equal to the label (`verst.envs.math_env`)."""
+    from verst.envs.math_env import math_verify_reward
+
+    return math_verify_reward(sample)
+
+
+def reasoning_gym(sample: Sample) -> float:
+    """The reasoning-gym dataset's own scorer (`verst.envs.reasoning_gym`), in [0, 1]."""
+    from verst.envs.reasoning_gym import reasoning_gym_reward
+
+    return reasoning_gym_reward(sample)
+
+
 BUILTIN_REWARDS: dict[str, RewardFunction] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
+    "math_verify": math_verify,
+    "reasoning_gym": reasoning_gym,
     "none": no_reward,
 }
 
