@@ -99,8 +99,8 @@ def check_chat_body(body: dict[str, Any]) -> None:
         raise _bad("model", "a string", body["model"])
 
 
-def sampling_params(body: dict[str, Any], end_of_turn_id: int) -> dict[str, Any]:
-    """OpenAI chat parameters → SGLang sampling_params; the end-of-turn id always stops."""
+def sampling_params(body: dict[str, Any], stop_ids: tuple[int, ...]) -> dict[str, Any]:
+    """OpenAI chat parameters → SGLang sampling_params; the family's stop ids always stop."""
     if body.get("n", 1) != 1:
         raise SessionError(400, "n must be 1: a session is one trajectory", "bad_n")
     for key, off in _UNSUPPORTED_KEYS.items():
@@ -115,7 +115,7 @@ def sampling_params(body: dict[str, Any], end_of_turn_id: int) -> dict[str, Any]
     if stop is not None:
         params["stop"] = [stop] if isinstance(stop, str) else list(stop)
     extra = body.get("stop_token_ids") or []
-    params["stop_token_ids"] = [end_of_turn_id] + [i for i in extra if i != end_of_turn_id]
+    params["stop_token_ids"] = list(stop_ids) + [i for i in extra if i not in stop_ids]
     return params
 
 
