@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from verst import exitcodes
+from verst.chat.families import FAMILIES as CHAT_FAMILIES
 from verst.config import ConfigError, help_text, load_config
 from verst.envs.sandbox import cli as sandbox_cli
 from verst.http_limits import add_limit_flags, limits_from_args
@@ -239,6 +240,13 @@ def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
         default=10000,
         help="most live sessions; creating one more answers 429 (default 10000)",
     )
+    parser.add_argument(
+        "--chat-family",
+        choices=sorted(CHAT_FAMILIES),
+        default=None,
+        help="the chat template's family (turn framing, stop tokens, tool-call format); "
+        "default: detected from the template (docs/chat_templates.md)",
+    )
     add_limit_flags(parser)
     _add_key_flags(parser, admin=False)
 
@@ -422,6 +430,7 @@ def _sessions(args: argparse.Namespace) -> int:
         ttl_s=args.session_ttl_s,
         max_sessions=args.max_sessions,
         api_keys=ApiKeys.resolve(args.api_key),
+        family=args.chat_family,
     )
     return 0
 
