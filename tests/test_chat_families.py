@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 from tests.chat_tokenizers import char_tokenizer, qwen_vocab_tokenizer
 from verst.chat import FAMILIES, detect_family, load_template
 from verst.sessions.assembly import TurnRecord
-from verst.sessions.openai_chat import answer_message
+from verst.sessions.openai_chat import answer_message, sampling_params
 from verst.sessions.store import SessionStore, parse_answer
 from verst.sessions.templates import ChatTokenizer
 
@@ -127,8 +127,9 @@ def model_output(ct: ChatTokenizer, history: list[dict], answer: dict, next_role
     return ids + ct.encode(opener)  # GLM-4: the model stops on the next message's opener
 
 
-def run_session(ct: ChatTokenizer, thinking: bool) -> dict[str, int]:
-    """The scripted session through the store; returns the assembled sample's mismatch."""
+def run_session(ct: ChatTokenizer, thinking: bool, truncate: int | None = None) -> dict[str, int]:
+    """The scripted session through the store; returns the assembled sample's mismatch. The
+    `truncate`-th answer is cut to half its ids with no stop token, as `max_tokens` cuts it."""
     store = SessionStore(ct)
     session = store.create()
     prompt, turns = tool_session(thinking)
@@ -137,9 +138,14 @@ def run_session(ct: ChatTokenizer, thinking: bool) -> dict[str, int]:
         plan = store.plan_turn(session, messages, TOOLS)
         next_role = turn.after[0]["role"] if turn.after else "user"
         output = model_output(ct, intended, turn.answer, next_role)
-        record = TurnRecord(plan.input_ids, output, [-0.5] * len(output), 0, "stop")
+        finish = "stop"
+        if truncate == len(session.records):
+            output, finish = output[: len(output) // 2], "length"
+        record = TurnRecord(plan.input_ids, output, [-0.5] * len(output), 0, finish)
         text = ct.tokenizer.decode(output, skip_special_tokens=True)
         content, calls = parse_answer(ct, text, output, TOOLS)
+        if finish == "length":
+            turn = Turn({"role": "assistant", "content": content}, turn.after)
         assert len(calls) == len(turn.answer.get("tool_calls", []))
         store.commit(session, plan, record, answer_message(content, calls), 0)
         messages = session.messages + turn.after
@@ -200,6 +206,19 @@ def test_qwen3_on_the_real_qwen_vocabulary() -> None:
         "non_assistant_text": 0,
         "assistant_text": 2,
     }
+
+
+@pytest.mark.parametrize("family", ["glm4", "deepseek_v3", "mistral"])
+def test_a_truncated_answer_is_closed_for_the_model(family: str) -> None:
+    ct = ChatTokenizer(family_tokenizer(family))
+    assert set(run_session(ct, thinking=False, truncate=1).values()) == {0}
+
+
+def test_the_session_server_stops_on_every_stop_token_of_the_family() -> None:
+    ct = ChatTokenizer(family_tokenizer("glm4"))
+    stops = ["<|endoftext|>", "<|user|>", "<|observation|>", "<|system|>"]
+    params = sampling_params({"stop_token_ids": [9]}, ct.format.stop_ids)
+    assert params["stop_token_ids"] == ct.tokenizer.convert_tokens_to_ids(stops) + [9]
 
 
 def test_every_shipped_template_is_detected_as_its_family() -> None:

@@ -101,10 +101,13 @@ class TurnFormat:
 class ChatTokenizer:
     """Incremental multi-turn tokenisation that never re-tokenises earlier turns.
 
-    `family=None` detects it from the template. A named family asserts its junction rule (the
-    text after an assistant turn) against the template and raises if it differs; an
+    `family` is a name in `verst.chat.FAMILIES` (qwen3, chatml, llama3, glm4, deepseek_v3,
+    mistral, default); None detects it from the template. A named family asserts its junction
+    rule (the text after an assistant turn) against the template and raises if it differs; an
     auto-detected family that does not match falls back to "default", which reads the rule off
-    the template itself. `template_kwargs` go to every render (e.g. `enable_thinking=False`).
+    the template itself. The family also gives the stop tokens, where assistant text starts and
+    ends, and the tool-call format (`tool_parser`). `template_kwargs` go to every render (e.g.
+    `enable_thinking=False`).
     """
 
     def __init__(
