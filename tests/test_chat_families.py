@@ -21,7 +21,7 @@ from tests.chat_tokenizers import char_tokenizer, qwen_vocab_tokenizer
 from verst.chat import FAMILIES, detect_family, load_template
 from verst.sessions.assembly import TurnRecord
 from verst.sessions.openai_chat import answer_message, sampling_params
-from verst.sessions.store import SessionStore, parse_answer
+from verst.sessions.store import SessionError, SessionStore, parse_answer
 from verst.sessions.templates import ChatTokenizer
 
 TOOLS = [
@@ -219,6 +219,10 @@ def test_the_session_server_stops_on_every_stop_token_of_the_family() -> None:
     stops = ["<|endoftext|>", "<|user|>", "<|observation|>", "<|system|>"]
     params = sampling_params({"stop_token_ids": [9]}, ct.format.stop_ids)
     assert params["stop_token_ids"] == ct.tokenizer.convert_tokens_to_ids(stops) + [9]
+    assert "stop_token_ids" in sampling_params({"tool_choice": "auto"}, ct.format.stop_ids)
+    for choice in ("none", "required", {"type": "function", "function": {"name": "add"}}):
+        with pytest.raises(SessionError, match="tool_choice .* is not supported"):
+            sampling_params({"tool_choice": choice}, ct.format.stop_ids)
 
 
 def test_every_shipped_template_is_detected_as_its_family() -> None:
