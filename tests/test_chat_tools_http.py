@@ -162,3 +162,18 @@ def test_bad_tool_requests_are_400s_naming_the_field(
 ) -> None:
     with pytest.raises(openai.BadRequestError, match=re.escape(message)):
         server.chat(max_tokens=1, extra_body=kwargs)
+
+
+def test_tool_call_parser_overrides_the_template_family(tmp_path: Path) -> None:
+    """`verst serve --tool-call-parser NAME` (make_app's `tool_call_parser`) picks the format."""
+    from transformers import AutoTokenizer
+
+    from verst.engine.server.openai_tools import ChatTools, tool_message
+
+    path, call_id = write_model(tmp_path)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    result = {"text": CALL, "output_ids": [call_id]}
+    tools = ChatTools(TOOLS, parse=True)
+    content, calls = tool_message(tok, result, tools)  # qwen3 template: Hermes
+    assert content is None and calls[0]["function"]["name"] == "add"
+    assert tool_message(tok, result, tools, "mistral") == (CALL, None)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from verst import exitcodes
 from verst.chat.families import FAMILIES as CHAT_FAMILIES
+from verst.chat.tool_parsers import TOOL_PARSERS
 from verst.config import ConfigError, help_text, load_config
 from verst.envs.sandbox import cli as sandbox_cli
 from verst.http_limits import add_limit_flags, limits_from_args
@@ -156,6 +157,13 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-n", type=int, default=1024, help="largest n (samples per prompt) accepted (400)"
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="format of tool calls in chat answers; default: the chat template family's "
+        "(docs/engine_protocol.md)",
     )
     add_limit_flags(parser)
     _add_key_flags(parser)
@@ -369,6 +377,7 @@ def _serve(args: argparse.Namespace) -> int:
         parent_pid=args.parent_pid,
         limits=limits_from_args(args),
         max_n=args.max_n,
+        tool_call_parser=args.tool_call_parser,
         api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
         allowed_weight_dirs=[d.strip() for d in args.allowed_weight_dirs.split(",") if d.strip()],
         group_join_timeout_s=args.weight_group_timeout_s,

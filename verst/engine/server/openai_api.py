@@ -248,8 +248,10 @@ async def run_openai(
     served_model_name: str,
     *,
     chat: bool,
+    tool_format: str | None = None,
 ) -> dict[str, Any]:
-    """An OpenAI completions / chat body → its (non-streamed) response body."""
+    """An OpenAI completions / chat body → its (non-streamed) response body; chat tool calls
+    are parsed in `tool_format` (None: the chat template's family's)."""
     if not isinstance(payload, dict):
         raise openai_error("the request body must be a JSON object")
     tools = chat_tools(payload) if chat else None
@@ -277,7 +279,9 @@ async def run_openai(
         choice: dict[str, Any] = {"index": index}
         if chat:
             content, calls = (
-                tool_message(tokenizer, result, tools) if tools else (result["text"], None)
+                tool_message(tokenizer, result, tools, tool_format)
+                if tools
+                else (result["text"], None)
             )
             if calls and finish == "stop":
                 finish, matched = "tool_calls", None

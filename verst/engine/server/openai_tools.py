@@ -90,12 +90,13 @@ def _tool_format(chat_template: str) -> str:
 
 
 def tool_message(
-    tokenizer: Any, result: dict[str, Any], tools: ChatTools
+    tokenizer: Any, result: dict[str, Any], tools: ChatTools, fmt: str | None = None
 ) -> tuple[str | None, list[dict[str, Any]] | None]:
-    """A `/generate` result's (content, tool_calls) in the template family's format; no calls
-    leaves the text as the content and tool_calls None."""
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    fmt = _tool_format(template)
+    """A `/generate` result's (content, tool_calls) in format `fmt` (None: the template
+    family's); no calls leaves the text as the content and tool_calls None."""
+    if fmt is None:
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        fmt = _tool_format(template)
     text = parser_text(tokenizer, result["text"], result["output_ids"], fmt)
     content, calls = parse_tool_calls(text, fmt, tools.tools)
     if not calls:
