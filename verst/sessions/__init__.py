@@ -3,6 +3,7 @@ earlier turn (`templates`), the session store with its append-only history rules
 assembly of a session's turns into one training Sample (`assembly`), and the OpenAI-compatible
 session server that `verst sessions` runs (`server`)."""
 
-from verst.sessions.templates import CHATML_TOOL_TEMPLATE, ChatTokenizer, TurnFormat, detect_family
+from verst.chat.families import detect_family
+from verst.sessions.templates import CHATML_TOOL_TEMPLATE, ChatTokenizer, TurnFormat
 
 __all__ = ["CHATML_TOOL_TEMPLATE", "ChatTokenizer", "TurnFormat", "detect_family"]

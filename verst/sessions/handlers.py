@@ -36,7 +36,7 @@ from verst.sessions.store import (
     SessionError,
     SessionStore,
     normalize_message,
-    parse_tool_calls,
+    parse_answer,
 )
 from verst.sessions.templates import ChatTokenizer, Message
 
@@ -171,7 +171,7 @@ class SessionHandlers:
             raise SessionError(400, "messages must be a list", "bad_messages")
         messages = [normalize_message(m) for m in raw_messages]
         tools = body.get("tools") or None
-        params = sampling_params(body, self.chat_tokenizer.format.end_of_turn_id)
+        params = sampling_params(body, self.chat_tokenizer.format.stop_ids)
         async with session.lock:
             self.store.get(sid)  # deleted while this request waited for the lock
             turn = await self._answer(sid, session, messages, tools, params)
@@ -207,7 +207,7 @@ class SessionHandlers:
         text = result.get("text")
         if not isinstance(text, str):
             text = self.chat_tokenizer.tokenizer.decode(record.output_ids, skip_special_tokens=True)
-        content, calls = parse_tool_calls(text) if tools else (text, [])
+        content, calls = parse_answer(self.chat_tokenizer, text, record.output_ids, tools)
         cached = int(result["meta_info"].get("cached_tokens", 0) or 0)
         self.store.commit(session, plan, record, answer_message(content, calls), cached)
         index = len(session.records) - 1

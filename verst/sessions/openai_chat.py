@@ -31,8 +31,10 @@ _SAMPLING_KEYS = {
     "seed": "sampling_seed",
 }
 # Refused at any value but their "off" one. The penalties and logit_bias change the distribution
-# tokens are drawn from, so a session's log-probs would not be the policy's the trainer scores.
+# tokens are drawn from, so a session's log-probs would not be the policy's the trainer scores;
+# tool_choice other than "auto" would change the prompt mid-session or need constrained decoding.
 _UNSUPPORTED_KEYS: dict[str, Any] = {
+    "tool_choice": "auto",
     "logit_bias": None,
     "response_format": None,
     "presence_penalty": 0,
@@ -99,13 +101,14 @@ def check_chat_body(body: dict[str, Any]) -> None:
         raise _bad("model", "a string", body["model"])
 
 
-def sampling_params(body: dict[str, Any], end_of_turn_id: int) -> dict[str, Any]:
-    """OpenAI chat parameters → SGLang sampling_params; the end-of-turn id always stops."""
+def sampling_params(body: dict[str, Any], stop_ids: tuple[int, ...]) -> dict[str, Any]:
+    """OpenAI chat parameters → SGLang sampling_params; the family's stop ids always stop."""
     if body.get("n", 1) != 1:
         raise SessionError(400, "n must be 1: a session is one trajectory", "bad_n")
     for key, off in _UNSUPPORTED_KEYS.items():
         if body.get(key) is not None and body[key] != off:
-            raise SessionError(400, f"{key} is not supported by the session server", "bad_param")
+            message = f"{key} {body[key]!r:.60} is not supported by the session server"
+            raise SessionError(400, f"{message} (only {off!r})", "bad_param")
     check_chat_body(body)
     params: dict[str, Any] = {}
     for key, name in _SAMPLING_KEYS.items():
@@ -115,7 +118,7 @@ def sampling_params(body: dict[str, Any], end_of_turn_id: int) -> dict[str, Any]
     if stop is not None:
         params["stop"] = [stop] if isinstance(stop, str) else list(stop)
     extra = body.get("stop_token_ids") or []
-    params["stop_token_ids"] = [end_of_turn_id] + [i for i in extra if i != end_of_turn_id]
+    params["stop_token_ids"] = list(stop_ids) + [i for i in extra if i not in stop_ids]
     return params
 
 

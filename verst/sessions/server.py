@@ -93,14 +93,16 @@ def run_session_server(
     ttl_s: float = SESSION_TTL_S,
     max_sessions: int = MAX_SESSIONS,
     api_keys: ApiKeys | None = None,
+    family: str | None = None,
 ) -> None:
-    """Serve sessions until interrupted, with the chat template of the model in `model_dir`."""
+    """Serve sessions until interrupted, with the chat template of the model in `model_dir`
+    (of chat-template family `family`; None: detected from the template)."""
     from transformers import AutoTokenizer
 
     from verst.http_limits import run_app
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    chat_tokenizer = ChatTokenizer(tokenizer)
+    chat_tokenizer = ChatTokenizer(tokenizer, family=family)
     store = SessionStore(chat_tokenizer, ttl_s=ttl_s, max_sessions=max_sessions)
     limits = limits or HttpLimits()
     app = make_session_app(

@@ -4,20 +4,22 @@
 must extend the stored ones append-only; the last assistant turn may be rolled back once; the
 tools may not change), commits the engine's answer as a `TurnRecord`, and assembles a session
 into a training Sample. Messages are normalised to plain dicts, and tool calls are parsed out
-of an answer's text. Every refusal is a `SessionError` carrying its HTTP status and code;
-`verst.sessions.server` puts HTTP in front of the store.
+of an answer's text in the format of the template's family (`verst.chat.tool_parsers`).
+Every refusal is a `SessionError` carrying its HTTP status and code; `verst.sessions.server`
+puts HTTP in front of the store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from verst.chat.tool_parsers import parse_tool_calls, parser_text
 from verst.sessions.assembly import TurnRecord, assemble
 from verst.sessions.templates import ChatTokenizer, Message
 from verst.types import Sample
@@ -25,7 +27,10 @@ from verst.types import Sample
 SESSION_TTL_S = 3600.0  # a session unused this long is dropped
 MAX_SESSIONS = 10_000  # live sessions at once; one more is a 429
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+log = logging.getLogger(__name__)
+# Mismatch kinds that mean a TITO or template bug (assistant_text is by design for templates
+# that drop earlier reasoning).
+BUG_MISMATCHES = ("special_token_count", "special_token_type", "non_assistant_text")
 
 
 class SessionError(Exception):
@@ -124,37 +129,19 @@ def same_message(stored: Message, sent: Message) -> bool:
     )
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks → OpenAI tool calls
-    and the remaining content; blocks that are not valid JSON stay in the content."""
-    calls: list[dict[str, Any]] = []
-
-    def take(match: re.Match[str]) -> str:
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
-            return match.group(0)
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return match.group(0)
-        arguments = call.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": arguments
-                    if isinstance(arguments, str)
-                    else json.dumps(arguments, ensure_ascii=False),
-                },
-            }
-        )
-        return ""
-
-    rest = _TOOL_CALL.sub(take, text)
-    if not calls:
+def parse_answer(
+    chat_tokenizer: ChatTokenizer,
+    text: str,
+    output_ids: list[int],
+    tools: list[dict[str, Any]] | None,
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """An answer's (content, OpenAI tool calls) in the format of the template's family; without
+    tools the text is all content. Calls that are not well-formed stay in the content."""
+    if not tools:
         return text, []
-    return (rest.strip() or None), calls
+    fmt = chat_tokenizer.tool_parser
+    visible = parser_text(chat_tokenizer.tokenizer, text, output_ids, fmt)
+    return parse_tool_calls(visible, fmt, tools)
 
 
 def _same_tools(a: list[dict[str, Any]] | None, b: list[dict[str, Any]] | None) -> bool:
@@ -299,6 +286,13 @@ class SessionStore:
         if sample.tokens == session.records[kept - 1].total_ids:
             messages = session.messages[: session.message_ends[kept - 1]]
             mismatch = self.chat_tokenizer.mismatch(sample.tokens, messages, session.tools)
+            if any(mismatch[kind] for kind in BUG_MISMATCHES):
+                log.warning(
+                    "session %s differs from a re-render of its messages beyond assistant text "
+                    "(a TITO or chat-template bug): %s",
+                    session_id,
+                    mismatch,
+                )
         sample.prompt = list(session.messages[: session.message_ends[kept - 1]])
         sample.metadata.update(session_id=session_id, mismatch=mismatch)
         return sample

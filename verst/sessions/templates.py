@@ -17,11 +17,12 @@ differences by kind. See docs/chat_templates.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-Family = Literal["chatml", "llama3", "default"]
+from verst.chat.families import FAMILIES, detect_family, get_family, template_messages
+
 Message = dict[str, Any]
 MISMATCH_TYPES = (
     "special_token_count",
@@ -34,10 +35,6 @@ APPENDABLE_ROLES = frozenset({"user", "tool", "system"})
 # Content the template must print verbatim; no whitespace so that `| trim` cannot alter it.
 _DUMMY_SYSTEM: Message = {"role": "system", "content": "VERST_DUMMY_SYSTEM"}
 _DUMMY_ASSISTANT: Message = {"role": "assistant", "content": "VERST_DUMMY_ASSISTANT"}
-
-# What a named family's template writes after an assistant message's content. The token the
-# model stops on is the first special token of it.
-_FAMILY_CLOSE: dict[str, str] = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>"}
 
 # A ChatML-based tool-calling template with Qwen2.5's conventions: tools listed in the system
 # prompt, `<tool_call>{json}</tool_call>` in assistant turns, and consecutive `tool` messages
@@ -83,61 +80,91 @@ CHATML_TOOL_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TurnFormat:
-    """How the template frames an assistant turn, read off a dummy render.
+    """How the template frames an assistant turn, read off a dummy render (and the family).
 
     `header` precedes the assistant's content ("<|im_start|>assistant\\n"; None when it cannot be
-    read off, and then `mismatch` cannot tell assistant text from the rest); `close` follows it
-    ("<|im_end|>\\n"); `end_of_turn` is the token the model stops on (close's first token).
+    read off); `close` follows it ("<|im_end|>\\n"); `end_of_turn` is the token the model stops
+    on (close's first token). `stop_ids` are every token that ends a turn (end_of_turn first,
+    then the family's `stops`); `openers` are the strings after which assistant text starts
+    (the header and the family's openers) and `stops` those that end it, for `mismatch`.
     """
 
     header: str | None
     close: str
     end_of_turn: str
     end_of_turn_id: int
-
-
-def detect_family(chat_template: str) -> Family:
-    """The family a template's markers suggest: ChatML, Llama-3, or the generic default."""
-    if "<|im_start|>" in chat_template:
-        return "chatml"
-    if "<|start_header_id|>" in chat_template:
-        return "llama3"
-    return "default"
+    stop_ids: tuple[int, ...] = ()
+    openers: tuple[str, ...] = ()
+    stops: tuple[str, ...] = ()
 
 
 class ChatTokenizer:
     """Incremental multi-turn tokenisation that never re-tokenises earlier turns.
 
-    `family=None` detects it from the template. A named family asserts its junction rule (the
-    text after an assistant turn) against the template and raises if it differs; an
+    `family` is a name in `verst.chat.FAMILIES` (qwen3, chatml, llama3, glm4, deepseek_v3,
+    mistral, default); None detects it from the template. A named family asserts its junction
+    rule (the text after an assistant turn) against the template and raises if it differs; an
     auto-detected family that does not match falls back to "default", which reads the rule off
-    the template itself. `template_kwargs` go to every render (e.g. `enable_thinking=False`).
+    the template itself. The family also gives the stop tokens, where assistant text starts and
+    ends, and the tool-call format (`tool_parser`). `template_kwargs` go to every render (e.g.
+    `enable_thinking=False`).
     """
 
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
-        family: Family | None = None,
+        family: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not tokenizer.chat_template or not isinstance(tokenizer.chat_template, str):
             raise ValueError("the tokenizer has no (single) chat template to render with")
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
-        self.format = self._read_turn_format()
+        read = self._read_turn_format()
         detected = family is None
-        self.family: Family = detect_family(tokenizer.chat_template) if detected else family
-        expected_close = _FAMILY_CLOSE.get(self.family)
-        if expected_close is not None and self.format.close != expected_close:
+        name = detect_family(tokenizer.chat_template) if detected else get_family(family).name
+        expected_close = FAMILIES[name].close
+        if expected_close is not None and read.close != expected_close:
             if not detected:
                 raise ValueError(
-                    f"family {self.family!r} expects {expected_close!r} after an assistant turn "
-                    f"but this template writes {self.format.close!r}; use family='default'"
+                    f"family {name!r} expects {expected_close!r} after an assistant turn "
+                    f"but this template writes {read.close!r}; use family='default'"
                 )
-            self.family = "default"
+            name = "default"
+        self.family = name
+        self.format = self._with_family(read)
         self.special_ids = frozenset(tokenizer.all_special_ids) | {
             i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special
         }
+
+    @property
+    def tool_parser(self) -> str:
+        """The tool-call format of the family (a key of `verst.chat.TOOL_PARSERS`)."""
+        return FAMILIES[self.family].tool_parser
+
+    def _with_family(self, read: TurnFormat) -> TurnFormat:
+        """The read-off format completed with what the family knows: its stop tokens, and
+        where assistant text starts and ends when the generation prompt cannot tell."""
+        family = FAMILIES[self.family]
+        stop_ids = [read.end_of_turn_id]
+        for stop in family.stops:
+            ids = self.encode(stop)
+            if len(ids) != 1:
+                raise ValueError(
+                    f"family {family.name!r} stops on {stop!r}, which this tokenizer does not "
+                    f"have as one token (it encodes to {ids})"
+                )
+            stop_ids += [i for i in ids if i not in stop_ids]
+        openers = ((read.header,) if read.header else ()) + family.openers
+        return TurnFormat(
+            read.header,
+            read.close,
+            read.end_of_turn,
+            read.end_of_turn_id,
+            tuple(stop_ids),
+            tuple(dict.fromkeys(openers)),
+            tuple(dict.fromkeys((read.end_of_turn, *family.stops, *family.turn_starts))),
+        )
 
     # -- rendering ------------------------------------------------------------------------
 
@@ -145,7 +172,7 @@ class ChatTokenizer:
         self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool
     ) -> str:
         text = self.tokenizer.apply_chat_template(
-            messages,
+            template_messages(messages),
             tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
@@ -228,7 +255,10 @@ class ChatTokenizer:
                 "the chat template renders earlier messages differently once new ones follow; "
                 "it cannot be extended incrementally"
             )
-        return self.encode(self._junction(prev_ids) + full[len(base) :])
+        ids = self.encode(self._junction(prev_ids) + full[len(base) :])
+        if not self.format.close and ids and ids[0] == prev_ids[-1] in self.format.stop_ids:
+            return ids[1:]  # GLM-4: the token the model stopped on opens the next message
+        return ids
 
     def _junction(self, prev_ids: list[int]) -> str:
         """The part of the assistant turn's close that `prev_ids` are still missing."""
@@ -298,7 +328,7 @@ class ChatTokenizer:
         close_ids = self.encode(self.format.close)
         if close_ids and ids[-len(close_ids) :] == close_ids:
             return ids[: -len(close_ids)]
-        if ids and ids[-1] == self.format.end_of_turn_id:
+        if ids and ids[-1] in self.format.stop_ids:
             return ids[:-1]
         return ids
 
@@ -315,20 +345,22 @@ class ChatTokenizer:
         return segments
 
     def _assistant_flags(self, segments: list[tuple[bool, list[int]]]) -> list[bool]:
-        """Whether each ordinary run overlaps an assistant turn's content (header to close)."""
-        header = self.format.header
-        if header is None:
+        """Whether each ordinary run overlaps an assistant turn's content: from an opener (the
+        header, or a family's other opener) to the first string that ends a turn after it."""
+        openers, stops = self.format.openers, self.format.stops
+        if not openers:
             return [False] * len(segments)
         texts = [self.tokenizer.decode(ids, skip_special_tokens=False) for _, ids in segments]
         full = "".join(texts)
         regions: list[tuple[int, int]] = []
-        at = full.find(header)
-        while at >= 0:
-            start = at + len(header)
-            end = full.find(self.format.end_of_turn, start)
-            end = len(full) if end < 0 else end
-            regions.append((start, end))
-            at = full.find(header, max(end, start))
+        for opener in openers:
+            at = full.find(opener)
+            while at >= 0:
+                start = at + len(opener)
+                ends = [e for e in (full.find(s, start) for s in stops) if e >= 0]
+                end = min(ends, default=len(full))
+                regions.append((start, end))
+                at = full.find(opener, max(end, start))
         flags, offset = [], 0
         for (special, _), text in zip(segments, texts, strict=True):
             lo, hi = offset, offset + len(text)

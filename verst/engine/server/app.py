@@ -72,10 +72,12 @@ def make_app(
     api_keys: ApiKeys | None = None,
     limits: HttpLimits | None = None,
     max_n: int = MAX_N,
+    tool_call_parser: str | None = None,
 ) -> web.Application:
     """The SGLang-compatible app; starts and stops `serving` with the app. With `api_keys`,
     every route but `/health...` needs the key (control routes the admin key, when set). Serve
-    it with `verst.http_limits.runner_kwargs` so a client that disconnects aborts its request."""
+    it with `verst.http_limits.runner_kwargs` so a client that disconnects aborts its request.
+    `tool_call_parser` names the format of chat tool calls (None: the chat template's family's)."""
     try:
         import aiohttp  # noqa: F401  (the import error names the extra)
     except ImportError as error:
@@ -93,6 +95,7 @@ def make_app(
         port=port,
         health_timeout_s=health_timeout_s,
         max_n=max_n,
+        tool_call_parser=tool_call_parser,
     )
     middlewares: list[Any] = [protocol_errors]
     if api_keys is not None and api_keys.enabled:
@@ -157,6 +160,7 @@ def run_server(
     group_join_timeout_s: float = 30.0,
     max_loras: int = DEFAULT_MAX_ADAPTERS,
     lora_paths: dict[str, str] | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
@@ -192,6 +196,7 @@ def run_server(
         limits=limits,
         max_n=max_n,
         api_keys=api_keys,
+        tool_call_parser=tool_call_parser,
     )
     warn_if_open("verst serve", host, api_keys or ApiKeys())
     if parent_pid is not None:

@@ -159,6 +159,7 @@ class EngineHandlers:
         port: int,
         health_timeout_s: float,
         max_n: int,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.serving = serving
         self.tokenizer = tokenizer
@@ -167,6 +168,7 @@ class EngineHandlers:
         self.port = port
         self.health_timeout_s = health_timeout_s
         self.max_n = max_n
+        self.tool_call_parser = tool_call_parser
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         await self.serving.start()
@@ -204,7 +206,12 @@ class EngineHandlers:
         payload = await read_json(request)
         check_n(payload, self.max_n)
         body = await run_openai(
-            self.serving, self.tokenizer, payload, self.served_model_name, chat=chat
+            self.serving,
+            self.tokenizer,
+            payload,
+            self.served_model_name,
+            chat=chat,
+            tool_format=self.tool_call_parser,
         )
         if payload.get("stream"):
             include_usage = bool((payload.get("stream_options") or {}).get("include_usage"))

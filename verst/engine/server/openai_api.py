@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes (`/v1/completions`, `/v1/chat/completions`) over a
 `ServingEngine`, built on the native protocol in `protocol.py`: OpenAI bodies are translated to
-`/generate` jobs (chat prompts through the tokenizer's chat template) and the results back to
-OpenAI's response and streaming-chunk shapes, with OpenAI's error envelope.
+`/generate` jobs (chat prompts through the tokenizer's chat template, with the request's tools:
+`openai_tools`) and the results back to OpenAI's response and streaming-chunk shapes, with
+OpenAI's error envelope.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import time
 import uuid
 from typing import Any
 
+from verst.chat.families import template_messages
 from verst.engine.server.openai_logprobs import chat_logprobs, completion_logprobs
+from verst.engine.server.openai_tools import ChatTools, chat_tools, tool_message
 from verst.engine.server.sglang_api import (
     GenerateItem,
     GenerateJob,
@@ -28,7 +31,6 @@ from verst.engine.serving import ServingEngine
 # ---- OpenAI-compatible -----------------------------------------------------------------------
 
 OPENAI_OFF: dict[str, Any] = {
-    "tools": None,
     "suffix": None,
     "best_of": None,
 }
@@ -70,7 +72,7 @@ def _content(message: Any) -> Any:
     return content
 
 
-def _chat_prompt(payload: dict[str, Any], tokenizer: Any) -> list[int]:
+def _chat_prompt(payload: dict[str, Any], tokenizer: Any, tools: ChatTools | None) -> list[int]:
     if payload.get("input_ids") is not None:
         if not _token_list(payload["input_ids"]):
             raise openai_error("input_ids must be a non-empty list of token ids")
@@ -86,9 +88,13 @@ def _chat_prompt(payload: dict[str, Any], tokenizer: Any) -> list[int]:
     if not isinstance(kwargs, dict):
         raise openai_error("chat_template_kwargs must be an object")
     continue_final = bool(payload.get("continue_final_message"))
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if tools is not None and "tools" not in template:
+        raise openai_error("this model's chat template does not render tools")
     try:
         text = tokenizer.apply_chat_template(
-            normalized,
+            template_messages(normalized),
+            tools=tools.tools if tools is not None else None,
             tokenize=False,
             add_generation_prompt=not continue_final,
             continue_final_message=continue_final,
@@ -99,9 +105,11 @@ def _chat_prompt(payload: dict[str, Any], tokenizer: Any) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _openai_prompts(payload: dict[str, Any], tokenizer: Any, chat: bool) -> list[list[int]]:
+def _openai_prompts(
+    payload: dict[str, Any], tokenizer: Any, chat: bool, tools: ChatTools | None
+) -> list[list[int]]:
     if chat:
-        return [_chat_prompt(payload, tokenizer)]
+        return [_chat_prompt(payload, tokenizer, tools)]
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt)]
@@ -115,10 +123,15 @@ def _openai_prompts(payload: dict[str, Any], tokenizer: Any, chat: bool) -> list
     raise openai_error("prompt must be a string, a list of strings or a list of token ids")
 
 
-def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) -> GenerateJob:
-    """An OpenAI completions / chat body → the same job `/generate` runs."""
+def parse_openai(
+    payload: Any, tokenizer: Any, context_len: int, *, chat: bool, tools: ChatTools | None = None
+) -> GenerateJob:
+    """An OpenAI completions / chat body → the same job `/generate` runs; `tools` are the
+    chat request's, checked (`openai_tools.chat_tools`)."""
     if not isinstance(payload, dict):
         raise openai_error("the request body must be a JSON object")
+    if not chat and payload.get("tools") not in (None, []):
+        raise openai_error("tools are only supported on /v1/chat/completions")
     for key, off in OPENAI_OFF.items():
         value = payload.get(key)
         if value is not None and value != off and value != []:
@@ -147,7 +160,7 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
         **{key: payload.get(name) for name, key in OPENAI_SAMPLING_NAMES.items()},
         "json_schema": _response_format_schema(payload.get("response_format")),
     }
-    prompts = _openai_prompts(payload, tokenizer, chat)
+    prompts = _openai_prompts(payload, tokenizer, chat, tools)
     lora_path = payload.get("lora_path")
     if lora_path is not None and (not isinstance(lora_path, str) or not lora_path):
         raise openai_error("lora_path must be the name of a loaded adapter")
@@ -256,10 +269,17 @@ async def run_openai(
     served_model_name: str,
     *,
     chat: bool,
+    tool_format: str | None = None,
 ) -> dict[str, Any]:
-    """An OpenAI completions / chat body → its (non-streamed) response body."""
+    """An OpenAI completions / chat body → its (non-streamed) response body; chat tool calls
+    are parsed in `tool_format` (None: the chat template's family's)."""
+    if not isinstance(payload, dict):
+        raise openai_error("the request body must be a JSON object")
+    tools = chat_tools(payload) if chat else None
     # Rendering and tokenizing a long prompt takes seconds: never on the event loop.
-    job = await asyncio.to_thread(parse_openai, payload, tokenizer, serving.context_len, chat=chat)
+    job = await asyncio.to_thread(
+        parse_openai, payload, tokenizer, serving.context_len, chat=chat, tools=tools
+    )
     try:
         check_job(serving, job)
     except ProtocolError as error:  # a token id outside the vocabulary: OpenAI's envelope
@@ -279,11 +299,18 @@ async def run_openai(
             logprobs = completion_logprobs(meta, echo=echo, top=item.top_logprobs_num > 0)
         choice: dict[str, Any] = {"index": index}
         if chat:
+            content, calls = (
+                tool_message(tokenizer, result, tools, tool_format)
+                if tools
+                else (result["text"], None)
+            )
+            if calls and finish == "stop":
+                finish, matched = "tool_calls", None
             choice["message"] = {
                 "role": "assistant",
-                "content": result["text"],
+                "content": content,
                 "reasoning_content": None,
-                "tool_calls": None,
+                "tool_calls": calls,
             }
         else:
             choice["text"] = (echoed[index // job.n] if echo else "") + result["text"]
@@ -314,8 +341,12 @@ def openai_stream_chunks(response: dict[str, Any], *, chat: bool, usage: bool) -
     for choice in response["choices"]:
         index = choice["index"]
         if chat:
-            content = {"delta": {"role": "assistant", "content": choice["message"]["content"]}}
-            finish = {"delta": {}}
+            message = choice["message"]
+            delta = {"role": "assistant", "content": message["content"]}
+            calls = message["tool_calls"] or []
+            if calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            content, finish = {"delta": delta}, {"delta": {}}
         else:
             content, finish = {"text": choice["text"]}, {"text": ""}
         chunks.append(

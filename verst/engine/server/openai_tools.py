@@ -1,0 +1,104 @@
+"""`tools` and `tool_choice` on `/v1/chat/completions`, as SGLang has them: the tools are
+rendered by the model's chat template (`tool_choice: "none"` leaves them out, as SGLang does),
+and with `auto` the answer's tool calls are parsed in the format of the template's family
+(`verst.chat`, shared with the session server) into `message.tool_calls` with
+`finish_reason: "tool_calls"`.
+
+`required` and a named function are refused with a 400: SGLang enforces them by constrained
+decoding (a JSON-schema grammar over the calls), which the verst engine does not have yet, and
+answering them unenforced would break their promise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from verst.chat.families import FAMILIES, detect_family
+from verst.chat.tool_parsers import parse_tool_calls, parser_text
+from verst.engine.server.sglang_api import openai_error
+
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True)
+class ChatTools:
+    """A request's tools as the template renders them, and whether answers are parsed."""
+
+    tools: list[dict[str, Any]]
+    parse: bool  # tool_choice "auto": look for calls in the answer
+
+
+def _check_tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise openai_error("tools must be a list of {type: 'function', function: {...}} objects")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise openai_error(f"tools[{i}] must be an object of type 'function'")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise openai_error(f"tools[{i}].function.name must be a non-empty string")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise openai_error(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def _named(choice: dict[str, Any], tools: list[dict[str, Any]]) -> str:
+    fn = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(fn, dict):
+        raise openai_error(
+            "tool_choice must be 'none', 'auto', 'required' or "
+            "{type: 'function', function: {name: ...}}"
+        )
+    name = fn.get("name")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise openai_error(f"tool_choice names function {name!r}, which is not in tools")
+    return str(name)
+
+
+def chat_tools(payload: dict[str, Any]) -> ChatTools | None:
+    """The request's `tools` / `tool_choice` checked; None when no tools reach the template."""
+    tools, choice = payload.get("tools"), payload.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise openai_error("tool_choice needs tools: a request without tools cannot call one")
+        return None
+    tools = _check_tools(tools)
+    choice = "auto" if choice is None else choice
+    if isinstance(choice, dict):
+        name = _named(choice, tools)
+        raise openai_error(
+            f"tool_choice naming function {name!r} needs constrained decoding, which the verst "
+            "engine does not have yet; use tool_choice 'auto'"
+        )
+    if choice not in TOOL_CHOICES:
+        raise openai_error(f"tool_choice must be one of {list(TOOL_CHOICES)} or a named function")
+    if choice == "required":
+        raise openai_error(
+            "tool_choice 'required' needs constrained decoding, which the verst engine does not "
+            "have yet; use tool_choice 'auto'"
+        )
+    if choice == "none":
+        return None
+    return ChatTools(tools, parse=True)
+
+
+@cache
+def _tool_format(chat_template: str) -> str:
+    return FAMILIES[detect_family(chat_template)].tool_parser
+
+
+def tool_message(
+    tokenizer: Any, result: dict[str, Any], tools: ChatTools, fmt: str | None = None
+) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """A `/generate` result's (content, tool_calls) in format `fmt` (None: the template
+    family's); no calls leaves the text as the content and tool_calls None."""
+    if fmt is None:
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        fmt = _tool_format(template)
+    text = parser_text(tokenizer, result["text"], result["output_ids"], fmt)
+    content, calls = parse_tool_calls(text, fmt, tools.tools)
+    if not calls:
+        return result["text"], None
+    return content, calls
