@@ -448,3 +448,23 @@ def test_mismatch_ignores_the_final_close_after_a_model_turn() -> None:
     messages = prompt + [{"role": "assistant", "content": "yo"}]
     assert ct.mismatch(ids, messages) == ZERO
     assert ct.mismatch(ids[:-1], messages) == ZERO  # truncated final turn
+
+
+def test_a_special_token_the_model_wrote_counts_as_assistant_text() -> None:
+    """A random model may sample `<|im_start|>` inside its answer: the message's text drops it,
+    so the re-render cannot have it. With the sampled positions known it is assistant text,
+    not a template bug; without them it stays a special-token mismatch."""
+    ct = ChatTokenizer(build_char_tokenizer())
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    canonical = ct.canonical(messages)
+    prompt = ct.render_prompt(messages[:1])
+    stray = ct.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assembled = prompt + [stray] + canonical[len(prompt) :]
+    generated = [False] * len(prompt) + [True] * (len(assembled) - len(prompt))
+    assert ct.mismatch(assembled, messages, None, generated) == {
+        "special_token_count": 0,
+        "special_token_type": 0,
+        "non_assistant_text": 0,
+        "assistant_text": 1,
+    }
+    assert ct.mismatch(assembled, messages)["special_token_count"] == 1

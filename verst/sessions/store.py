@@ -285,7 +285,12 @@ class SessionStore:
         mismatch = None
         if sample.tokens == session.records[kept - 1].total_ids:
             messages = session.messages[: session.message_ends[kept - 1]]
-            mismatch = self.chat_tokenizer.mismatch(sample.tokens, messages, session.tools)
+            generated = [False] * (len(sample.tokens) - sample.response_length) + [
+                bool(m) for m in sample.loss_mask
+            ]
+            mismatch = self.chat_tokenizer.mismatch(
+                sample.tokens, messages, session.tools, generated
+            )
             if any(mismatch[kind] for kind in BUG_MISMATCHES):
                 log.warning(
                     "session %s differs from a re-render of its messages beyond assistant text "

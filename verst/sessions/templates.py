@@ -289,6 +289,7 @@ class ChatTokenizer:
         assembled_ids: list[int],
         messages: list[Message],
         tools: list[dict] | None = None,
+        generated: list[bool] | None = None,
     ) -> dict[str, int]:
         """Differences between assembled ids and `canonical(messages)`, counted by kind.
 
@@ -299,13 +300,35 @@ class ChatTokenizer:
         assistant turn or elsewhere. Runs are compared by ids, so a different tokenisation of
         the same text counts too. All zero iff the sequences are equal. When the conversation
         ends with the assistant, its end-of-turn close is ignored on both sides.
+
+        `generated` (one flag per assembled id: the model sampled it): when the cuts do not line
+        up but do once the special tokens the model wrote inside its answers (other than a
+        turn's end) are left out, those tokens are what differs: the messages cannot carry them
+        (their text drops them), so each counts as `assistant_text` instead.
         """
-        counts = dict.fromkeys(MISMATCH_TYPES, 0)
         canonical_ids = self.canonical(messages, tools)
+        counts = self._compare(canonical_ids, list(assembled_ids), messages)
+        if not counts["special_token_count"] or generated is None:
+            return counts
+        keep = [
+            not (made and i in self.special_ids and i not in self.format.stop_ids)
+            for i, made in zip(assembled_ids, generated, strict=True)
+        ]
+        stripped = [i for i, kept in zip(assembled_ids, keep, strict=True) if kept]
+        retry = self._compare(canonical_ids, stripped, messages)
+        if retry["special_token_count"]:
+            return counts
+        retry["assistant_text"] += keep.count(False)
+        return retry
+
+    def _compare(
+        self, canonical_ids: list[int], assembled_ids: list[int], messages: list[Message]
+    ) -> dict[str, int]:
+        counts = dict.fromkeys(MISMATCH_TYPES, 0)
         if messages and messages[-1].get("role") == "assistant":
             canonical_ids = self._strip_close(canonical_ids)
-            assembled_ids = self._strip_close(list(assembled_ids))
-        exp, act = self._segments(canonical_ids), self._segments(list(assembled_ids))
+            assembled_ids = self._strip_close(assembled_ids)
+        exp, act = self._segments(canonical_ids), self._segments(assembled_ids)
         if [s for s, _ in exp] != [s for s, _ in act]:
             n_exp = sum(s for s, _ in exp)
             n_act = sum(s for s, _ in act)
