@@ -2,7 +2,8 @@
 official `openai` client: the tools are rendered by the chat template (verst's Qwen3 rendition),
 an answer's Hermes tool call comes back as `message.tool_calls` (OpenAI shape, id, arguments as
 a JSON string) with `finish_reason: "tool_calls"`, `none` leaves the tools out of the prompt,
-and `required` / a named function / bad tools are 400s that say why.
+`required` and a named function constrain the answer to a JSON array of calls (through
+xgrammar), and bad tools are 400s that say why.
 
 The tiny model is random, so the tests make it call a tool: the tokenizer has the whole call
 as one added token, and `logit_bias` with `stop_token_ids` makes it that answer's one token.
@@ -40,6 +41,18 @@ TOOLS = [
         },
     }
 ]
+PICK = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {
+            "type": "object",
+            "properties": {"colour": {"enum": ["red", "blue"]}},
+            "required": ["colour"],
+            "additionalProperties": False,
+        },
+    },
+}
 MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
 
 
@@ -140,12 +153,36 @@ def test_a_streamed_answer_carries_its_tool_calls(server: Server) -> None:
 
 
 @pytest.mark.parametrize(
+    ("tools", "choice"),
+    [([PICK], "required"), (TOOLS + [PICK], {"type": "function", "function": {"name": "pick"}})],
+)
+def test_required_and_named_tool_choice_force_a_call(
+    server: Server, tools: list, choice: object
+) -> None:
+    pytest.importorskip("xgrammar")
+    for seed in range(2):
+        answer = server.chat(
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=False,  # one call: a random model may never close the array
+            max_tokens=80,
+            temperature=1.0,
+            seed=seed,
+        )
+        choice_0 = answer.choices[0]
+        assert choice_0.finish_reason == "tool_calls" and choice_0.message.content is None
+        assert choice_0.message.tool_calls, choice_0
+        for call in choice_0.message.tool_calls:
+            assert call.function.name == "pick" and call.id.startswith("call_")
+            assert json.loads(call.function.arguments)["colour"] in ("red", "blue")
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tools": TOOLS, "tool_choice": "required"}, "needs constrained decoding"),
         (
-            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}},
-            "needs constrained decoding",
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "cannot be combined with response_format",
         ),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}},

@@ -31,8 +31,9 @@ def main() -> None:
     weights = trainer.full_state_dict()
     if distributed.rank() == 0:
         theirs = _hf_logprobs(model.to(device), items)
-        diff = max(abs(a - b) for x, y in zip(ours, theirs, strict=True)
-                   for a, b in zip(x, y, strict=True))
+        diff = max(
+            abs(a - b) for x, y in zip(ours, theirs, strict=True) for a, b in zip(x, y, strict=True)
+        )
         names = sorted(weights)
         json.dump({"max_logprob_diff": diff, "loss": metrics["train/loss"], "names": names},
                   open(out, "w"))  # fmt: skip

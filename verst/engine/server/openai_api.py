@@ -160,6 +160,13 @@ def parse_openai(
         **{key: payload.get(name) for name, key in OPENAI_SAMPLING_NAMES.items()},
         "json_schema": _response_format_schema(payload.get("response_format")),
     }
+    if tools is not None and tools.forced:
+        if raw["json_schema"] is not None or raw["regex"] is not None or raw["ebnf"] is not None:
+            raise openai_error(
+                "tool_choice 'required' or a named function constrains the answer itself; "
+                "it cannot be combined with response_format, regex or ebnf"
+            )
+        raw["json_schema"] = tools.call_schema()
     prompts = _openai_prompts(payload, tokenizer, chat, tools)
     lora_path = payload.get("lora_path")
     if lora_path is not None and (not isinstance(lora_path, str) or not lora_path):

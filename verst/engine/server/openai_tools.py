@@ -4,19 +4,21 @@ and with `auto` the answer's tool calls are parsed in the format of the template
 (`verst.chat`, shared with the session server) into `message.tool_calls` with
 `finish_reason: "tool_calls"`.
 
-`required` and a named function are refused with a 400: SGLang enforces them by constrained
-decoding (a JSON-schema grammar over the calls), which the verst engine does not have yet, and
-answering them unenforced would break their promise.
+`required` and a named function are enforced as SGLang enforces them: the answer is
+constrained to a JSON array of `{"name": ..., "parameters": ...}` objects, one of the allowed
+functions each with arguments that follow its `parameters` schema (`verst.engine.grammar`),
+and that array is read back as the calls, whatever the template family's own format.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 from verst.chat.families import FAMILIES, detect_family
-from verst.chat.tool_parsers import parse_tool_calls, parser_text
+from verst.chat.tool_parsers import make_call, parse_tool_calls, parser_text
 from verst.engine.server.sglang_api import openai_error
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -28,6 +30,28 @@ class ChatTools:
 
     tools: list[dict[str, Any]]
     parse: bool  # tool_choice "auto": look for calls in the answer
+    forced: tuple[str, ...] = ()  # "required" / a named function: the functions it must call
+    parallel: bool = True  # OpenAI's parallel_tool_calls: a forced answer may make several
+
+    def call_schema(self) -> str:
+        """The JSON schema (as text) a forced answer is constrained to: a non-empty array of
+        calls of the allowed functions."""
+        by_name = {t["function"]["name"]: t["function"] for t in self.tools}
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [name]},
+                    "parameters": by_name[name].get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "parameters"],
+            }
+            for name in self.forced
+        ]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return json.dumps(schema)
 
 
 def _check_tools(tools: Any) -> list[dict[str, Any]]:
@@ -66,19 +90,16 @@ def chat_tools(payload: dict[str, Any]) -> ChatTools | None:
         return None
     tools = _check_tools(tools)
     choice = "auto" if choice is None else choice
+    parallel = payload.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise openai_error("parallel_tool_calls must be a boolean")
     if isinstance(choice, dict):
-        name = _named(choice, tools)
-        raise openai_error(
-            f"tool_choice naming function {name!r} needs constrained decoding, which the verst "
-            "engine does not have yet; use tool_choice 'auto'"
-        )
+        return ChatTools(tools, parse=True, forced=(_named(choice, tools),), parallel=parallel)
     if choice not in TOOL_CHOICES:
         raise openai_error(f"tool_choice must be one of {list(TOOL_CHOICES)} or a named function")
     if choice == "required":
-        raise openai_error(
-            "tool_choice 'required' needs constrained decoding, which the verst engine does not "
-            "have yet; use tool_choice 'auto'"
-        )
+        names = tuple(t["function"]["name"] for t in tools)
+        return ChatTools(tools, parse=True, forced=names, parallel=parallel)
     if choice == "none":
         return None
     return ChatTools(tools, parse=True)
@@ -93,7 +114,10 @@ def tool_message(
     tokenizer: Any, result: dict[str, Any], tools: ChatTools, fmt: str | None = None
 ) -> tuple[str | None, list[dict[str, Any]] | None]:
     """A `/generate` result's (content, tool_calls) in format `fmt` (None: the template
-    family's); no calls leaves the text as the content and tool_calls None."""
+    family's); no calls leaves the text as the content and tool_calls None. A forced answer
+    is the JSON array of calls its grammar allowed (cut short by max_tokens, it is content)."""
+    if tools.forced:
+        return _forced_calls(result["text"])
     if fmt is None:
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         fmt = _tool_format(template)
@@ -102,3 +126,11 @@ def tool_message(
     if not calls:
         return result["text"], None
     return content, calls
+
+
+def _forced_calls(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        return text, None
+    return None, [make_call(call["name"], call["parameters"]) for call in calls]
