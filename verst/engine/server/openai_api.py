@@ -125,8 +125,11 @@ def parse_openai(payload: Any, tokenizer: Any, context_len: int, *, chat: bool) 
             raise openai_error(f"{key} is not supported by the verst engine yet")
     if not isinstance(payload.get("stream", False) or False, bool):
         raise openai_error("stream must be a boolean")
-    if not isinstance(payload.get("stream_options") or {}, dict):
+    stream_options = payload.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
         raise openai_error("stream_options must be an object")
+    if not isinstance(stream_options.get("include_usage", False), bool):
+        raise openai_error("stream_options.include_usage must be a boolean")
     response_format = payload.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
         raise openai_error("response_format other than text is not supported yet")
@@ -211,7 +214,25 @@ def _logprob_options(payload: dict[str, Any], *, chat: bool) -> tuple[bool, int,
     return top is not None, top or 0, 0 if echo and top is not None else -1
 
 
-def _echo_texts(payload: dict[str, Any], tokenizer: Any) -> list[str]:
+async def prepare_openai(
+    serving: ServingEngine, tokenizer: Any, payload: Any, *, chat: bool
+) -> GenerateJob:
+    """An OpenAI completions / chat body → its checked job (400s in OpenAI's envelope)."""
+    # Rendering and tokenizing a long prompt takes seconds: never on the event loop.
+    job = await asyncio.to_thread(parse_openai, payload, tokenizer, serving.context_len, chat=chat)
+    try:
+        check_job(serving, job)
+    except ProtocolError as error:  # a token id outside the vocabulary: OpenAI's envelope
+        raise openai_error(error.body["error"]["message"]) from error
+    return job
+
+
+def is_echo(payload: dict[str, Any], chat: bool) -> bool:
+    """Completions' `echo: true` (the prompt first in each choice's text)."""
+    return not chat and payload.get("echo") is True
+
+
+def echo_texts(payload: dict[str, Any], tokenizer: Any) -> list[str]:
     """The prompt text `echo` puts before each prompt's completions (token prompts decoded)."""
     prompt = payload["prompt"]
     if isinstance(prompt, str):
@@ -222,7 +243,7 @@ def _echo_texts(payload: dict[str, Any], tokenizer: Any) -> list[str]:
     return [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
 
 
-def _openai_finish(meta: dict[str, Any]) -> tuple[str, Any]:
+def openai_finish(meta: dict[str, Any]) -> tuple[str, Any]:
     finish = meta["finish_reason"]
     matched = finish.get("matched") if finish["type"] == "stop" else None
     return finish["type"], matched
@@ -237,19 +258,14 @@ async def run_openai(
     chat: bool,
 ) -> dict[str, Any]:
     """An OpenAI completions / chat body → its (non-streamed) response body."""
-    # Rendering and tokenizing a long prompt takes seconds: never on the event loop.
-    job = await asyncio.to_thread(parse_openai, payload, tokenizer, serving.context_len, chat=chat)
-    try:
-        check_job(serving, job)
-    except ProtocolError as error:  # a token id outside the vocabulary: OpenAI's envelope
-        raise openai_error(error.body["error"]["message"]) from error
+    job = await prepare_openai(serving, tokenizer, payload, chat=chat)
     results = await run_job(serving, job)
-    echo = not chat and payload.get("echo") is True
-    echoed = _echo_texts(payload, tokenizer) if echo else []
+    echo = is_echo(payload, chat)
+    echoed = echo_texts(payload, tokenizer) if echo else []
     choices = []
     for index, result in enumerate(results):
         meta = result["meta_info"]
-        finish, matched = _openai_finish(meta)
+        finish, matched = openai_finish(meta)
         logprobs = None
         item = job.items[index]
         if item.return_logprob and chat:
@@ -283,40 +299,3 @@ async def run_openai(
         },
         "metadata": {"weight_version": serving.weight_version},
     }
-
-
-def openai_stream_chunks(response: dict[str, Any], *, chat: bool, usage: bool) -> list[dict]:
-    """A finished response as OpenAI stream chunks: content in one chunk, then the finish."""
-    head = {k: response[k] for k in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    chunks = []
-    for choice in response["choices"]:
-        index = choice["index"]
-        if chat:
-            content = {"delta": {"role": "assistant", "content": choice["message"]["content"]}}
-            finish = {"delta": {}}
-        else:
-            content, finish = {"text": choice["text"]}, {"text": ""}
-        chunks.append(
-            {
-                **head,
-                "choices": [
-                    {
-                        "index": index,
-                        **content,
-                        "logprobs": choice["logprobs"],
-                        "finish_reason": None,
-                    }
-                ],
-            }
-        )
-        finish.update(
-            index=index,
-            logprobs=None,
-            finish_reason=choice["finish_reason"],
-            matched_stop=choice["matched_stop"],
-        )
-        chunks.append({**head, "choices": [finish]})
-    if usage:
-        chunks.append({**head, "choices": [], "usage": response["usage"]})
-    return chunks

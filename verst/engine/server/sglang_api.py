@@ -216,7 +216,11 @@ def parse_sampling_params(
         params.validate()
     except ValueError as error:
         raise value_error(str(error)) from error
+    stream_interval = _number(raw, "stream_interval", 1, int)
+    if stream_interval < 1:
+        raise value_error(f"sampling_params.stream_interval must be >= 1, got {stream_interval}")
     detok = DetokenizeParams(
+        stream_interval=stream_interval,
         stop=tuple(stop_list),
         stop_regex=tuple(stop_regex),
         no_stop_trim=_flag(raw, "no_stop_trim", False, "sampling_params."),
