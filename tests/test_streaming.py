@@ -230,6 +230,21 @@ def test_a_bad_streamed_request_is_a_400_before_the_stream(server: Server) -> No
     assert status == 400 and "include_usage" in answer["message"]
 
 
+@pytest.mark.parametrize(
+    "field",
+    [{"cache_salt": "tenant-a"}, {"return_entropy": True}, {"sampling_params": {"watermark": {}}}],
+)
+def test_fields_not_implemented_are_a_400_unless_off(server: Server, field: Any) -> None:
+    """Every S23 field of the protocol table marked "not yet": its off value is accepted (SGLang's
+    frontends send some on every call), any other is a 400 naming it, never ignored."""
+    off = {"cache_salt": None, "return_entropy": False, "sampling_params": {"choice": []}}
+    body = {"input_ids": PROMPT, **off}
+    assert server.run(call(server.url, "/generate", body))[0] == 200
+    status, answer = server.run(call(server.url, "/generate", {"input_ids": PROMPT, **field}))
+    name = next(iter(field["sampling_params"])) if "sampling_params" in field else next(iter(field))
+    assert status == 400 and name in answer["error"]["message"]
+
+
 # ---- incremental detokenization ---------------------------------------------------------------
 
 
