@@ -86,6 +86,23 @@ def test_generate_streams_cumulative_chunks_as_tokens_decode(server: Server) -> 
     assert last["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
 
 
+def test_streamed_text_never_runs_past_a_stop_string(server: Server) -> None:
+    status, free = server.run(
+        call(server.url, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY_20})
+    )
+    text = free["text"]
+    assert status == 200 and len(text) >= 10
+    stop = text[6:9]
+    params = {**GREEDY_20, "stop": [stop]}
+    body = {"input_ids": PROMPT, "sampling_params": params}
+    whole = server.run(call(server.url, "/generate", body))[1]
+    events = server.run(sse(server.url, "/generate", {**body, "stream": True}))
+    chunks = [chunk for _, chunk in events[:-1]]
+    assert chunks[-1]["text"] == whole["text"] == text[: text.index(stop)]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert all(whole["text"].startswith(c["text"]) for c in chunks)
+
+
 def test_stream_interval_and_n_with_index(server: Server) -> None:
     params = {**GREEDY_20, "stream_interval": 5, "n": 2}
     events = server.run(
@@ -113,6 +130,7 @@ def test_openai_chat_stream_with_the_real_client(server: Server) -> None:
         client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
     )
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(content) > 1
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

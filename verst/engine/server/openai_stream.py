@@ -34,7 +34,8 @@ class _Sent:
     text: str = ""
     tokens: int = 0
     offset: int = 0  # completions' text_offset of the next token
-    started: bool = False
+    role: bool = False  # chat: the role chunk is out
+    started: bool = False  # its first content chunk is out
 
 
 def _new_text(sent: _Sent, text: str) -> str:
@@ -66,9 +67,10 @@ class _Shaper:
         """The chunks one cumulative result of choice `index` adds (none when nothing new)."""
         sent, meta = self.sent[index], result["meta_info"]
         out: list[dict[str, Any]] = []
-        if self.chat and not sent.started:
+        if self.chat and not sent.role:
             role = {"role": "assistant", "content": ""}
             out.append(self._chunk(index, {"delta": role, "logprobs": None, "finish_reason": None}))
+            sent.role = True
         final = meta["finish_reason"] is not None
         text = _new_text(sent, result["text"])
         if not sent.started and self.echo:
