@@ -12,7 +12,9 @@ for each batch size, plus a multi-turn shared-prefix workload (sessions whose ev
 extends the previous one) that reports the scheduler's prefix-cache hit rate, a staggered
 workload (requests arriving while others decode, the scheduler alone), and, with
 `--logprob-ab`, the scheduler with per-request features off against top-k log-probs on
-(`top_logprobs_num`; runs alternated, best of `--repeats`). Sampling at temperature 1, EOS
+(`top_logprobs_num`; runs alternated, best of `--repeats`), and, with `--stream-ab`, the
+serving engine (what `verst serve` runs behind HTTP) with streaming by token and top-5
+log-probs each off and on. Sampling at temperature 1, EOS
 ignored so every request generates exactly its new tokens.
 
     python bench/engine_throughput.py                      # CPU preset
@@ -21,6 +23,8 @@ ignored so every request generates exactly its new tokens.
         --engines --sessions 0 --staggered 0               # sampling penalties off vs on
     python bench/engine_throughput.py --engines --sessions 0 --staggered 0 \
         --logprob-ab 16 --threads 1 --new-tokens 32 --repeats 3   # the log-prob A/B alone
+    python bench/engine_throughput.py --engines --sessions 0 --staggered 0 \
+        --stream-ab 16 64 --threads 1 --new-tokens 64 --repeats 3   # streaming, top-k: off vs on
 
 Prints tokens/s and the ratio to HF, and saves JSON.
 """
@@ -28,6 +32,7 @@ Prints tokens/s and the ratio to HF, and saves JSON.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import shutil
@@ -383,6 +388,110 @@ def run_logprob_ab(model, args, preset, dtype, device) -> list[dict]:
     return rows
 
 
+def bench_tokenizer(vocab: int):
+    """A word-level tokenizer with one entry per id of the bench's model (ids decode to `w<id>`,
+    joined): the serving layer decodes every result, and every streamed chunk, with it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0")
+
+
+# The serving A/B: streaming by token and top-k log-probs, each off and on, through the
+# ServingEngine the HTTP server runs (queue, steps on a worker thread, result shaping and
+# detokenization; every streamed chunk built and consumed as a client would).
+STREAM_CONFIGS = {
+    "off": (False, 0),
+    "stream": (True, 0),
+    "top_5": (False, 5),
+    "stream_top_5": (True, 5),
+}
+
+
+async def serving_rounds(serving, prompts, new: int, repeats: int) -> dict[str, dict]:
+    """Every config of STREAM_CONFIGS in turn, `repeats` rounds: wall and CPU seconds each."""
+    from verst.engine.results import DetokenizeParams
+
+    await serving.start()
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int], streamed: bool, top: int) -> int:
+        request = GenerateRequest(
+            list(prompt), params, rid=f"r{i}", return_logprob=top > 0, top_logprobs_num=top
+        )
+        if not streamed:
+            result = await serving.generate(
+                request.input_ids,
+                params,
+                rid=request.rid,
+                return_logprob=request.return_logprob,
+                top_logprobs_num=top,
+            )
+            return len(result.output_ids)
+        chunks = [chunk async for chunk in serving.generate_stream(request, DetokenizeParams())]
+        assert len(chunks) > 1 and len(chunks[-1].output_ids) == new
+        return len(chunks[-1].output_ids)
+
+    spent = {name: {"wall_s": [], "cpu_s": []} for name in STREAM_CONFIGS}
+    for streamed, top in STREAM_CONFIGS.values():  # untimed: each path's first use
+        await asyncio.gather(*(one(i, p, streamed, top) for i, p in enumerate(prompts[:2])))
+    for _ in range(repeats):
+        for name, (streamed, top) in STREAM_CONFIGS.items():
+            serving.scheduler.flush_cache()
+            cpu_start, start = time.process_time(), time.perf_counter()
+            done = await asyncio.gather(*(one(i, p, streamed, top) for i, p in enumerate(prompts)))
+            spent[name]["wall_s"].append(time.perf_counter() - start)
+            spent[name]["cpu_s"].append(time.process_time() - cpu_start)
+            assert sum(done) == len(prompts) * new
+    await serving.stop()
+    return spent
+
+
+def run_stream_ab(model, args, preset, dtype, device) -> list[dict]:
+    """At each `--stream-ab` batch, the ServingEngine with streaming and top-k log-probs off
+    and on (STREAM_CONFIGS, alternated, `--repeats` rounds); ratios of each over "off" from
+    the best and the median run, in wall time and in this process's CPU time."""
+    from verst.engine.serving import ServingEngine
+
+    rows = []
+    tokenizer = bench_tokenizer(model.config.vocab_size)
+    for batch in args.stream_ab:
+        prompts = batch_prompts(model, preset, batch)
+        new = preset["new_tokens"]
+        scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
+        warm_scheduler(scheduler, prompts, batch)
+        serving = ServingEngine(scheduler, tokenizer)
+        spent = asyncio.run(serving_rounds(serving, prompts, new, args.repeats))
+        row: dict = {"batch": batch, "new_tokens": new, "runs": spent}
+        for name, runs in spent.items():
+            row[f"{name}_tok_s"] = batch * new / min(runs["wall_s"])
+            if name == "off":
+                continue
+            for kind in ("wall_s", "cpu_s"):
+                off, on = spent["off"][kind], runs[kind]
+                row[f"{name}_over_off_{kind[:-2]}_best"] = min(off) / min(on)
+                row[f"{name}_over_off_{kind[:-2]}_median"] = statistics.median(
+                    off
+                ) / statistics.median(on)
+        print(
+            f"serving A/B batch {batch:4d}: "
+            + " | ".join(f"{name} {row[f'{name}_tok_s']:7.1f} tok/s" for name in spent)
+            + "".join(
+                f" | {name}/off CPU {row[f'{name}_over_off_cpu_best']:.3f}x"
+                f" (median {row[f'{name}_over_off_cpu_median']:.3f}x),"
+                f" wall {row[f'{name}_over_off_wall_best']:.3f}x"
+                for name in spent
+                if name != "off"
+            ),
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
 def run_multiturn(model, args, dtype, device) -> dict:
     """S sessions × T turns; each turn's prompt = the previous prompt + its answer + 16 new
     tokens, all sessions' turn k submitted together (as a rollout's agents would)."""
@@ -504,6 +613,13 @@ def main() -> None:
     parser.add_argument(
         "--top-logprobs", type=int, nargs="+", default=[5, 20], help="--logprob-ab: the k's"
     )
+    parser.add_argument(
+        "--stream-ab",
+        type=int,
+        nargs="*",
+        default=[],
+        help="batches of the serving A/B: streaming and top-5 log-probs off vs on (default: none)",
+    )
     parser.add_argument("--new-tokens", type=int, help="tokens per request (default: preset's)")
     args = parser.parse_args()
     preset = dict(PRESETS[args.preset])
@@ -525,6 +641,8 @@ def main() -> None:
     }
     if args.logprob_ab:
         result["logprob_ab"] = run_logprob_ab(model, args, preset, dtype, device)
+    if args.stream_ab:
+        result["stream_ab"] = run_stream_ab(model, args, preset, dtype, device)
     if args.sessions:
         result["multiturn"] = run_multiturn(model, args, dtype, device)
     if args.staggered:

@@ -23,6 +23,7 @@ class DetokenizeParams:
     stop: Sequence[str] = ()
     stop_regex: Sequence[str] = ()
     no_stop_trim: bool = False
+    stream_interval: int = 1  # a streamed request sends a chunk every this many tokens
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_text_in_logprobs: bool = False
@@ -55,7 +56,7 @@ class ResultShaper:
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}  # one token's text, for return_text_in_logprobs
 
-    def _decode(self, ids: list[int], opts: DetokenizeParams) -> str:
+    def decode(self, ids: list[int], opts: DetokenizeParams) -> str:
         return self.tokenizer.decode(
             ids,
             skip_special_tokens=opts.skip_special_tokens,
@@ -67,7 +68,7 @@ class ResultShaper:
         when it has none."""
         if not opts.stop and not opts.stop_regex:
             return None
-        return StopMatcher(opts.stop, opts.stop_regex, lambda ids: self._decode(ids, opts))
+        return StopMatcher(opts.stop, opts.stop_regex, lambda ids: self.decode(ids, opts))
 
     def finished(
         self,
@@ -94,7 +95,7 @@ class ResultShaper:
             finish = {"type": "length", "length": len(ids)}
         else:
             finish = {"type": "abort", "message": abort_message, "status_code": None}
-        text = self._decode(text_ids, opts)
+        text = self.decode(text_ids, opts)
         matcher = self.stop_matcher(opts)
         if matcher is not None and matcher.first(text) is not None:
             k, text, matched = self._cut_at_stop(text_ids, opts, matcher)
@@ -113,10 +114,10 @@ class ResultShaper:
             "e2e_latency": time.perf_counter() - submitted_s,
         }
         if request.return_logprob:
-            meta.update(self._logprob_meta(request, out, opts.return_text_in_logprobs))
+            meta.update(self.logprob_meta(request, out, opts.return_text_in_logprobs))
         return GenerateResult(text=text, output_ids=list(ids), meta_info=meta)
 
-    def _logprob_meta(
+    def logprob_meta(
         self, request: GenerateRequest, out: GenerateOutput, with_text: bool
     ) -> dict[str, Any]:
         """SGLang's log-prob keys: `[logprob, token_id, text]` triples per position (text null
@@ -192,14 +193,14 @@ class ResultShaper:
         lo, hi = 1, len(ids)
         while lo < hi:
             mid = (lo + hi) // 2
-            if matcher.first(self._decode(ids[:mid], opts)) is not None:
+            if matcher.first(self.decode(ids[:mid], opts)) is not None:
                 hi = mid
             else:
                 lo = mid + 1
-        text = self._decode(ids[:lo], opts)
+        text = self.decode(ids[:lo], opts)
         hit = matcher.first(text)
         if hit is None:
-            lo, text = len(ids), self._decode(ids, opts)
+            lo, text = len(ids), self.decode(ids, opts)
             hit = matcher.first(text)
         assert hit is not None  # the caller found a stop in the text of `ids`
         start, end, matched = hit

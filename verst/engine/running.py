@@ -1,5 +1,6 @@
 """What the scheduler holds of one request while it runs (`Running`): its tokens, KV pages,
-cache match, log-probs and versions so far, its adapter slot and its timing."""
+cache match, log-probs and versions so far, its adapter slot and its timing; and its output so
+far, for streaming (`Running.output_since`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from verst.engine.logprob_extras import LogprobRecord
 from verst.engine.radix_cache import PrefixMatch
-from verst.engine.requests import GenerateRequest
+from verst.engine.requests import GenerateOutput, GenerateRequest
 
 
 @dataclass(eq=False)  # identity: `in` / `remove` on the running list stay O(1) per comparison
@@ -40,3 +41,31 @@ class Running:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_length :]
+
+    def output_since(self, start: int, weight_version: int | str) -> GenerateOutput:
+        """The output tokens from index `start` on, with their log-probs and versions, for
+        streaming: read between two scheduler steps, with no bookkeeping (the request runs on).
+        The prompt's log-probs come only with `start` 0; `finish_reason` is "" (not finished)."""
+        req, n, extras = self.request, len(self.tokens) - self.prompt_length, self.extras
+        first = start == 0
+        top = extras.output_top[start:n] if extras is not None else []
+        chosen = extras.output_chosen[start:n] if extras is not None else []
+        input_top = list(extras.input_top) if extras is not None and first else []
+        input_chosen = list(extras.input_chosen) if extras is not None and first else []
+        return GenerateOutput(
+            rid=req.rid,
+            output_ids=self.tokens[self.prompt_length + start : self.prompt_length + n],
+            output_token_logprobs=self.output_logprobs[start:n] if req.return_logprob else [],
+            finish_reason="",
+            prompt_tokens=self.prompt_length,
+            completion_tokens=n,
+            weight_version=weight_version,
+            cached_tokens=self.cached_tokens,
+            input_token_logprobs=list(self.input_logprobs) if first else [],
+            token_weight_versions=self.token_versions[start:n],
+            first_token_s=self.first_token_s,
+            output_top_logprobs=top,
+            output_token_ids_logprobs=chosen,
+            input_top_logprobs=input_top,
+            input_token_ids_logprobs=input_chosen,
+        )

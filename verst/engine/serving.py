@@ -23,7 +23,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,6 +35,7 @@ from verst.engine.requests import GenerateOutput, GenerateRequest
 from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
 from verst.engine.sampling import SamplingParams
 from verst.engine.scheduler import Scheduler
+from verst.engine.streaming import StreamState
 from verst.engine.weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class _Pending:
     submitted_s: float
     future: asyncio.Future[GenerateResult] = field(repr=False)
     handle: Any = None  # the scheduler's handle, once submitted (`Scheduler.output_so_far`)
+    stream: StreamState | None = None  # a streamed request's output so far
 
 
 def context_length(config: Any) -> int:
@@ -100,6 +102,7 @@ class ServingEngine(WeightUpdates):
         self.num_batches = 0  # scheduler steps so far; batching is observable in tests/metrics
         self._queue: dict[str, _Pending] = {}  # by rid, in arrival order
         self._running: dict[str, _Pending] = {}  # handed to the scheduler, by rid
+        self._streams: dict[str, _Pending] = {}  # streamed requests in flight, by rid
         self._paused = False
         self._updating = 0
         self._control: list[Callable[[], object]] = []  # run by the loop between two steps
@@ -244,52 +247,96 @@ class ServingEngine(WeightUpdates):
     ) -> GenerateResult:
         """Queue one request and wait for its result (SGLang's `/generate` item shape);
         `lora_path` names the LoRA adapter it runs with (None: the base model)."""
-        cond = self._started()
-        submitted_s = time.perf_counter()
-        self.check_request(
-            input_ids,
-            params,
-            lora_path,
-            top_logprobs_num=top_logprobs_num,
-            token_ids_logprob=token_ids_logprob,
+        pending = await self._enqueue(
+            GenerateRequest(
+                list(input_ids),
+                params,
+                rid=rid,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                lora_path=lora_path,
+                top_logprobs_num=top_logprobs_num,
+                token_ids_logprob=token_ids_logprob,
+            ),
+            detokenize or DetokenizeParams(),
+            stream=False,
         )
-        async with cond:
-            await cond.wait_for(lambda: not self._paused and not self._updating)
-            if not self.rid_is_free(rid):
-                raise ValueError(f"Duplicate request ID detected: {rid}")
-            detokenize = detokenize or DetokenizeParams()
-            matcher = self.results.stop_matcher(detokenize)
-            pending = _Pending(
-                GenerateRequest(
-                    list(input_ids),
-                    params,
-                    rid=rid,
-                    return_logprob=return_logprob,
-                    logprob_start_len=logprob_start_len,
-                    lora_path=lora_path,
-                    stop_check=None if matcher is None else matcher.check,
-                    top_logprobs_num=top_logprobs_num,
-                    token_ids_logprob=token_ids_logprob,
-                ),
-                detokenize,
-                submitted_s,
-                asyncio.get_running_loop().create_future(),
-            )
-            self._queue[rid] = pending
-            cond.notify_all()
         try:
             # shield: a cancelled caller must not cancel the future the batch loop resolves.
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
-            # The caller left (its client disconnected): the request stops generating.
-            async with cond:
-                if self._queue.get(rid) is pending:
-                    del self._queue[rid]
-                elif self._running.get(rid) is pending:
-                    del self._running[rid]
-                    self._control.append(lambda: self.scheduler.abort(rid, exact=True))
-                cond.notify_all()
+            await self._forget(pending)  # the caller left (its client disconnected)
             raise
+
+    async def generate_stream(
+        self,
+        request: GenerateRequest,
+        detokenize: DetokenizeParams | None = None,
+    ) -> AsyncIterator[GenerateResult]:
+        """Queue one request and yield its output as it is decoded: cumulative results with
+        `finish_reason` null (at the first token, then every `detokenize.stream_interval`
+        tokens, coalesced while the consumer is busy), then the final result, as `generate`
+        returns it. A consumer that stops early (a client that disconnects) aborts the
+        request; close the iterator (`contextlib.aclosing`) so that happens at once."""
+        pending = await self._enqueue(request, detokenize or DetokenizeParams(), stream=True)
+        stream = pending.stream
+        assert stream is not None
+        try:
+            while not pending.future.done():
+                due = asyncio.ensure_future(stream.ready.wait())
+                try:
+                    await asyncio.wait({due, pending.future}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    due.cancel()
+                if not pending.future.done():
+                    yield stream.chunk(self.weight_version)
+            yield pending.future.result()
+        finally:
+            self._streams.pop(request.rid, None)
+            if not pending.future.done():
+                await self._forget(pending)
+
+    async def _enqueue(
+        self, request: GenerateRequest, detokenize: DetokenizeParams, *, stream: bool
+    ) -> _Pending:
+        """Check a request, wait while the engine is paused or updating, and queue it."""
+        cond = self._started()
+        submitted_s = time.perf_counter()
+        self.check_request(
+            request.input_ids,
+            request.sampling_params,
+            request.lora_path,
+            top_logprobs_num=request.top_logprobs_num,
+            token_ids_logprob=request.token_ids_logprob,
+        )
+        async with cond:
+            await cond.wait_for(lambda: not self._paused and not self._updating)
+            rid = request.rid
+            if not self.rid_is_free(rid):
+                raise ValueError(f"Duplicate request ID detected: {rid}")
+            matcher = self.results.stop_matcher(detokenize)
+            request.stop_check = None if matcher is None else matcher.check
+            pending = _Pending(
+                request, detokenize, submitted_s, asyncio.get_running_loop().create_future()
+            )
+            if stream:
+                pending.stream = StreamState(request, detokenize, self.results)
+                self._streams[rid] = pending
+            self._queue[rid] = pending
+            cond.notify_all()
+        return pending
+
+    async def _forget(self, pending: _Pending) -> None:
+        """A caller left before its request ended: the request stops generating (its KV freed
+        before the next step)."""
+        cond, rid = self._started(), pending.request.rid
+        async with cond:
+            if self._queue.get(rid) is pending:
+                del self._queue[rid]
+            elif self._running.get(rid) is pending:
+                del self._running[rid]
+                self._control.append(lambda: self.scheduler.abort(rid, exact=True))
+            cond.notify_all()
 
     def check_request(
         self,
@@ -386,7 +433,17 @@ class ServingEngine(WeightUpdates):
             return
         async with cond:
             self._resolve(finished, version)
+            if self._streams:
+                self._pull_streams()
             cond.notify_all()
+
+    def _pull_streams(self) -> None:
+        """Each streamed request's tokens of the step that just ran (read between steps)."""
+        weight_version = self.scheduler.weight_version
+        for p in self._streams.values():
+            stream = p.stream
+            if p.handle is not None and stream is not None and not p.future.done():
+                stream.pull(p.handle.output_since(len(stream.ids), weight_version))
 
     def _submit_queue(self) -> None:
         """Hand the queued requests to the scheduler; one it refuses fails alone."""

@@ -10,6 +10,7 @@ methods. This module imports aiohttp at the top: only the app factory imports it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -38,16 +39,19 @@ from verst.engine.server.control_api import (
     run_update_weights_from_tensor,
     server_info_body,
 )
-from verst.engine.server.openai_api import openai_stream_chunks, run_openai
+from verst.engine.server.openai_api import prepare_openai, run_openai
+from verst.engine.server.openai_stream import openai_chunks
 from verst.engine.server.sglang_api import (
     CONTINUE_OK,
     FLUSH_CACHE_TEXT,
     ProtocolError,
+    check_job,
     parse_generate,
     run_job,
     validation_error,
     value_error,
 )
+from verst.engine.server.stream_api import error_event, generate_chunks
 from verst.engine.server.tokenize_api import detokenize_body, tokenize_body
 from verst.engine.serving import ServingEngine
 
@@ -107,14 +111,22 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
-async def stream(request: web.Request, events: list[Any]) -> web.StreamResponse:
-    """`events` as server-sent events, closed by `[DONE]`."""
+async def stream(request: web.Request, events: AsyncIterator[Any]) -> web.StreamResponse:
+    """`events` as server-sent events as they come, closed by `[DONE]`. A failure once the
+    stream has started is an error event (the status is sent already); a client that leaves
+    cancels the handler, and closing `events` aborts its requests."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    for event in events:
-        await response.write(sse(event))
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                await response.write(sse(event))
+        except ConnectionError:
+            raise  # the client is gone: nothing more can reach it
+        except Exception as error:
+            await response.write(sse(error_event(error)))
     await response.write(sse("[DONE]"))
     await response.write_eof()
     return response
@@ -187,13 +199,10 @@ class EngineHandlers:
             )
         else:
             job = parse_generate(payload, self.tokenizer, self.serving.context_len)
+        if payload.get("stream"):
+            check_job(self.serving, job)  # a bad job is a 400 before the stream starts
+            return await stream(request, generate_chunks(self.serving, job))
         results = await run_job(self.serving, job)
-        if isinstance(payload, dict) and payload.get("stream"):
-            # Cumulative chunks (S14+ default); the engine finishes a batch at once, so each
-            # item has one chunk, tagged with its index when the request is a list.
-            if job.is_list:
-                results = [{**r, "index": i} for i, r in enumerate(results)]
-            return await stream(request, results)
         return json_response(results if job.is_list else results[0])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -205,6 +214,19 @@ class EngineHandlers:
     async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
         payload = await read_json(request)
         check_n(payload, self.max_n)
+        if isinstance(payload, dict) and payload.get("stream"):
+            job, tools = await prepare_openai(self.serving, self.tokenizer, payload, chat=chat)
+            chunks = openai_chunks(
+                self.serving,
+                self.tokenizer,
+                job,
+                payload,
+                self.served_model_name,
+                chat=chat,
+                tools=tools,
+                tool_format=self.tool_call_parser,
+            )
+            return await stream(request, chunks)
         body = await run_openai(
             self.serving,
             self.tokenizer,
@@ -213,9 +235,6 @@ class EngineHandlers:
             chat=chat,
             tool_format=self.tool_call_parser,
         )
-        if payload.get("stream"):
-            include_usage = bool((payload.get("stream_options") or {}).get("include_usage"))
-            return await stream(request, openai_stream_chunks(body, chat=chat, usage=include_usage))
         return json_response(body)
 
     # ---- health and info -------------------------------------------------------------------

@@ -138,8 +138,11 @@ def parse_openai(
             raise openai_error(f"{key} is not supported by the verst engine yet")
     if not isinstance(payload.get("stream", False) or False, bool):
         raise openai_error("stream must be a boolean")
-    if not isinstance(payload.get("stream_options") or {}, dict):
+    stream_options = payload.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
         raise openai_error("stream_options must be an object")
+    if not isinstance(stream_options.get("include_usage", False), bool):
+        raise openai_error("stream_options.include_usage must be a boolean")
     logprobs, top, start = _logprob_options(payload, chat=chat)
     if chat:
         max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
@@ -252,7 +255,31 @@ def _logprob_options(payload: dict[str, Any], *, chat: bool) -> tuple[bool, int,
     return top is not None, top or 0, 0 if echo and top is not None else -1
 
 
-def _echo_texts(payload: dict[str, Any], tokenizer: Any) -> list[str]:
+async def prepare_openai(
+    serving: ServingEngine, tokenizer: Any, payload: Any, *, chat: bool
+) -> tuple[GenerateJob, ChatTools | None]:
+    """An OpenAI completions / chat body → its checked job and the chat request's tools
+    (400s in OpenAI's envelope)."""
+    if not isinstance(payload, dict):
+        raise openai_error("the request body must be a JSON object")
+    tools = chat_tools(payload) if chat else None
+    # Rendering and tokenizing a long prompt takes seconds: never on the event loop.
+    job = await asyncio.to_thread(
+        parse_openai, payload, tokenizer, serving.context_len, chat=chat, tools=tools
+    )
+    try:
+        check_job(serving, job)
+    except ProtocolError as error:  # a token id outside the vocabulary: OpenAI's envelope
+        raise openai_error(error.body["error"]["message"]) from error
+    return job, tools
+
+
+def is_echo(payload: dict[str, Any], chat: bool) -> bool:
+    """Completions' `echo: true` (the prompt first in each choice's text)."""
+    return not chat and payload.get("echo") is True
+
+
+def echo_texts(payload: dict[str, Any], tokenizer: Any) -> list[str]:
     """The prompt text `echo` puts before each prompt's completions (token prompts decoded)."""
     prompt = payload["prompt"]
     if isinstance(prompt, str):
@@ -263,7 +290,7 @@ def _echo_texts(payload: dict[str, Any], tokenizer: Any) -> list[str]:
     return [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
 
 
-def _openai_finish(meta: dict[str, Any]) -> tuple[str, Any]:
+def openai_finish(meta: dict[str, Any]) -> tuple[str, Any]:
     finish = meta["finish_reason"]
     matched = finish.get("matched") if finish["type"] == "stop" else None
     return finish["type"], matched
@@ -280,24 +307,14 @@ async def run_openai(
 ) -> dict[str, Any]:
     """An OpenAI completions / chat body → its (non-streamed) response body; chat tool calls
     are parsed in `tool_format` (None: the chat template's family's)."""
-    if not isinstance(payload, dict):
-        raise openai_error("the request body must be a JSON object")
-    tools = chat_tools(payload) if chat else None
-    # Rendering and tokenizing a long prompt takes seconds: never on the event loop.
-    job = await asyncio.to_thread(
-        parse_openai, payload, tokenizer, serving.context_len, chat=chat, tools=tools
-    )
-    try:
-        check_job(serving, job)
-    except ProtocolError as error:  # a token id outside the vocabulary: OpenAI's envelope
-        raise openai_error(error.body["error"]["message"]) from error
+    job, tools = await prepare_openai(serving, tokenizer, payload, chat=chat)
     results = await run_job(serving, job)
-    echo = not chat and payload.get("echo") is True
-    echoed = _echo_texts(payload, tokenizer) if echo else []
+    echo = is_echo(payload, chat)
+    echoed = echo_texts(payload, tokenizer) if echo else []
     choices = []
     for index, result in enumerate(results):
         meta = result["meta_info"]
-        finish, matched = _openai_finish(meta)
+        finish, matched = openai_finish(meta)
         logprobs = None
         item = job.items[index]
         if item.return_logprob and chat:
@@ -338,44 +355,3 @@ async def run_openai(
         },
         "metadata": {"weight_version": serving.weight_version},
     }
-
-
-def openai_stream_chunks(response: dict[str, Any], *, chat: bool, usage: bool) -> list[dict]:
-    """A finished response as OpenAI stream chunks: content in one chunk, then the finish."""
-    head = {k: response[k] for k in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    chunks = []
-    for choice in response["choices"]:
-        index = choice["index"]
-        if chat:
-            message = choice["message"]
-            delta = {"role": "assistant", "content": message["content"]}
-            calls = message["tool_calls"] or []
-            if calls:
-                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-            content, finish = {"delta": delta}, {"delta": {}}
-        else:
-            content, finish = {"text": choice["text"]}, {"text": ""}
-        chunks.append(
-            {
-                **head,
-                "choices": [
-                    {
-                        "index": index,
-                        **content,
-                        "logprobs": choice["logprobs"],
-                        "finish_reason": None,
-                    }
-                ],
-            }
-        )
-        finish.update(
-            index=index,
-            logprobs=None,
-            finish_reason=choice["finish_reason"],
-            matched_stop=choice["matched_stop"],
-        )
-        chunks.append({**head, "choices": [finish]})
-    if usage:
-        chunks.append({**head, "choices": [], "usage": response["usage"]})
-    return chunks

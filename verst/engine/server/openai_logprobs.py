@@ -31,17 +31,20 @@ def _token(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
 
 
-def completion_logprobs(meta: dict[str, Any], *, echo: bool, top: bool) -> dict[str, Any]:
+def completion_logprobs(
+    meta: dict[str, Any], *, echo: bool, top: bool, offset: int = 0
+) -> dict[str, Any]:
     """`choices[i].logprobs` of a text completion: the prompt's tokens first with `echo` (the
     first with a null log-prob), then the output's. `top_logprobs` holds a {text: logprob} per
     position (null where nothing was scored) when `top`, else is empty; `text_offset` is each
-    token's start in the concatenated token texts."""
+    token's start in the concatenated token texts, counted from `offset` (a stream's chunk
+    goes on from the texts of the chunks before it)."""
     triples: list[Triple] = list(meta["output_token_logprobs"])
     top_rows: list[Any] = list(meta.get("output_top_logprobs") or [])
     if echo:
         triples = list(meta["input_token_logprobs"]) + triples
         top_rows = list(meta.get("input_top_logprobs") or []) + top_rows
-    offsets, offset = [], 0
+    offsets = []
     for _, _, text in triples:
         offsets.append(offset)
         offset += len(text)
@@ -62,3 +65,11 @@ def _top_dict(row: Sequence[Triple] | None) -> dict[str, float] | None:
     for logprob, _, text in row:
         entry.setdefault(text, logprob)
     return entry
+
+
+OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
+def output_since(meta: dict[str, Any], start: int) -> dict[str, Any]:
+    """`meta` with its output log-prob lists from token `start` on (a stream's new tokens)."""
+    return {**meta, **{key: meta[key][start:] for key in OUTPUT_LISTS if key in meta}}

@@ -63,6 +63,8 @@ SAMPLING_OFF: dict[str, Any] = {
     "structural_tag": None,
     "beam_width": None,
     "custom_params": None,
+    "watermark": None,
+    "choice": [],
 }
 # Top-level /generate fields the engine cannot honour yet: a non-null value is a 400.
 GENERATE_UNSUPPORTED = (
@@ -74,6 +76,25 @@ GENERATE_UNSUPPORTED = (
     "video_data",
     "audio_data",
 )
+
+# S23's top-level /generate fields the engine does not implement yet, with their "off" value:
+# accepted at it (SGLang's frontends send some on every call), any other value is a 400.
+GENERATE_OFF: dict[str, Any] = {
+    "return_sampling_mask": False,
+    "sampling_logprobs_mode": None,
+    "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_output_top_logprobs": False,
+    "return_indexer_topk": False,
+    "return_bytes": False,
+    "return_entropy": False,
+    "require_reasoning": False,
+    "max_thinking_tokens": None,
+    "background": False,
+    "positional_embed_overrides": None,
+    "watermark": None,
+    "extra_key": None,
+    "cache_salt": None,
+}
 
 
 class ProtocolError(Exception):
@@ -216,7 +237,11 @@ def parse_sampling_params(
         params.validate()
     except ValueError as error:
         raise value_error(str(error)) from error
+    stream_interval = _number(raw, "stream_interval", 1, int)
+    if stream_interval < 1:
+        raise value_error(f"sampling_params.stream_interval must be >= 1, got {stream_interval}")
     detok = DetokenizeParams(
+        stream_interval=stream_interval,
         stop=tuple(stop_list),
         stop_regex=tuple(stop_regex),
         no_stop_trim=_flag(raw, "no_stop_trim", False, "sampling_params."),
@@ -416,6 +441,9 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
     for key in GENERATE_UNSUPPORTED:
         if payload.get(key) is not None:
             raise value_error(f"{key} is not supported by the verst engine")
+    for key, off in GENERATE_OFF.items():
+        if payload.get(key) is not None and payload[key] != off:
+            raise value_error(f"{key} is not supported by the verst engine yet")
     start = payload.get("logprob_start_len", -1)
     start = -1 if start is None else start
     if not isinstance(start, int) or isinstance(start, bool) or start < -1:
