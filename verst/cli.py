@@ -1,6 +1,6 @@
 """The `verst` command: `verst train`, `verst sft`, `verst eval`, `verst serve`, `verst route`,
-`verst sessions`, `verst plot`, `verst dashboard`, `verst model create-tiny`, `verst model merge-lora`,
-`verst sandbox run`.
+`verst sessions`, `verst plot`, `verst dashboard`, `verst model create-tiny`,
+`verst model merge-lora`, `verst sandbox run`.
 
 Config errors, missing files, a run directory that cannot be written and non-finite losses end
 the command with a one-line message and an exit code of `verst.exitcodes` (2 bad input, 3 the

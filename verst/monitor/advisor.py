@@ -227,8 +227,3 @@ def verdict(advice: list[Advice]) -> str:
     """The console's short form: `ok`, or the rules that fire."""
     return ",".join(a.rule for a in advice) or "ok"
 
-
-def replay(rows: list[dict[str, Any]], facts: RunFacts, window_steps: int = 10) -> list[Advice]:
-    """The advice of every step of a recorded run, as the advisor gave it during the run."""
-    advisor = Advisor(facts, window_steps)
-    return [a for row in rows for a in advisor.observe(row)]
