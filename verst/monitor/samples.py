@@ -5,8 +5,8 @@ Owns `SampleRecorder` (writing, rank 0 only) and `read_samples` (reading back). 
 sample: its step, group and index, the prompt, the response as text and as one decoded piece a
 token, the engine's log-prob of each response token, the loss mask, reward, status and the
 weight version of each turn. `monitor.samples_per_step` bounds the samples a step (taken from
-different groups, best and worst reward first), so the file grows by at most that many lines a
-step. A resumed run appends; a step recorded twice keeps its later lines.
+different groups, the best and the worst rewarded in turn), so the file grows by at most that
+many lines a step. A resumed run appends; a step recorded twice keeps its later lines.
 """
 
 from __future__ import annotations
@@ -24,17 +24,16 @@ SAMPLES_FILE = "samples.jsonl"
 
 
 def pick(groups: list[Group], n: int) -> list[Sample]:
-    """Up to `n` samples, one a group while groups last: alternately the best and the worst
-    rewarded sample of the next group."""
+    """Up to `n` samples, one a group while groups last: the best rewarded of even groups and
+    the worst of odd ones first, then the next of each."""
+    ranked = [
+        sorted(group, key=lambda s: s.reward or 0.0, reverse=i % 2 == 0)
+        for i, group in enumerate(groups)
+    ]
     picked: list[Sample] = []
-    rounds = 0
-    while len(picked) < n and any(len(g) > rounds for g in groups):
-        for i, group in enumerate(groups):
-            ranked = sorted(group, key=lambda s: s.reward or 0.0, reverse=(i + rounds) % 2 == 0)
-            if len(group) > rounds and len(picked) < n:
-                picked.append(ranked[rounds])
-        rounds += 1
-    return picked
+    for rank in range(max(map(len, ranked), default=0)):
+        picked += [group[rank] for group in ranked if rank < len(group)]
+    return picked[:n]
 
 
 def sample_record(step: int, sample: Sample, piece: Callable[[int], str]) -> dict[str, Any]:
