@@ -58,7 +58,10 @@ def _int_query(request: web.Request, name: str, default: int) -> int:
 
 
 def build_app(run_dirs: list[Path]) -> web.Application:
-    from aiohttp import web
+    try:
+        from aiohttp import web
+    except ImportError as error:
+        raise ImportError("verst dashboard needs aiohttp: pip install 'verst[serve]'") from error
 
     runs = [RunSource(d, label) for d, label in zip(run_dirs, run_labels(run_dirs), strict=True)]
 
@@ -100,10 +103,11 @@ def serve(
 ) -> None:
     """Serve the page until interrupted; `announce` gets the address once it listens (port 0
     picks a free one)."""
+    app = build_app(run_dirs)
     from aiohttp import web
 
     async def main() -> None:
-        runner = web.AppRunner(build_app(run_dirs), access_log=None)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
