@@ -206,7 +206,7 @@ async def check_page(url: str, in_progress: Path, rest: list[str], shot: Path) -
         assert await page.evaluate(PANEL_POINTS.format("phases-0")) > 0
         assert await page.evaluate(INKED.format("reward")) > 500  # the canvas holds a curve
         assert await page.evaluate(PANEL_POINTS.format("phases-1")) > 0
-        await page.wait_for("document.querySelector('#advice li[data-rule=truncation]')")
+        await page.wait_for("!!document.querySelector('#advice li[data-rule=truncation]')")
         skipped = await page.evaluate("document.getElementById('skipped').textContent")
         assert "the last line is cut off" in skipped
         await page.wait_for("document.querySelectorAll('#sample-list .tok').length > 0")
