@@ -141,6 +141,19 @@ function panelBox(id, title) {
   return box;
 }
 
+const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];
+
+function tick(v) {
+  if (v === null) return "";
+  return v !== 0 && Math.abs(v) < 1e-3 ? v.toExponential(0) : String(+v.toPrecision(3));
+}
+
+// a flat series gets a band around it instead of uPlot's 0..100
+function yRange(u, min, max) {
+  if (min === max) return [min - (Math.abs(min) || 1) * 0.5, max + (Math.abs(max) || 1) * 0.5];
+  return uPlot.rangeNum(min, max, 0.1, true);
+}
+
 function draw(id, title, lines, log) {
   const box = panelBox(id, title);
   const chartDiv = box.querySelector(".chart");
@@ -163,8 +176,8 @@ function draw(id, title, lines, log) {
   chartDiv.replaceChildren();
   const opts = {
     width: Math.max(chartDiv.clientWidth || 560, 300), height: 230,
-    scales: { x: { time: false }, y: useLog ? { distr: 3 } : {} },
-    axes: [{ label: "step" }, {}],
+    scales: { x: { time: false }, y: useLog ? { distr: 3 } : { range: yRange } },
+    axes: [{ label: "step", incrs: STEP_INCRS }, { values: (u, splits) => splits.map(tick), size: 60 }],
     series: [{ label: "step" }, ...lines.map((l) => ({
       label: l.label, stroke: l.color, fill: l.fill, dash: l.dash, spanGaps: true,
       points: { show: data[0].length < 40 },
