@@ -226,4 +226,3 @@ def flags(advice: list[Advice]) -> dict[str, float]:
 def verdict(advice: list[Advice]) -> str:
     """The console's short form: `ok`, or the rules that fire."""
     return ",".join(a.rule for a in advice) or "ok"
-
