@@ -1,6 +1,6 @@
 """The `verst` command: `verst train`, `verst sft`, `verst eval`, `verst serve`, `verst route`,
-`verst sessions`, `verst plot`, `verst model create-tiny`, `verst model merge-lora`,
-`verst sandbox run`.
+`verst sessions`, `verst plot`, `verst dashboard`, `verst model create-tiny`,
+`verst model merge-lora`, `verst sandbox run`.
 
 Config errors, missing files, a run directory that cannot be written and non-finite losses end
 the command with a one-line message and an exit code of `verst.exitcodes` (2 bad input, 3 the
@@ -271,6 +271,20 @@ def _plot_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-o", "--output", type=Path, required=True, help="the PNG to write")
 
 
+def _dashboard_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "dashboard",
+        help="serve a live web page of runs (pip install -e '.[serve]')",
+        description="Serve a web page that follows run directories as they are written: "
+        "reward, held-out accuracy, response length, log-prob diff / KL, gradient norm, the "
+        "stacked phase breakdown, engine throughput and cache hit, buffer size and staleness, "
+        "the advisor's advice and a viewer of each step's samples; several runs side by side.",
+    )
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8265, help="port; 0 = any free port")
+
+
 def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """argparse cannot tell `CONFIG` from a first override; an `=` decides."""
     config, overrides = args.config, list(args.overrides)
@@ -425,6 +439,21 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    from verst.monitor.dashboard.server import serve
+
+    missing = [str(d) for d in args.run_dirs if not d.is_dir()]
+    if missing:
+        print(
+            f"verst dashboard: {', '.join(missing)}: no such run directory yet; polling it",
+            file=sys.stderr,
+        )
+    serve(
+        args.run_dirs, host=args.host, port=args.port, announce=lambda line: print(line, flush=True)
+    )
+    return 0
+
+
 def _sessions(args: argparse.Namespace) -> int:
     from verst.auth import ApiKeys
     from verst.sessions.server import run_session_server
@@ -454,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     _route_parser(subparsers)
     _sessions_parser(subparsers)
     _plot_parser(subparsers)
+    _dashboard_parser(subparsers)
     _model_parser(subparsers)
     sandbox_cli.add_parser(subparsers)
     args = parser.parse_args(argv)
@@ -472,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             return sandbox_cli.run_command(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "dashboard":
+            return _dashboard(args)
         if args.model_command == "merge-lora":
             return _merge_lora(args)
         return _create_tiny(args)

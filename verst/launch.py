@@ -37,6 +37,7 @@ from verst.fleet.ranked import RankedFleet
 from verst.models.loading import eos_token_ids, load_model_and_tokenizer
 from verst.models.lora import POLICY_ADAPTER, apply_lora
 from verst.monitor.engine_stats import EngineSampler
+from verst.monitor.samples import SampleRecorder
 from verst.plugins import AgentFunction, Generator, RewardFunction
 from verst.rollout.agent import load_agent_fn
 from verst.rollout.ledger import LEDGER_FILE, Ledger
@@ -78,6 +79,7 @@ class Run:
     fleet: Fleet | None = None
     teacher: TeacherScorer | None = None  # loss.opd's teachers
     engine_stats: EngineSampler = field(default_factory=lambda: EngineSampler(dict))
+    samples: SampleRecorder | None = None  # a few samples a step, for verst dashboard
 
     def close(self) -> None:
         self.evals.close()
@@ -227,6 +229,7 @@ def wire(
         dev_accuracy=dev_accuracy,
         fleet=fleet,
         engine_stats=EngineSampler.for_engine(engine, fleet),
+        samples=SampleRecorder(run_dir, cfg.monitor.samples_per_step, tokenizer.decode),
     )
 
 

@@ -112,6 +112,8 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
         groups, metrics = run.rollout.groups(version)
     with timer("reward"):
         run.rewards.score_groups(groups)
+    if run.samples is not None:
+        run.samples.record(step, groups)
     trainable = only_scored(run.rollout.settle(groups))
     if distributed.all_reduce_sum([float(len(trainable))], run.device)[0] > 0:
         if run.teacher is not None:

@@ -41,3 +41,14 @@ def test_train_sub_phases_on_cuda_fit_in_the_train_phase(tmp_path: Path) -> None
         assert row["perf/tokens_per_s"] > 0
     names = {e["name"] for e in json.loads((run_dir / "trace.json").read_text())}
     assert {"train", "train_forward", "train_backward", "engine step"} <= names
+
+
+def test_a_cuda_run_logs_its_mfu_and_the_advisor_flags_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", *SMALL, "--run-dir", str(run_dir)]) == 0
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows[1:]:
+        if "record" in row:
+            continue
+        assert 0 < row["perf/mfu"] < 1, row  # a tiny model: far below the peak
+        assert row["advisor/low_mfu"] == (1.0 if row["step"] >= 1 else 0.0), row

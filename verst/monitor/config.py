@@ -33,6 +33,24 @@ class MonitorConfig(ConfigBase):
         "$MLFLOW_TRACKING_URI, else MLflow's default",
     )
     mlflow_experiment: str = Field("verst", description="MLflow experiment, created if missing")
+    advisor: bool = Field(
+        True,
+        description="run the advisor's rules each step: advisor/* flags in the metrics, its "
+        "verdict on the console line, its advice on the console and in verst dashboard",
+    )
+    advisor_window_steps: int = Field(
+        10, ge=1, description="the advisor's rules look at the metrics of this many recent steps"
+    )
+    advisor_interval_steps: int = Field(
+        10, ge=1, description="the console prints the advisor's advice at most once this many steps"
+    )
+    samples_per_step: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="samples of each step written to RUN_DIR/samples.jsonl (prompt, response, "
+        "per-token log-probs, loss mask, reward, weight versions) for verst dashboard; 0 = none",
+    )
 
     @field_validator("sinks")
     @classmethod

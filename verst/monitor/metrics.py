@@ -1,6 +1,8 @@
 """Run metrics: one JSON object per step in `metrics.jsonl`, the same numbers to the other sinks
 of `monitor.sinks` (TensorBoard, W&B, MLflow: `verst.monitor.sinks`), one console line with the
-tokens per second and the time left, a progress bar, and with `monitor.trace` the run's trace.
+tokens per second, the time left and the advisor's verdict (`verst.monitor.advisor`: its
+`advisor/*` flags join each step's record), a progress bar, and with `monitor.trace` the run's
+trace.
 
 Only rank 0 writes metrics (every rank traces). The JSONL file is appended to, so a resumed run
 continues the same file; a write that fails (a full disk) raises `verst.rundir.RunDirError`
@@ -19,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from verst import distributed
-from verst.monitor import trace
+from verst.monitor import advisor, trace
 from verst.monitor.config import MonitorConfig
 from verst.monitor.sinks import SinkSet
 from verst.rundir import append_record
@@ -98,6 +100,9 @@ class MetricsLogger:
         self.config = config or {}
         self.sinks = SinkSet([], self.info)
         self.pace = Pace(total_steps)
+        facts = advisor.RunFacts.from_config(self.config)
+        self.advisor = advisor.Advisor(facts, self.monitor.advisor_window_steps)
+        self._advised_step: int | None = None  # the step whose advice the console last printed
         self.console = Console(stderr=True)
         self.progress = Progress(
             TextColumn(f"[bold]{label}"),
@@ -147,6 +152,9 @@ class MetricsLogger:
         trace.flush()
         if not self.enabled:
             return
+        advice = self._advise(metrics)
+        if advice is not None:
+            metrics = metrics | advisor.flags(advice)
         append_record(self.path, metrics)  # a failed write stops the run: no record is lost
         self.sinks.log(metrics)
         self.pace.mark(metrics["step"])
@@ -157,10 +165,28 @@ class MetricsLogger:
         ]
         if eta_s is not None:
             parts.append(f"eta {format_duration(eta_s)}")
+        if advice is not None:
+            parts.append(f"advisor {advisor.verdict(advice)}")
         self.console.print(" | ".join(parts), highlight=False, soft_wrap=True)
-        if metrics.get("buffer/advisory"):
-            self.console.print(f"  advisory: {metrics['buffer/advisory']}", highlight=False)
+        self._print_advice(metrics["step"], advice or [])
         pace = [f"eta {format_duration(eta_s)}"] if eta_s is not None else []
         if "perf/tokens_per_s" in metrics:
             pace.append(f"{metrics['perf/tokens_per_s']:.4g} tok/s")
+        if advice is not None:
+            pace.append(f"advisor {advisor.verdict(advice)}")
         self.progress.update(self.task, completed=metrics["step"], pace=" ".join(pace))
+
+    def _advise(self, metrics: dict[str, Any]) -> list[advisor.Advice] | None:
+        """The advice on a step's record; None with the advisor off and for the records that
+        are not a step's (an evaluation recorded at the step it measured)."""
+        if not self.monitor.advisor or "record" in metrics:
+            return None
+        return self.advisor.observe(metrics)
+
+    def _print_advice(self, step: int, advice: list[advisor.Advice]) -> None:
+        interval = self.monitor.advisor_interval_steps
+        if not advice or (self._advised_step is not None and step - self._advised_step < interval):
+            return
+        self._advised_step = step
+        also = f" (also: {advisor.verdict(advice[1:])})" if len(advice) > 1 else ""
+        self.console.print(f"  advisor: {advice[0].message}{also}", highlight=False, soft_wrap=True)

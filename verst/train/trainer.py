@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from verst import distributed
 from verst.configbase import ConfigBase
 from verst.models import lora
+from verst.monitor.mfu import mfu_metrics
 from verst.monitor.timer import PhaseTimer
 from verst.sync.buckets import full_parameters
 from verst.train.algorithms import LossConfig
@@ -319,7 +320,9 @@ class Trainer:
             metrics = self.adapter_steps(items, step=step)
         else:
             metrics = self._step(items, self.optimizer, self.scheduler, step=step)
-        return metrics | self.timer.metrics()
+        perf = self.timer.metrics()
+        n_params = sum(p.numel() for p in self.model.parameters())
+        return metrics | perf | mfu_metrics(self.device, n_params, items, perf)
 
     def adapter_steps(self, items: list[TrainItem], *, step: int) -> dict[str, float]:
         """Multi-LoRA: each adapter with items on any rank takes a step of its own optimizer
