@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from verst.engine import GenerateRequest, SamplingParams, Scheduler
+from verst.engine.results import DetokenizeParams, ResultShaper
 from verst.models import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from verst.models.moe import gate_weights, hook_routers, routers, routing_shape
 
@@ -101,11 +102,10 @@ def test_gate_weights_at_its_own_choices_are_its_weights(family: str) -> None:
         torch.testing.assert_close(gate_weights(router, logits, ids), weights)
 
 
-def test_routed_experts_on_generate_are_sglang_base64(tmp_path) -> None:
-    from verst.engine.results import ResultShaper, DetokenizeParams
-
+def test_routed_experts_on_generate_are_sglang_base64() -> None:
     model = tiny("qwen3-moe")
-    request = GenerateRequest([4, 5, 6], SamplingParams(max_new_tokens=3), return_routed_experts=True)
+    params = SamplingParams(max_new_tokens=3)
+    request = GenerateRequest([4, 5, 6], params, return_routed_experts=True)
     out = engine(model).generate([request])[0]
     result = ResultShaper(build_char_tokenizer()).finished(
         request, DetokenizeParams(), 0.0, out, "0"
