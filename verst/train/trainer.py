@@ -8,6 +8,7 @@ micro-batch losses equal the loss of the whole batch; a non-finite loss or gradi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from typing import Literal
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from verst import distributed
 from verst.configbase import ConfigBase
 from verst.models import lora
+from verst.models.moe import routing_shape
 from verst.monitor.timer import PhaseTimer
 from verst.train.algorithms import LossConfig
 from verst.train.batching import (
@@ -48,6 +50,7 @@ from verst.train.objective import (
     set_token_advantages,
     whiten_globally,
 )
+from verst.train.routing_replay import RoutingReplay, require_moe, routed_calls
 
 
 class TrainerConfig(ConfigBase):
@@ -146,6 +149,11 @@ class Trainer:
         self.constant_normaliser = constant_normaliser
         self.total_steps = total_steps
         distributed.init_distributed(device)
+        # MoE: routing recorded at rollout is replayed (loss.routing_replay) or compared with
+        self.routing_shape = require_moe(model) if loss_cfg.routing_replay else routing_shape(model)
+        self.routing = None
+        if self.routing_shape is not None:
+            self.routing = RoutingReplay(model, replay=loss_cfg.routing_replay)
         model.to(device=device, dtype=torch.float32)  # master weights stay fp32
         model.train()
         # with LoRA (`verst.models.lora.apply_lora`), the adapted modules' scales; else empty
@@ -246,8 +254,12 @@ class Trainer:
     # --- forward -------------------------------------------------------------------------------
 
     def _logits(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-        """Temperature-scaled fp32 logits [B, T, V]; position j predicts response token j."""
-        return response_outputs(model, micro).float() / self.temperature
+        """Temperature-scaled fp32 logits [B, T, V]; position j predicts response token j
+        (the policy's MoE layers replaying the rollout's experts under loss.routing_replay)."""
+        routing = self.routing if model is self.model else None
+        calls = micro.routed_calls
+        with routing.feeding(calls) if routing and calls else contextlib.nullcontext():
+            return response_outputs(model, micro).float() / self.temperature
 
     def _logprobs(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
         return logprobs_from_logits(self._logits(model, micro), micro.response_ids_B_T)
@@ -266,7 +278,15 @@ class Trainer:
         stand_in = masked_out(items[0]) if items else TrainItem([pad] * 3, 2, [0, 0], [0.0] * 2, 0)
         for position, indices in enumerate(balance_micro_batches(lengths, count)):
             batch = [items[i] for i in indices] or [stand_in]
-            yield position == count - 1, collate(batch, self.pad_token_id, self.device)
+            micro = collate(batch, self.pad_token_id, self.device)
+            recorded = [item.routed_experts is not None for item in batch]
+            # replay needs every sample's record (`routed_calls` says which lacks it), but the
+            # masked-out stand-in of a rank without items, which trains nothing
+            if self.routing_shape is not None and (
+                all(recorded) or (self.loss_cfg.routing_replay and items)
+            ):
+                micro.routed_calls = routed_calls(batch, micro, self.routing_shape)
+            yield position == count - 1, micro
 
     def _global_counts(self, items: list[TrainItem]) -> tuple[float, float]:
         """Masked tokens and sequences over all ranks, divided by the world size.
@@ -349,6 +369,8 @@ class Trainer:
                 )
             with self.timer("train_backward"):
                 loss.backward()
+            if cfg.routing_replay and micro.routed_calls:
+                stats |= self._unreplayed_diff(micro, norms)
             if self.critic is not None:
                 self.critic.set_requires_gradient_sync(is_last)
                 stats |= self._critic_backward(micro, token_norm)
@@ -356,9 +378,27 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + value
         with self.timer("train_optimizer"):
             metrics = self._optimizer_steps(optimizer, scheduler, sums, step)
+        if self.routing is not None:
+            sums |= self.routing.take_counts()
         world = distributed.world_size()
-        reduced = distributed.all_reduce_sum(list(sums.values()), self.device)
-        return {f"train/{k}": v / world for k, v in zip(sums, reduced, strict=True)} | metrics
+        totals = distributed.all_reduce_sum(list(sums.values()), self.device)
+        reduced = dict(zip(sums, totals, strict=True))
+        if "routing_recorded" in reduced:  # the share over every rank's recorded choices
+            agreed, recorded = reduced.pop("routing_agreed"), reduced.pop("routing_recorded")
+            if recorded:
+                metrics["train/routing_agreement"] = agreed / recorded
+        return {f"train/{k}": v / world for k, v in reduced.items()} | metrics
+
+    def _unreplayed_diff(self, micro: MicroBatch, norms: Normalisers) -> dict[str, float]:
+        """The train-rollout log-prob difference the policy would have without replay."""
+        assert self.routing is not None and micro.routed_calls is not None
+        with torch.no_grad(), self.routing.feeding(micro.routed_calls, replay=False, count=False):
+            logprobs_B_T = logprobs_from_logits(
+                response_outputs(self.model, micro).float() / self.temperature,
+                micro.response_ids_B_T,
+            )
+        diff_B_T = (logprobs_B_T - micro.rollout_logprobs_B_T).abs() * micro.loss_mask_B_T
+        return {"train_rollout_logprob_abs_diff_no_replay": float(diff_B_T.sum()) / norms.tokens}
 
     def _optimizer_steps(
         self,
