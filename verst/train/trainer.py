@@ -264,7 +264,9 @@ class Trainer:
     def _logprobs(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
         return logprobs_from_logits(self._logits(model, micro), micro.response_ids_B_T)
 
-    def _micro_batches(self, items: list[TrainItem]) -> Iterator[tuple[bool, MicroBatch]]:
+    def _micro_batches(
+        self, items: list[TrainItem], *, rl: bool = False
+    ) -> Iterator[tuple[bool, MicroBatch]]:
         """Micro-batches within the token budget; every rank yields the same number of them,
         since each one is a round of FSDP collectives (a rank short of items repeats one with
         its loss mask zeroed; a rank with none, every group of its share set aside, runs a
@@ -280,11 +282,11 @@ class Trainer:
             batch = [items[i] for i in indices] or [stand_in]
             micro = collate(batch, self.pad_token_id, self.device)
             recorded = [item.routed_experts is not None for item in batch]
-            # replay needs every sample's record (`routed_calls` says which lacks it), but the
-            # masked-out stand-in of a rank without items, which trains nothing
-            if self.routing_shape is not None and (
-                all(recorded) or (self.loss_cfg.routing_replay and items)
-            ):
+            # RL replay needs every sample's record (`routed_calls` says which lacks it), but
+            # the masked-out stand-in of a rank without items, which trains nothing; SFT's
+            # examples were never rolled out and train on the trainer's own routing
+            replays = rl and self.loss_cfg.routing_replay and bool(items)
+            if self.routing_shape is not None and (all(recorded) or replays):
                 micro.routed_calls = routed_calls(batch, micro, self.routing_shape)
             yield position == count - 1, micro
 
@@ -349,7 +351,7 @@ class Trainer:
         cfg = self.loss_cfg
         token_norm, seq_norm = self._global_counts(items)
         norms = Normalisers(token_norm, seq_norm, self.constant_normaliser)
-        micros = list(self._micro_batches(items))
+        micros = list(self._micro_batches(items, rl=True))
         if needs_advantage_pass(cfg):
             with self.timer("train_forward"), torch.no_grad():
                 for _, micro in micros:
@@ -360,6 +362,10 @@ class Trainer:
         for is_last, micro in micros:
             self.model.set_requires_gradient_sync(is_last)
             with self.timer("train_forward"):
+                # before the forward that backward follows: FSDP reshards after backward only
+                unreplayed = {}
+                if cfg.routing_replay and micro.routed_calls:
+                    unreplayed = self._unreplayed_diff(micro, norms)
                 ref_logprobs = None
                 if cfg.kl_loss_coef > 0:
                     with torch.no_grad():
@@ -367,10 +373,9 @@ class Trainer:
                 loss, stats = policy_objective(
                     cfg, self._logits(self.model, micro), micro, norms, ref_logprobs
                 )
+                stats |= unreplayed
             with self.timer("train_backward"):
                 loss.backward()
-            if cfg.routing_replay and micro.routed_calls:
-                stats |= self._unreplayed_diff(micro, norms)
             if self.critic is not None:
                 self.critic.set_requires_gradient_sync(is_last)
                 stats |= self._critic_backward(micro, token_norm)
