@@ -40,11 +40,11 @@ def hf_choices(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     out = torch.full((len(tokens), shape.layers, shape.top_k), -1, dtype=torch.int32)
 
     def keep(layer, router, output):
-        out[:, layer] = output[2].to(torch.int32)
+        out[:, layer] = output[2].to("cpu", torch.int32)
 
     handles = hook_routers(model, keep)
     with torch.no_grad():
-        model(torch.tensor([tokens]))
+        model(torch.tensor([tokens], device=model.device))
     for handle in handles:
         handle.remove()
     return out
