@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--dtype", default="float32", help="trainer.dtype (bfloat16: engine and trainer round apart)"
+        "--dtype", default="float32", help="trainer.dtype: float32 | bfloat16"
     )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
