@@ -41,6 +41,20 @@ KEYS = (
 )
 
 
+def warm_start(steps: int) -> list[str]:
+    """SFT steps before RL (a random tiny model never answers right, so RL alone sees reward 0
+    and no gradient): `steps` of them, none of the dev checks that would stop it early."""
+    if steps <= 0:
+        return ["warm_start.enabled=false"]
+    return [
+        "warm_start.enabled=true",
+        f"warm_start.max_steps={steps}",
+        "warm_start.target_accuracy=1.0",
+        f"warm_start.check_interval_steps={steps}",
+        "warm_start.dev_data.max_prompts=16",
+    ]
+
+
 def run(replay: bool, args: argparse.Namespace, root: Path) -> dict[str, dict[str, float]]:
     overrides = [
         f"num_steps={args.steps}",
@@ -50,7 +64,7 @@ def run(replay: bool, args: argparse.Namespace, root: Path) -> dict[str, dict[st
         f"trainer.dtype={args.dtype}",
         f"loss.routing_replay={str(replay).lower()}",
         "rollout.return_routed_experts=true",
-        "warm_start.enabled=false",
+        *warm_start(args.warm_steps),
         "eval.interval_steps=0",
         "checkpoint.interval_steps=0",
         f"rollout.prompts_per_step={args.prompts}",
@@ -73,9 +87,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (16 samples)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--dtype", default="float32", help="trainer.dtype: float32 | bfloat16"
-    )
+    parser.add_argument("--warm-steps", type=int, default=200, help="SFT steps before RL")
+    parser.add_argument("--dtype", default="float32", help="trainer.dtype: float32 | bfloat16")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
