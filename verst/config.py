@@ -18,6 +18,7 @@ from verst.envs.runner import EnvConfig
 from verst.eval.config import EvalConfig
 from verst.fleet.health import FaultToleranceConfig
 from verst.fleet.placement import PlacementConfig
+from verst.models.families import MOE_FAMILIES
 from verst.models.loading import ModelConfig
 from verst.models.tiny import TinyModelConfig
 from verst.monitor.config import MonitorConfig
@@ -96,6 +97,7 @@ class RunConfig(ConfigBase):
         check_multi_lora(self)
         check_eval(self)
         check_megatron(self)
+        check_routing_replay(self)
         return self
 
     @property
@@ -167,6 +169,21 @@ def check_multi_lora(cfg: RunConfig) -> None:
     for reason, refused in refusals.items():
         if refused:
             raise ValueError(f"model.lora.adapters: {reason}")
+
+
+def check_routing_replay(cfg: RunConfig) -> None:
+    """`loss.routing_replay` needs the experts of every token from the rollout (it turns
+    `rollout.return_routed_experts` on) and a mixture-of-experts model; a model loaded from a
+    path is checked when the trainer is built."""
+    if not cfg.loss.routing_replay:
+        return
+    tiny = cfg.model.tiny
+    if tiny is not None and tiny.family not in MOE_FAMILIES:
+        raise ValueError(
+            f"loss.routing_replay replays the experts of a mixture-of-experts model, and "
+            f"model.tiny.family {tiny.family!r} is dense: use one of {', '.join(MOE_FAMILIES)}"
+        )
+    cfg.rollout.return_routed_experts = True
 
 
 def check_eval(cfg: RunConfig) -> None:

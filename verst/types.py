@@ -33,6 +33,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 class Status(str, enum.Enum):
     PENDING = "pending"
@@ -69,6 +71,9 @@ class Sample:
     prompt_id: int | None = None
     epoch: int | None = None
     retries: int = 0
+    # MoE: the experts each position but the last was routed to at rollout, int32
+    # [len(tokens) − 1, layers, top_k] (SGLang's routed_experts); None when not asked for
+    routed_experts: torch.Tensor | None = None
 
     @property
     def adapter(self) -> str | None:

@@ -92,6 +92,9 @@ class KVPool:
         # reproducible and page tables easy to read in tests.
         self._free_stack = list(range(num_pages - 1, -1, -1))
         self._is_free = [True] * num_pages
+        # MoE models: each slot's routed experts [pages + 1, page_size, layers, top_k], kept
+        # with its KV, so a prefix the cache serves (or a follower copies) keeps its routing
+        self.routed: torch.Tensor | None = None
 
     @staticmethod
     def page_bytes(
@@ -208,8 +211,31 @@ class KVPool:
             return
         source_P = torch.tensor(source, dtype=torch.long, device=self.device)
         target_P = torch.tensor(target, dtype=torch.long, device=self.device)
-        for store in (*self.k, *self.v):
+        for store in (*self.k, *self.v, *([] if self.routed is None else [self.routed])):
             store.index_copy_(0, target_P, store.index_select(0, source_P))
+
+    def keep_routing(self, layers: int, top_k: int) -> None:
+        """Keep the experts each token is routed to beside its KV (`record_routing`), -1 where
+        none was recorded: `layers` × `top_k` int32 a slot."""
+        shape = (self.num_pages + 1, self.page_size, layers, top_k)
+        self.routed = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+
+    def record_routing(self, layer: int, slots_N: torch.Tensor, ids_N_K: torch.Tensor) -> None:
+        """One layer's expert ids [N, k] of the N tokens written to `slots_N` (a step's slots;
+        padding writes the scratch page). Device-side only: safe inside a CUDA graph."""
+        assert self.routed is not None, "keep_routing was not called"
+        flat = self.routed.view(-1, *self.routed.shape[2:])
+        flat[slots_N, layer] = ids_N_K.to(torch.int32)
+
+    def routed_rows(self, pages: list[int], n: int) -> torch.Tensor:
+        """The routed experts of token positions [0, n) of a sequence in `pages`, on the CPU:
+        int32 [n, layers, top_k] (SGLang's `routed_experts` for n = its length − 1)."""
+        assert self.routed is not None, "keep_routing was not called"
+        if n > len(pages) * self.page_size:
+            raise ValueError(f"{n} positions do not fit in {len(pages)} pages")
+        pages_P = torch.tensor(pages[: -(-n // self.page_size)], dtype=torch.long)
+        rows = self.routed.index_select(0, pages_P.to(self.device)).flatten(0, 1)[:n]
+        return rows.cpu()
 
     def write(
         self,

@@ -41,6 +41,7 @@ from verst.engine.paged_attention import (
     paged_decode_triton,
     triton,
 )
+from verst.models.moe import hook_routers, routing_shape, use_grouped_experts
 
 _META = 5  # decode meta columns before the page table: token, position, slot, length, adapter
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
@@ -123,6 +124,15 @@ class ModelRunner:
         # LoRA adapters served beside the frozen base, run by the lean forward
         self.adapters = AdapterRegistry.of(model, max_adapters) if self.lean is not None else None
         self._graphs_structure = 0  # the registry's structure the graphs were captured with
+        # MoE: experts as one grouped GEMM; the experts of every token fed are kept beside its
+        # KV in the pool (`KVPool.routed_rows`: SGLang's routed_experts), by router hooks that
+        # write while the runner's decoder runs (the slots of the step it runs)
+        self.routing = routing_shape(model)
+        self._step_slots_N: torch.Tensor | None = None
+        if self.routing is not None:
+            use_grouped_experts(model)
+            pool.keep_routing(self.routing.layers, self.routing.top_k)
+            hook_routers(model, self._record_routing)
 
     # --- public ---------------------------------------------------------------------------------
 
@@ -350,11 +360,20 @@ class ModelRunner:
     ) -> torch.Tensor:
         if self.lean is not None:
             return self.lean.hidden(ids_B_T, positions_B_T, step, adapters)
-        with paged_attention_mode(self.model), fused_norms(self.fused):
-            out = self.decoder(
-                input_ids=ids_B_T, position_ids=positions_B_T, use_cache=False, verst_paged=step
-            )
+        self._step_slots_N = step.slots_N
+        try:
+            with paged_attention_mode(self.model), fused_norms(self.fused):
+                out = self.decoder(
+                    input_ids=ids_B_T, position_ids=positions_B_T, use_cache=False, verst_paged=step
+                )
+        finally:
+            self._step_slots_N = None
         return out.last_hidden_state
+
+    def _record_routing(self, layer: int, router: torch.nn.Module, output: tuple) -> None:
+        # the trainer may run the very same modules (embedded mode): only the runner's records
+        if self._step_slots_N is not None:
+            self.pool.record_routing(layer, self._step_slots_N, output[2])
 
     def _logits(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
         if self.lean is not None:

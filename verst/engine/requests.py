@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from uuid import uuid4
 
+import torch
+
 from verst.engine.sampling import SamplingParams
 
 FINISH_STOP = "stop"
@@ -34,6 +36,8 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     # with return_logprob: also these token ids' log-probs at every scored position
     token_ids_logprob: list[int] | None = None
+    # MoE models: also the experts every token was routed to, in every layer (SGLang's field)
+    return_routed_experts: bool = False
 
     @property
     def wants_logprob_extras(self) -> bool:
@@ -69,6 +73,9 @@ class GenerateOutput:
     # token_ids_logprob: per output token (and scored prompt position) each asked id's log-prob
     output_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     input_token_ids_logprobs: list[list[float] | None] = field(default_factory=list)
+    # return_routed_experts: int32 [prompt + output − 1, layers, top_k] (SGLang's shape), the
+    # experts of every fed position in every layer (-1: a layer without experts); else None
+    routed_experts: torch.Tensor | None = None
 
     def first(self, n: int) -> GenerateOutput:
         """This output cut to its first n output tokens (every per-token list with them)."""
@@ -80,6 +87,9 @@ class GenerateOutput:
             token_weight_versions=self.token_weight_versions[:n],
             output_top_logprobs=self.output_top_logprobs[:n],
             output_token_ids_logprobs=self.output_token_ids_logprobs[:n],
+            routed_experts=None
+            if self.routed_experts is None
+            else self.routed_experts[: max(self.prompt_tokens + n - 1, 0)],
         )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from verst.engine.requests import FINISH_LENGTH, FINISH_STOP, GenerateOutput, GenerateRequest
 from verst.engine.stop_strings import StopMatcher
+from verst.models.moe import encode_routed_experts
 
 
 @dataclass
@@ -115,6 +116,8 @@ class ResultShaper:
         }
         if request.return_logprob:
             meta.update(self.logprob_meta(request, out, opts.return_text_in_logprobs))
+        if request.return_routed_experts and out.routed_experts is not None:
+            meta["routed_experts"] = encode_routed_experts(out.routed_experts)
         return GenerateResult(text=text, output_ids=list(ids), meta_info=meta)
 
     def logprob_meta(

@@ -122,6 +122,10 @@ class Scheduler:
             raise ValueError(f"input_ids must be non-empty (rid {request.rid})")
         r = Running(request, list(request.input_ids), prompt_length=len(request.input_ids))
         r.extras = LogprobRecord.for_request(request)  # checks the log-prob options too
+        if request.return_routed_experts and self.runner.routing is None:
+            raise ValueError(
+                "return_routed_experts: the model has no mixture-of-experts layers to report"
+            )
         if request.lora_path is not None:
             held = self.adapter_registry().slot(request.lora_path)
             r.adapter, r.cache_offset = held.index, held.uid << ADAPTER_KEY_SHIFT
@@ -554,8 +558,9 @@ class Scheduler:
 
     def _finish(self, r: Running, reason: str) -> GenerateOutput:
         self.running.remove(r)
+        out = self._output(r, reason)  # first: its routed experts are read from its pages
         self._release(r)
-        return self._output(r, reason)
+        return out
 
     # --- bookkeeping ----------------------------------------------------------------------------
 
@@ -598,8 +603,21 @@ class Scheduler:
             # one that finishes in the step of its first token is stamped here
             first_token_s=r.first_token_s or (time.perf_counter() if r.output_ids else None),
             matched_stop=r.matched_stop,  # set only by the step that ends r with a stop
+            routed_experts=self._routed_experts(r),
             **(r.extras.output_fields() if r.extras is not None else {}),
         )
+
+    def _routed_experts(self, r: Running) -> torch.Tensor | None:
+        """The experts of r's fed positions (all but its last token, once it has run), read
+        from its pages; None unless it asks for them."""
+        if not r.request.return_routed_experts:
+            return None
+        n = min(len(r.tokens) - 1, r.computed)
+        if not r.pages or n <= 0:
+            routing = self.runner.routing
+            assert routing is not None  # `submit` refused the request otherwise
+            return torch.empty((0, routing.layers, routing.top_k), dtype=torch.int32)
+        return self.pool.routed_rows(r.pages, n)
 
     def output_so_far(self, r: Running) -> GenerateOutput:
         """An aborted request's answer, its tokens so far (safe while a step runs: see _sample)."""

@@ -244,6 +244,7 @@ class ServingEngine(WeightUpdates):
         lora_path: str | None = None,
         top_logprobs_num: int = 0,
         token_ids_logprob: list[int] | None = None,
+        return_routed_experts: bool = False,
     ) -> GenerateResult:
         """Queue one request and wait for its result (SGLang's `/generate` item shape);
         `lora_path` names the LoRA adapter it runs with (None: the base model)."""
@@ -257,6 +258,7 @@ class ServingEngine(WeightUpdates):
                 lora_path=lora_path,
                 top_logprobs_num=top_logprobs_num,
                 token_ids_logprob=token_ids_logprob,
+                return_routed_experts=return_routed_experts,
             ),
             detokenize or DetokenizeParams(),
             stream=False,
@@ -308,6 +310,7 @@ class ServingEngine(WeightUpdates):
             request.lora_path,
             top_logprobs_num=request.top_logprobs_num,
             token_ids_logprob=request.token_ids_logprob,
+            return_routed_experts=request.return_routed_experts,
         )
         async with cond:
             await cond.wait_for(lambda: not self._paused and not self._updating)
@@ -346,9 +349,14 @@ class ServingEngine(WeightUpdates):
         *,
         top_logprobs_num: int = 0,
         token_ids_logprob: list[int] | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         """Raise ValueError for a request the engine cannot run (before it reaches a batch)."""
         params.validate()
+        if return_routed_experts and self.scheduler.runner.routing is None:
+            raise ValueError(
+                "return_routed_experts: the model has no mixture-of-experts layers to report"
+            )
         self._check_logprob_options(top_logprobs_num, token_ids_logprob)
         if lora_path is not None:
             self.scheduler.adapter_registry().slot(lora_path)  # AdapterError names the held ones

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from verst.engine import GenerateOutput, GenerateRequest, SamplingParams
+from verst.models.moe import decode_routed_experts
 
 
 def request_body(request: GenerateRequest) -> dict[str, Any]:
@@ -36,6 +37,8 @@ def request_body(request: GenerateRequest) -> dict[str, Any]:
         body["top_logprobs_num"] = request.top_logprobs_num
     if request.token_ids_logprob is not None:
         body["token_ids_logprob"] = list(request.token_ids_logprob)
+    if request.return_routed_experts:
+        body["return_routed_experts"] = True
     return body
 
 
@@ -85,6 +88,10 @@ def output_from_body(request: GenerateRequest, body: dict[str, Any]) -> Generate
         None if triple[0] is None else float(triple[0])
         for triple in meta.get("input_token_logprobs") or []
     ]
+    routed = meta.get("routed_experts")
+    if routed is not None:  # SGLang's rows: every position but the last
+        rows = int(meta["prompt_tokens"]) + len(ids) - 1
+        routed = decode_routed_experts(routed, rows)
     return GenerateOutput(
         rid=request.rid,
         output_ids=ids,
@@ -100,4 +107,5 @@ def output_from_body(request: GenerateRequest, body: dict[str, Any]) -> Generate
         input_top_logprobs=_top(meta.get("input_top_logprobs")),
         output_token_ids_logprobs=_chosen(meta.get("output_token_ids_logprobs")),
         input_token_ids_logprobs=_chosen(meta.get("input_token_ids_logprobs")),
+        routed_experts=routed,
     )

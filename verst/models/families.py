@@ -153,6 +153,7 @@ _BUILDERS: dict[str, tuple[Callable[..., PretrainedConfig], type[PreTrainedModel
     "mixtral": (_mixtral, transformers.MixtralForCausalLM),
 }
 FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
+MOE_FAMILIES: tuple[str, ...] = ("qwen3-moe", "gpt-oss", "deepseek-v3", "mixtral")
 
 
 def family_config(

@@ -28,6 +28,11 @@ class RolloutConfig(LayersConfig, AsyncConfig, AgentConfig):
     prompts_per_step: int = Field(16, ge=1, description="prompts (groups) per RL step")
     n_samples_per_prompt: int = Field(8, ge=1, description="samples per prompt (the group size)")
     max_new_tokens: int = Field(256, ge=1, description="response length limit in tokens")
+    return_routed_experts: bool = Field(
+        False,
+        description="MoE: the engines report the experts every token was routed to (SGLang's "
+        "return_routed_experts), stored on each Sample; on whenever loss.routing_replay is",
+    )
     temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     top_k: int = Field(-1, description="sample among the k likeliest tokens; -1 = off")
@@ -140,7 +145,18 @@ def output_versions(out: GenerateOutput) -> list[int]:
     return versions or [int(out.weight_version)]
 
 
-def fill_sample(sample: Sample, out: GenerateOutput, response_text: str) -> None:
+def fill_sample(
+    sample: Sample, out: GenerateOutput, response_text: str, *, routed_experts: bool = False
+) -> None:
+    """`sample`'s response from `out`; with `routed_experts` (the request asked for them),
+    ValueError when the engine returned none."""
+    if routed_experts and out.routed_experts is None and out.finish_reason != "abort":
+        raise ValueError(
+            "the engine returned no routed_experts though rollout.return_routed_experts asked "
+            "for them: a dense model reports none, an SGLang server needs "
+            "--enable-return-routed-experts, and vLLM does not report them"
+        )
+    sample.routed_experts = out.routed_experts
     sample.tokens = sample.prompt_tokens + list(out.output_ids)
     sample.response_length = len(out.output_ids)
     sample.loss_mask = [1] * len(out.output_ids)
@@ -155,14 +171,21 @@ def generate_groups(
     decode: Callable[[list[int]], str],
     groups: list[Group],
     params: SamplingParams,
+    *,
+    routed_experts: bool = False,
 ) -> list[Group]:
     """Generate every sample in one engine call and fill it in place (with multi-LoRA, each
-    with its adapter)."""
+    with its adapter; with `routed_experts`, each with the experts its tokens were routed to)."""
     samples = [sample for group in groups for sample in group]
     requests = [
-        GenerateRequest(input_ids=s.prompt_tokens, sampling_params=params, lora_path=s.adapter)
+        GenerateRequest(
+            input_ids=s.prompt_tokens,
+            sampling_params=params,
+            lora_path=s.adapter,
+            return_routed_experts=routed_experts,
+        )
         for s in samples
     ]
     for sample, out in zip(samples, engine.generate(requests), strict=True):
-        fill_sample(sample, out, decode(out.output_ids))
+        fill_sample(sample, out, decode(out.output_ids), routed_experts=routed_experts)
     return groups

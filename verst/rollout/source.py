@@ -224,7 +224,13 @@ class EngineRollout(_StepRollout):
         if self.generate_fn is not None:
             fn = self.generate_fn
             return generate_groups_with(fn, self.engine, self.decode, groups, self.sampling_params)
-        return generate_groups(self.engine, self.decode, groups, self.sampling_params)
+        return generate_groups(
+            self.engine,
+            self.decode,
+            groups,
+            self.sampling_params,
+            routed_experts=self.cfg.return_routed_experts,
+        )
 
 
 class FunctionRollout(EngineRollout):
@@ -421,9 +427,11 @@ class AsyncRollout:
             input_ids=sample.prompt_tokens,
             sampling_params=copy.copy(self.sampling_params),
             lora_path=sample.adapter,
+            return_routed_experts=self.cfg.return_routed_experts,
         )
         out = await self.fleet.agenerate(request, key=prompt_key(sample.prompt_tokens))
-        fill_sample(sample, out, self.decode(out.output_ids))
+        routed = self.cfg.return_routed_experts
+        fill_sample(sample, out, self.decode(out.output_ids), routed_experts=routed)
         return sample
 
     def groups(self, version: int) -> tuple[list[Group], dict[str, float]]:

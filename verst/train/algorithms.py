@@ -338,6 +338,11 @@ class LossConfig(ConfigBase):
     )
     mis_low: float = Field(0.0, ge=0, description="MIS lower bound of the accepted weight")
     mis_high: float = Field(2.0, gt=0, description="MIS upper bound of the accepted weight")
+    routing_replay: bool = Field(
+        False,
+        description="MoE (R3): the trainer's MoE layers use the experts recorded at rollout, "
+        "with gate weights from its own router scores at them (the router still learns)",
+    )
     opd: OPDConfig | None = Field(
         None,
         description="on-policy distillation: teachers score the sampled tokens and each "

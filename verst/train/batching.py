@@ -30,6 +30,7 @@ class TrainItem:
     reward: float = 0.0
     teacher_logprobs: list[float] | None = None  # loss.opd: the teacher's, per response token
     adapter: str | None = None  # multi-LoRA: the adapter it trains
+    routed_experts: torch.Tensor | None = None  # MoE: the rollout's experts (Sample's)
 
     @classmethod
     def from_sample(cls, sample: Sample, advantage: float) -> TrainItem:
@@ -42,6 +43,7 @@ class TrainItem:
             sample.reward or 0.0,
             sample.teacher_logprobs,
             sample.adapter,
+            sample.routed_experts,
         )
 
 
@@ -69,6 +71,8 @@ class MicroBatch:
     returns_B_T: torch.Tensor | None = None
     # loss.opd: the teacher's log-prob of each response token; None when no item has them
     teacher_logprobs_B_T: torch.Tensor | None = None
+    # MoE: the rollout's experts of each forward call's tokens (`routing_replay.routed_calls`)
+    routed_calls: list[torch.Tensor] | None = None
 
 
 def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -97,7 +101,12 @@ def balance_micro_batches(lengths: list[int], count: int) -> list[list[int]]:
 
 def masked_out(item: TrainItem) -> TrainItem:
     return TrainItem(
-        item.tokens, item.response_length, [0] * item.response_length, item.rollout_logprobs, 0.0
+        item.tokens,
+        item.response_length,
+        [0] * item.response_length,
+        item.rollout_logprobs,
+        0.0,
+        routed_experts=item.routed_experts,
     )
 
 

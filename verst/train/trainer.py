@@ -8,9 +8,10 @@ micro-batch losses equal the loss of the whole batch; a non-finite loss or gradi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from verst import distributed
 from verst.configbase import ConfigBase
 from verst.models import lora
+from verst.models.moe import routing_shape
 from verst.monitor.mfu import mfu_metrics
 from verst.monitor.timer import PhaseTimer
 from verst.sync.buckets import full_parameters
@@ -51,6 +53,7 @@ from verst.train.objective import (
     set_token_advantages,
     whiten_globally,
 )
+from verst.train.routing_replay import RoutingReplay, require_moe, routed_calls
 from verst.train.token_logprobs import response_scores
 
 
@@ -162,6 +165,11 @@ class Trainer:
         self.constant_normaliser = constant_normaliser
         self.total_steps = total_steps
         distributed.init_distributed(device)
+        # MoE: routing recorded at rollout is replayed (loss.routing_replay) or compared with
+        self.routing_shape = require_moe(model) if loss_cfg.routing_replay else routing_shape(model)
+        self.routing = None
+        if self.routing_shape is not None:
+            self.routing = RoutingReplay(model, replay=loss_cfg.routing_replay)
         model.to(device=device, dtype=torch.float32)  # master weights stay fp32
         model.train()
         # with LoRA (`verst.models.lora.apply_lora`), the adapted modules' scales; else empty
@@ -268,21 +276,31 @@ class Trainer:
 
     # --- forward -------------------------------------------------------------------------------
 
+    def _replaying(self, model: torch.nn.Module, micro: MicroBatch) -> Any:
+        """The policy's MoE layers replaying the rollout's experts under loss.routing_replay."""
+        routing = self.routing if model is self.model else None
+        calls = micro.routed_calls
+        return routing.feeding(calls) if routing and calls else contextlib.nullcontext()
+
     def _logits(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
         """Temperature-scaled fp32 logits [B, T, V]; position j predicts response token j."""
-        return response_outputs(model, micro).float() / self.temperature
+        with self._replaying(model, micro):
+            return response_outputs(model, micro).float() / self.temperature
 
     def _scores(
         self, model: torch.nn.Module, micro: MicroBatch, *, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (log-prob, entropy) [B, T] of each response token at the sampling temperature."""
         chunk = self.cfg.logprob_chunk_tokens
-        return response_scores(model, micro, self.temperature, chunk, entropy_grad=entropy_grad)
+        with self._replaying(model, micro):
+            return response_scores(model, micro, self.temperature, chunk, entropy_grad=entropy_grad)
 
     def _logprobs(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
         return self._scores(model, micro)[0]
 
-    def _micro_batches(self, items: list[TrainItem]) -> Iterator[tuple[bool, MicroBatch]]:
+    def _micro_batches(
+        self, items: list[TrainItem], *, rl: bool = False
+    ) -> Iterator[tuple[bool, MicroBatch]]:
         """Micro-batches within the token budget; every rank yields the same number of them,
         since each one is a round of FSDP collectives (a rank short of items repeats one with
         its loss mask zeroed; a rank with none, every group of its share set aside, runs a
@@ -296,7 +314,15 @@ class Trainer:
         stand_in = masked_out(items[0]) if items else TrainItem([pad] * 3, 2, [0, 0], [0.0] * 2, 0)
         for position, indices in enumerate(balance_micro_batches(lengths, count)):
             batch = [items[i] for i in indices] or [stand_in]
-            yield position == count - 1, collate(batch, self.pad_token_id, self.device)
+            micro = collate(batch, self.pad_token_id, self.device)
+            recorded = [item.routed_experts is not None for item in batch]
+            # RL replay needs every sample's record (`routed_calls` says which lacks it), but
+            # the masked-out stand-in of a rank without items, which trains nothing; SFT's
+            # examples were never rolled out and train on the trainer's own routing
+            replays = rl and self.loss_cfg.routing_replay and bool(items)
+            if self.routing_shape is not None and (all(recorded) or replays):
+                micro.routed_calls = routed_calls(batch, micro, self.routing_shape)
+            yield position == count - 1, micro
 
     def _global_counts(self, items: list[TrainItem]) -> tuple[float, float]:
         """Masked tokens and sequences over all ranks, divided by the world size.
@@ -361,7 +387,7 @@ class Trainer:
         cfg = self.loss_cfg
         token_norm, seq_norm = self._global_counts(items)
         norms = Normalisers(token_norm, seq_norm, self.constant_normaliser)
-        micros = list(self._micro_batches(items))
+        micros = list(self._micro_batches(items, rl=True))
         if needs_advantage_pass(cfg):
             with self.timer("train_forward"), torch.no_grad():
                 for _, micro in micros:
@@ -372,6 +398,10 @@ class Trainer:
         for is_last, micro in micros:
             self.model.set_requires_gradient_sync(is_last)
             with self.timer("train_forward"):
+                # before the forward that backward follows: FSDP reshards after backward only
+                unreplayed = {}
+                if cfg.routing_replay and micro.routed_calls:
+                    unreplayed = self._unreplayed_diff(micro, norms)
                 ref_logprobs = None
                 if cfg.kl_loss_coef > 0:
                     with torch.no_grad():
@@ -380,6 +410,7 @@ class Trainer:
                     self.model, micro, entropy_grad=cfg.entropy_coef > 0
                 )
                 loss, stats = policy_objective(cfg, logprobs, entropy, micro, norms, ref_logprobs)
+                stats |= unreplayed
             with self.timer("train_backward"):
                 loss.backward()
             if self.critic is not None:
@@ -389,9 +420,25 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + value
         with self.timer("train_optimizer"):
             metrics = self._optimizer_steps(optimizer, scheduler, sums, step)
+        if self.routing is not None:
+            sums |= self.routing.take_counts()
         world = distributed.world_size()
-        reduced = distributed.all_reduce_sum(list(sums.values()), self.device)
-        return {f"train/{k}": v / world for k, v in zip(sums, reduced, strict=True)} | metrics
+        totals = distributed.all_reduce_sum(list(sums.values()), self.device)
+        reduced = dict(zip(sums, totals, strict=True))
+        if "routing_recorded" in reduced:  # the share over every rank's recorded choices
+            agreed, recorded = reduced.pop("routing_agreed"), reduced.pop("routing_recorded")
+            if recorded:
+                metrics["train/routing_agreement"] = agreed / recorded
+        return {f"train/{k}": v / world for k, v in reduced.items()} | metrics
+
+    def _unreplayed_diff(self, micro: MicroBatch, norms: Normalisers) -> dict[str, float]:
+        """The train-rollout log-prob difference the policy would have without replay."""
+        assert self.routing is not None and micro.routed_calls is not None
+        with torch.no_grad(), self.routing.feeding(micro.routed_calls, replay=False, count=False):
+            chunk = self.cfg.logprob_chunk_tokens
+            logprobs_B_T = response_scores(self.model, micro, self.temperature, chunk)[0]
+        diff_B_T = (logprobs_B_T - micro.rollout_logprobs_B_T).abs() * micro.loss_mask_B_T
+        return {"train_rollout_logprob_abs_diff_no_replay": float(diff_B_T.sum()) / norms.tokens}
 
     def _optimizer_steps(
         self,

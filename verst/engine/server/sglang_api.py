@@ -141,6 +141,7 @@ class GenerateItem:
     lora_path: str | None = None  # the LoRA adapter it runs with (a name the engine holds)
     top_logprobs_num: int = 0  # with return_logprob: the k likeliest tokens at each position
     token_ids_logprob: list[int] | None = None  # with return_logprob: these ids' log-probs
+    return_routed_experts: bool = False  # MoE: meta_info.routed_experts, base64 int32
 
 
 @dataclass
@@ -460,6 +461,7 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
     lora_paths = _lora_paths(payload, len(prompts))
     extras = _logprob_extras(payload, len(prompts))
     text_in_logprobs = _flag(payload, "return_text_in_logprobs", False)
+    routed_experts = _flag(payload, "return_routed_experts", False)
 
     parsed = []
     for i, prompt in enumerate(prompts):
@@ -497,6 +499,7 @@ def parse_generate(payload: Any, tokenizer: Any, context_len: int) -> GenerateJo
                     # SGLang reads them only with return_logprob
                     top_logprobs_num=extras[i][0] if logprob else 0,
                     token_ids_logprob=extras[i][1] if logprob else None,
+                    return_routed_experts=routed_experts,
                 )
             )
     return GenerateJob(
@@ -518,6 +521,7 @@ def check_job(serving: ServingEngine, job: GenerateJob) -> None:
                 item.lora_path,
                 top_logprobs_num=item.top_logprobs_num,
                 token_ids_logprob=item.token_ids_logprob,
+                return_routed_experts=item.return_routed_experts,
             )
         except ValueError as error:
             raise value_error(str(error)) from error
@@ -542,6 +546,7 @@ async def run_job(serving: ServingEngine, job: GenerateJob) -> list[dict[str, An
                 lora_path=item.lora_path,
                 top_logprobs_num=item.top_logprobs_num,
                 token_ids_logprob=item.token_ids_logprob,
+                return_routed_experts=item.return_routed_experts,
             )
         except ValueError as error:
             raise value_error(str(error)) from error
