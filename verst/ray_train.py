@@ -17,20 +17,25 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from verst.fleet.placement import PlacementConfig
 from verst.fleet.ray_cluster import (
     PLACEMENT_GROUP_ENV,
+    bundle_nodes,
     connect,
     place,
     require_ray,
     scheduling,
 )
+from verst.rundir import append_record
 from verst.supervisor import Supervisor
 
 PR_SET_PDEATHSIG = 1
+PLACEMENT_FILE = "placement.jsonl"
 
 
 def _die_with_parent() -> None:
@@ -76,7 +81,7 @@ class RayRanks:
     """One attempt's trainer ranks, which the supervisor waits on and signals as it does a
     local child process."""
 
-    def __init__(self, group: Any, cfg: PlacementConfig, command: list[str]) -> None:
+    def __init__(self, group: Any, name: str, cfg: PlacementConfig, command: list[str]) -> None:
         ray = require_ray()
         self.actors = []
         for rank in range(cfg.trainer_ranks):
@@ -96,7 +101,7 @@ class RayRanks:
             "LOCAL_RANK": "0",  # each rank sees its bundle's GPU only, as cuda:0
             "LOCAL_WORLD_SIZE": "1",
             "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-            PLACEMENT_GROUP_ENV: group.name,
+            PLACEMENT_GROUP_ENV: name,
             "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
         }
         self.runs = [
@@ -136,11 +141,25 @@ class RaySupervisor(Supervisor):
     ) -> None:
         super().__init__(train_args, run_dir, max_restarts)
         self.cfg = cfg
-        self.group = place(cfg)
+        self.group_name = f"verst-{uuid.uuid4().hex[:12]}"
+        self.group = place(cfg, self.group_name)
+        self._record_placement()
+
+    def _record_placement(self) -> None:
+        """`run_dir/placement.jsonl`: where Ray put each trainer rank and engine."""
+        nodes = bundle_nodes(self.group)
+        record = {
+            "time": time.time(),
+            "placement_group": self.group_name,
+            "bundles": self.group.bundle_specs,
+            "trainer_nodes": nodes[: self.cfg.trainer_ranks],
+            "engine_nodes": nodes[self.cfg.trainer_ranks :],
+        }
+        append_record(self.run_dir / PLACEMENT_FILE, record)
 
     def _attempt(self, resume: bool) -> int:
         command = [sys.executable, "-m", "verst", "train", *self.train_args]
-        ranks = RayRanks(self.group, self.cfg, command + ["--resume"] * resume)
+        ranks = RayRanks(self.group, self.group_name, self.cfg, command + ["--resume"] * resume)
         self.process = ranks  # type: ignore[assignment]
         if self.stop_signal is not None:
             ranks.send_signal(self.stop_signal)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from verst.fleet.placement import PlacementConfig
 
 PLACEMENT_GROUP_ENV = "VERST_RAY_PLACEMENT_GROUP"  # set in trainer ranks placed by Ray
+NAMESPACE = "verst"  # named placement groups are found within one namespace
 
 
 def require_ray() -> Any:
@@ -58,7 +58,7 @@ def connect(cfg: PlacementConfig) -> RayCluster:
     began = time.monotonic()
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, namespace=NAMESPACE)
         return RayCluster(ray.get_runtime_context().gcs_address, time.monotonic() - began)
     from ray.cluster_utils import Cluster
 
@@ -73,7 +73,7 @@ def connect(cfg: PlacementConfig) -> RayCluster:
                 args["resources"] = dict(node.resources)
             local.add_node(**args)
         local.wait_for_nodes()
-        ray.init(address=local.address, log_to_driver=False)
+        ray.init(address=local.address, namespace=NAMESPACE)
     except BaseException:
         local.shutdown()
         raise
@@ -87,7 +87,8 @@ def join_from_rank() -> Any:
     from ray.util import get_placement_group
 
     if not ray.is_initialized():
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        # the rank's console is its actor's, which the driver already shows
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE, log_to_driver=False)
     return get_placement_group(os.environ[PLACEMENT_GROUP_ENV])
 
 
@@ -142,15 +143,16 @@ def node_resources() -> list[dict[str, float]]:
     return [dict(node["Resources"]) for node in ray.nodes() if node["Alive"]]
 
 
-def place(cfg: PlacementConfig) -> Any:
-    """The run's placement group, placed (or an error naming what could not be)."""
+def place(cfg: PlacementConfig, name: str) -> Any:
+    """The run's placement group, named `name` (how trainer ranks find it), placed (or an
+    error naming what could not be)."""
     ray = require_ray()
     from ray.util import placement_group, remove_placement_group
 
     nodes = node_resources()
     wanted = bundles(cfg, sum(node.get("GPU", 0) for node in nodes))
     check_resources(wanted, nodes, cfg)
-    group = placement_group(wanted, strategy="PACK", name=f"verst-{uuid.uuid4().hex[:12]}")
+    group = placement_group(wanted, strategy="PACK", name=name)
     ready, _ = ray.wait([group.ready()], timeout=cfg.ray_placement_timeout_s)
     if not ready:
         remove_placement_group(group)
@@ -169,3 +171,12 @@ def scheduling(group: Any, bundle_index: int) -> Any:
     return PlacementGroupSchedulingStrategy(
         placement_group=group, placement_group_bundle_index=bundle_index
     )
+
+
+def bundle_nodes(group: Any) -> list[str]:
+    """The node id of each bundle of a placed group, in bundle order."""
+    require_ray()
+    from ray.util import placement_group_table
+
+    by_index = placement_group_table(group)["bundles_to_node_id"]
+    return [by_index[i] for i in sorted(by_index)]

@@ -10,6 +10,7 @@ serves after a full weight push.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from verst.fleet.launcher import launch_local_engines
 from verst.fleet.processes import EngineProcesses, ProcessSlot
 from verst.fleet.ray_cluster import join_from_rank, require_ray, scheduling
 
+log = logging.getLogger(__name__)
 DEAD = -9  # the exit code reported for an engine whose actor is gone
 
 
@@ -129,6 +131,7 @@ class RayEngineProcesses(EngineProcesses):
         try:
             for slot, (actor, call) in zip(self.slots, launched, strict=True):
                 slot.engine = self._join(slot, actor, call)  # type: ignore[assignment]
+                log.info("engine %d at %s on Ray node %s", slot.index, slot.url, slot.engine.node)  # type: ignore[union-attr]
         except BaseException:
             for actor, _ in launched:
                 require_ray().kill(actor)
