@@ -87,24 +87,24 @@ def test_ray_fully_async_survives_an_engine_and_a_trainer_rank_killed(tmp_path: 
     pytest.importorskip("ray")
     run_dir = tmp_path / "run"
     overrides = [
-        "num_steps=30",
+        "num_steps=16",
         "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
         "intermediate_size: 64, max_position_embeddings: 64}",
         "rollout.prompts_per_step=4",
         "rollout.n_samples_per_prompt=4",
         "warm_start.enabled=false",
         "eval.interval_steps=0",
-        "checkpoint.interval_steps=10",
+        "checkpoint.interval_steps=5",
         "fault_tolerance.interval_s=0.5",
         "fault_tolerance.timeout_s=5",
     ]
     run = TrainProcess([EXAMPLE, *overrides], run_dir, extra_args=["--max-restarts", "1"])
     run.start()
-    run.wait_for_step(3, timeout_s=400)
+    run.wait_for_step(2, timeout_s=400)
     (engine,) = _pids("serve", str(run_dir / "engine_init"))  # its actor is on the other node
     os.kill(engine, signal.SIGKILL)
     run.wait_until(lambda row: row.get("fault/engine_restarts", 0) >= 1, "engine restart", 200)
-    run.wait_for_step(13)
+    run.wait_for_step(7)
     rank = next(p for p in _pids("train", str(run_dir)) if p != run.pid)
     os.kill(rank, signal.SIGKILL)
     assert run.finish(timeout_s=600) == 0, run.output()
@@ -114,7 +114,7 @@ def test_ray_fully_async_survives_an_engine_and_a_trainer_rank_killed(tmp_path: 
     report = check_exactly_once(run_dir / LEDGER_FILE, len(load_rows(cfg.data)))
     assert report.ok, report.summary()
     (restart,) = complete_records(run_dir / "restarts.jsonl")
-    assert restart["resumed_from"] is not None  # resumed from step 10's checkpoint
+    assert restart["resumed_from"] is not None  # resumed from step 5's checkpoint
     placements = [json.loads(line) for line in (run_dir / "placement.jsonl").open()]
     (trainer_node,), (engine_node,) = placements[0]["trainer_nodes"], placements[0]["engine_nodes"]
     assert trainer_node != engine_node, placements

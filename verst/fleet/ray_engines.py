@@ -32,8 +32,9 @@ class EngineHost:
 
     def start(
         self, model_dir: str, args: list[str], device: str, timeout_s: float, env: dict
-    ) -> tuple[str, str, int]:
-        """Start `verst serve` on this node; returns (url, node id, pid) once it is healthy."""
+    ) -> tuple[str, str, int, str]:
+        """Start `verst serve` on this node; returns (url, node id, pid, device) once it is
+        healthy."""
         import ray
 
         host = ray.util.get_node_ip_address()
@@ -48,7 +49,7 @@ class EngineHost:
             env=env,
         )
         node = ray.get_runtime_context().get_node_id()
-        return self.engine.url, node, self.engine.process.pid
+        return self.engine.url, node, self.engine.process.pid, device
 
     def poll(self) -> int | None:
         return None if self.engine is None else self.engine.process.poll()
@@ -120,10 +121,11 @@ class RayEngineProcesses(EngineProcesses):
     def _join(self, slot: ProcessSlot, actor: Any, call: Any) -> RayEngine:
         ray = require_ray()
         try:
-            url, node, pid = ray.get(call, timeout=self.timeout_s + 30)
+            url, node, pid, device = ray.get(call, timeout=self.timeout_s + 30)
         except BaseException:
             ray.kill(actor)
             raise
+        slot.device = device  # "auto" resolved: the bundle's GPU, or the CPU
         return RayEngine(url, node, pid, actor)
 
     def start_all(self) -> None:
