@@ -86,7 +86,7 @@ def startup_s(nodes: int) -> float:
     from verst.config import load_config
     from verst.fleet.ray_cluster import connect
 
-    cfg = load_config(None, ray_nodes(nodes)).placement
+    cfg = load_config(None, ray_nodes(nodes)).placement  # no engine bundles: embedded
     cluster = connect(cfg)
     cluster.shutdown()
     return cluster.start_s
@@ -105,6 +105,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         local = run("local", args, Path(tmp) / "local")
         ray = run("ray", args, Path(tmp) / "ray")
+    print(f"local {local}\nray {ray}", flush=True)
     startups = [startup_s(args.nodes) for _ in range(args.startups)]
     ratio = ray["step_time_median_s"] / local["step_time_median_s"]
     result = {

@@ -39,10 +39,14 @@ def test_bundles_per_rank_and_engine_cpu_and_gpu_clusters() -> None:
 
 
 def test_bundles_the_cluster_cannot_hold_are_refused_naming_the_fields() -> None:
-    cfg = PlacementConfig(backend="ray", num_engines=2, ray_engine_resources={"e": 1})
+    cfg = PlacementConfig(
+        backend="ray", engines="processes", num_engines=2, ray_engine_resources={"e": 1}
+    )
     nodes = [{"CPU": 1.0, "e": 1.0}, {"CPU": 1.0}]
     with pytest.raises(ValueError, match="placement.trainer_ranks=1 and placement.num_engines=2"):
         check_resources(bundles(cfg, 0), nodes, cfg)  # 3 CPUs wanted, 2 offered
+    embedded = cfg.model_copy(update={"engines": "embedded"})
+    assert bundles(embedded, 0) == [{"CPU": 1.0}]  # the engine runs in trainer rank 0
     with pytest.raises(ValueError, match="placement.ray_engine_cpus / ray_engine_gpus"):
         check_resources(bundles(cfg, 0), [{"CPU": 4.0}], cfg)  # no node offers `e`
     check_resources(bundles(cfg, 0), [{"CPU": 3.0, "e": 2.0}], cfg)

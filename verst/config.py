@@ -256,7 +256,9 @@ def check_ray_transport(cfg: RunConfig) -> None:
     """Under Ray, colocated weight sync (shared memory, CUDA IPC) needs engines on the
     trainer's node: refuse custom resources that pin them elsewhere."""
     placement = cfg.placement
-    if placement.backend != "ray" or cfg.sync.resolve(placement) != "colocated":
+    if placement.backend != "ray" or placement.engines != "processes":
+        return
+    if cfg.sync.resolve(placement) != "colocated":
         return
     if placement.ray_engine_resources != placement.ray_trainer_resources:
         raise ValueError(

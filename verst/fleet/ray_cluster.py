@@ -2,7 +2,8 @@
 the placement group that holds a bundle per trainer rank and per engine.
 
 Bundles come in a fixed order: `placement.trainer_ranks` trainer bundles first, then
-`placement.num_engines` engine bundles, so trainer rank r is bundle r and engine i is bundle
+`placement.num_engines` engine bundles (with `placement.engines: processes`; other engines
+run in trainer rank 0's process), so trainer rank r is bundle r and engine i is bundle
 `trainer_ranks + i`. A bundle asks for its CPUs, its GPUs (one per trainer rank and per engine
 on a cluster with GPUs, unless set) and the custom resources of `placement.ray_*_resources`,
 which is how engines and trainer ranks are pinned to nodes of their own. Before anything is
@@ -105,7 +106,8 @@ def bundles(cfg: PlacementConfig, cluster_gpus: float) -> list[dict[str, float]]
     trainer |= cfg.ray_trainer_resources
     engine |= cfg.ray_engine_resources
     strip = [{k: v for k, v in b.items() if v} for b in (trainer, engine)]
-    return [strip[0]] * cfg.trainer_ranks + [strip[1]] * cfg.num_engines
+    engines = cfg.num_engines if cfg.engines == "processes" else 0  # others run in rank 0
+    return [strip[0]] * cfg.trainer_ranks + [strip[1]] * engines
 
 
 def _fields(index: int, cfg: PlacementConfig) -> str:
