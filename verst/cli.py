@@ -20,6 +20,7 @@ from verst.chat.families import FAMILIES as CHAT_FAMILIES
 from verst.chat.tool_parsers import TOOL_PARSERS
 from verst.config import ConfigError, help_text, load_config
 from verst.envs.sandbox import cli as sandbox_cli
+from verst.fleet.ray_cluster import PLACEMENT_GROUP_ENV
 from verst.http_limits import add_limit_flags, limits_from_args
 from verst.models.families import FAMILIES
 from verst.rundir import RunDirError, check_writable, holds_run, run_dir_error, writing
@@ -327,10 +328,16 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     run_dir = _prepare_run_dir(args, config)
     check_writable(run_dir)
+    train_args = [*([config] if config else []), *overrides, "--run-dir", str(run_dir)]
+    if cfg.placement.backend == "ray" and PLACEMENT_GROUP_ENV not in os.environ:
+        from verst.ray_train import train_on_ray
+
+        return train_on_ray(
+            cfg.placement, train_args, run_dir, args.max_restarts, resume=args.resume
+        )
     if args.max_restarts:
         from verst.supervisor import Supervisor
 
-        train_args = [*([config] if config else []), *overrides, "--run-dir", str(run_dir)]
         return Supervisor(train_args, run_dir, args.max_restarts).run(resume=args.resume)
     # heavy imports only once the config is known to be valid
     if cfg.mode == "sft":

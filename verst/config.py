@@ -93,6 +93,7 @@ class RunConfig(ConfigBase):
                 "relative to the group, so a group of one has advantage 0 and learns nothing"
             )
         check_placement(self)
+        check_ray_transport(self)
         check_no_reward(self)
         check_multi_lora(self)
         check_eval(self)
@@ -285,6 +286,22 @@ def check_placement(cfg: RunConfig) -> None:
         raise ValueError(
             "sync.transport=broadcast needs placement.engines=processes: the weight-update group "
             "joins the trainer to engine processes"
+        )
+
+
+def check_ray_transport(cfg: RunConfig) -> None:
+    """Under Ray, colocated weight sync (shared memory, CUDA IPC) needs engines on the
+    trainer's node: refuse custom resources that pin them elsewhere."""
+    placement = cfg.placement
+    if placement.backend != "ray" or placement.engines != "processes":
+        return
+    if cfg.sync.resolve(placement) != "colocated":
+        return
+    if placement.ray_engine_resources != placement.ray_trainer_resources:
+        raise ValueError(
+            "sync.transport=colocated works within one node only, and placement."
+            "ray_engine_resources pins engines to other nodes than placement."
+            "ray_trainer_resources: use sync.transport=broadcast or disk across nodes"
         )
 
 

@@ -153,7 +153,7 @@ class Fleet:
             if cfg.engines == "in_process":
                 clients, runners = loop.run(_start_in_process(cfg, model, tokenizer, seed, keys))
                 return cls(loop, clients, tokenizer=tokenizer, runners=runners, api_keys=keys)
-            devices = engine_devices(cfg, trainer_device)
+            devices = _devices(cfg, trainer_device)
             processes = _engine_processes(cfg, model_dir, devices, dtype, seed, keys)
             processes.start_all()
             clients = {e.url: HttpEngineClient(e.url, api_keys=keys) for e in processes.engines}
@@ -498,11 +498,18 @@ def _engine_processes(
     common += [str(cfg.max_batch_size)]
     if cfg.engine_threads is not None:
         common += ["--num-threads", str(cfg.engine_threads)]
-    return EngineProcesses(
-        model_dir,
-        devices,
-        common_args=common,
-        seed=seed,
-        timeout_s=cfg.startup_timeout_s,
-        env=keys.env(),
+    kwargs: dict[str, Any] = dict(
+        common_args=common, seed=seed, timeout_s=cfg.startup_timeout_s, env=keys.env()
     )
+    if cfg.backend == "ray":
+        from verst.fleet.ray_engines import RayEngineProcesses
+
+        return RayEngineProcesses(model_dir, devices, first_bundle=cfg.trainer_ranks, **kwargs)
+    return EngineProcesses(model_dir, devices, **kwargs)
+
+
+def _devices(cfg: PlacementConfig, trainer_device: torch.device) -> list[str]:
+    """Each engine's device; under Ray, unless set, the GPU of its bundle (or the CPU)."""
+    if cfg.backend == "ray" and not cfg.engine_devices:
+        return ["auto"] * cfg.num_engines
+    return engine_devices(cfg, trainer_device)

@@ -3,14 +3,24 @@ of engine processes."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from verst.configbase import ConfigBase
 
 EngineKind = Literal["embedded", "in_process", "processes"]
+
+
+class RayNodeConfig(ConfigBase):
+    num_cpus: float = Field(1.0, gt=0, description="CPUs this local Ray node offers")
+    num_gpus: int = Field(0, ge=0, description="GPUs this local Ray node offers")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom resources of this node (e.g. {verst_engine: 1}) that bundles ask for",
+    )
 
 
 class PlacementConfig(ConfigBase):
@@ -39,6 +49,67 @@ class PlacementConfig(ConfigBase):
     startup_timeout_s: float = Field(
         300.0, gt=0, description="seconds an engine process may take to become healthy"
     )
+
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="local = engine and trainer processes on this machine; ray = Ray actors "
+        "placed by a placement group on a Ray cluster (pip install 'verst[ray]')",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster to join (ray.init address, e.g. 10.0.0.1:6379); unset = "
+        "$RAY_ADDRESS, else a local cluster of placement.ray_local_nodes",
+    )
+    ray_local_nodes: list[RayNodeConfig] = Field(
+        default_factory=list,
+        description="nodes of the local Ray cluster verst starts when it joins none; empty = "
+        "one node with this machine's CPUs and GPUs",
+    )
+    ray_object_store_mb: int = Field(
+        100, ge=75, description="object store of each local Ray node verst starts, in MiB"
+    )
+    trainer_ranks: int = Field(
+        1, ge=1, description="trainer ranks under the ray backend, one bundle each"
+    )
+    ray_trainer_cpus: float = Field(1.0, gt=0, description="CPUs in each trainer rank's bundle")
+    ray_engine_cpus: float = Field(1.0, gt=0, description="CPUs in each engine's bundle")
+    ray_trainer_gpus: int | None = Field(
+        None,
+        ge=0,
+        description="GPUs in each trainer rank's bundle; null = 1 on a GPU cluster, else 0",
+    )
+    ray_engine_gpus: int | None = Field(
+        None, ge=0, description="GPUs in each engine's bundle; null = 1 on a GPU cluster, else 0"
+    )
+    ray_trainer_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom resources each trainer rank's bundle asks for (pins ranks to nodes "
+        "that offer them)",
+    )
+    ray_engine_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom resources each engine's bundle asks for (pins engines to nodes "
+        "that offer them)",
+    )
+    ray_placement_timeout_s: float = Field(
+        60.0, gt=0, description="seconds the placement group may take to be placed"
+    )
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> PlacementConfig:
+        if self.backend == "local":
+            if self.trainer_ranks != 1:
+                raise ValueError(
+                    "placement.trainer_ranks > 1 needs placement.backend=ray; with the local "
+                    "backend, start the ranks with torchrun"
+                )
+            return self
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "placement.backend=ray needs Ray, which is not installed: pip install "
+                "'verst[ray]' (or set placement.backend=local)"
+            )
+        return self
 
     @property
     def serving(self) -> bool:

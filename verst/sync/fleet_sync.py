@@ -34,6 +34,7 @@ from verst.configbase import ConfigBase
 from verst.fleet.fleet import Fleet
 from verst.fleet.launcher import free_port
 from verst.fleet.placement import PlacementConfig
+from verst.fleet.ray_engines import check_transport, master_address
 from verst.models.lora import POLICY_ADAPTER, LoraConfig
 from verst.plugins import AdapterUpdate, EngineClient, WeightTransport
 from verst.sync.broadcast import BroadcastTransport
@@ -143,6 +144,7 @@ class FleetSync:
                 lora=lora,
             )
         name = cfg.resolve(placement)
+        check_transport(name, fleet.engine_processes, run_dir)
         bucket_bytes = cfg.bucket_mb << 20
         transport: WeightTransport
         if name == "colocated":
@@ -159,8 +161,10 @@ class FleetSync:
                     "colocated (CUDA IPC) or disk"
                 )
             ft = fleet.fault_tolerance
+            address = master_address(fleet.engine_processes)
             transport = BroadcastTransport(
-                master_port=free_port(),
+                master_port=free_port(address),
+                master_address=address,
                 bucket_bytes=bucket_bytes,
                 backend="nccl" if on_cuda else "gloo",
                 join_timeout_s=ft.timeout_s if ft is not None else 300.0,
