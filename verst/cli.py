@@ -1,5 +1,6 @@
 """The `verst` command: `verst train`, `verst sft`, `verst eval`, `verst serve`, `verst route`,
-`verst sessions`, `verst plot`, `verst model create-tiny`, `verst model merge-lora`,
+`verst sessions`, `verst plot`, `verst model create-tiny`, `verst model create-tiny-diffusion`,
+`verst model merge-lora`,
 `verst sandbox run`.
 
 Config errors, missing files, a run directory that cannot be written and non-finite losses end
@@ -105,6 +106,22 @@ def _model_parser(subparsers: argparse._SubParsersAction) -> None:
     tiny.add_argument("--hidden-size", type=int, default=128)
     tiny.add_argument("--num-layers", type=int, default=4)
     tiny.add_argument("--seed", type=int, default=0)
+    diffusion = commands.add_parser(
+        "create-tiny-diffusion",
+        help="write a tiny class-conditioned rectified-flow DiT (diffusers), briefly pre-trained "
+        "on procedural coloured shapes, to DIR",
+    )
+    diffusion.add_argument("dir", type=Path)
+    diffusion.add_argument("--image-size", type=int, default=16, help="pixels per side")
+    diffusion.add_argument("--hidden-size", type=int, default=64)
+    diffusion.add_argument("--num-layers", type=int, default=3)
+    diffusion.add_argument(
+        "--pretrain-steps",
+        type=_non_negative,
+        default=400,
+        help="flow-matching steps on the shapes (0 = random weights; default: %(default)s)",
+    )
+    diffusion.add_argument("--seed", type=int, default=0)
     merge = commands.add_parser(
         "merge-lora", help="merge a LoRA adapter (peft format) into BASE and write an HF OUT"
     )
@@ -303,7 +320,9 @@ def _train(args: argparse.Namespace) -> int:
         train_args = [*([config] if config else []), *overrides, "--run-dir", str(run_dir)]
         return Supervisor(train_args, run_dir, args.max_restarts).run(resume=args.resume)
     # heavy imports only once the config is known to be valid
-    if cfg.mode == "sft":
+    if cfg.model.kind == "diffusion":
+        from verst.diffusion.loop import train
+    elif cfg.mode == "sft":
         from verst.sft_loop import run_sft as train
     else:
         from verst.loop import train
@@ -326,6 +345,17 @@ def _create_tiny(args: argparse.Namespace) -> int:
     )
     create_tiny(args.dir, cfg, seed=args.seed)
     print(f"wrote a tiny {args.family} model and tokenizer to {args.dir}")
+    return 0
+
+
+def _create_tiny_diffusion(args: argparse.Namespace) -> int:
+    from verst.diffusion.model import TinyDiffusionSpec, create_tiny_diffusion
+
+    spec = TinyDiffusionSpec(
+        image_size=args.image_size, hidden_size=args.hidden_size, num_layers=args.num_layers
+    )
+    loss = create_tiny_diffusion(args.dir, spec, pretrain_steps=args.pretrain_steps, seed=args.seed)
+    print(f"wrote a tiny diffusion model to {args.dir} (last pre-training loss {loss:.4f})")
     return 0
 
 
@@ -456,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plot(args)
         if args.model_command == "merge-lora":
             return _merge_lora(args)
+        if args.model_command == "create-tiny-diffusion":
+            return _create_tiny_diffusion(args)
         return _create_tiny(args)
     except RunDirError as error:
         print(f"verst: error: {error}", file=sys.stderr)
