@@ -37,8 +37,8 @@ def flow_grpo_loss(
     unclipped = -advantages_N * ratio
     clipped = -advantages_N * ratio.clamp(1 - clip_range, 1 + clip_range)
     loss = torch.maximum(unclipped, clipped).mean()
-    clip_frac = ((ratio - 1).abs() > clip_range).float().mean()
-    return loss, {"train/clip_frac": float(clip_frac), "train/ratio_mean": float(ratio.mean())}
+    clip_frac = ((ratio.detach() - 1).abs() > clip_range).float().mean()
+    return loss, {"train/clip_frac": float(clip_frac), "train/ratio_mean": float(ratio.detach().mean())}
 
 
 def gaussian_mean_kl(mean_new_N: torch.Tensor, mean_ref_N: torch.Tensor, std_N: torch.Tensor):
