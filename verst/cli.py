@@ -1,7 +1,7 @@
 """The `verst` command: `verst train`, `verst sft`, `verst eval`, `verst serve`, `verst route`,
 `verst sessions`, `verst plot`, `verst model create-tiny`, `verst model create-tiny-diffusion`,
 `verst model merge-lora`,
-`verst sandbox run`.
+`verst serve-diffusion`, `verst sandbox run`.
 
 Config errors, missing files, a run directory that cannot be written and non-finite losses end
 the command with a one-line message and an exit code of `verst.exitcodes` (2 bad input, 3 the
@@ -260,6 +260,24 @@ def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_key_flags(parser, admin=False)
 
 
+def _serve_diffusion_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve-diffusion",
+        help="serve a diffusion model directory: POST /rollout/generate records trajectories",
+    )
+    parser.add_argument("--model", required=True, help="a create-tiny-diffusion directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30010)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+
+
+def _serve_diffusion(args: argparse.Namespace) -> int:
+    from verst.diffusion.server import run_diffusion_server
+
+    run_diffusion_server(args.model, host=args.host, port=args.port, device=args.device)
+    return 0
+
+
 def _plot_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plot",
@@ -466,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     _route_parser(subparsers)
     _sessions_parser(subparsers)
     _plot_parser(subparsers)
+    _serve_diffusion_parser(subparsers)
     _model_parser(subparsers)
     sandbox_cli.add_parser(subparsers)
     args = parser.parse_args(argv)
@@ -484,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             return sandbox_cli.run_command(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "serve-diffusion":
+            return _serve_diffusion(args)
         if args.model_command == "merge-lora":
             return _merge_lora(args)
         if args.model_command == "create-tiny-diffusion":

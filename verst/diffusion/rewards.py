@@ -76,11 +76,16 @@ class ClipScore:
         )
         mean = torch.tensor(self.MEAN, device=self.device).view(1, 3, 1, 1)
         std = torch.tensor(self.STD, device=self.device).view(1, 3, 1, 1)
-        image_emb = self.model.get_image_features(pixel_values=(pixels - mean) / std)
+        image_emb = _embedding(self.model.get_image_features(pixel_values=(pixels - mean) / std))
         text = self.tokenizer(prompts, padding=True, return_tensors="pt").to(self.device)
-        text_emb = self.model.get_text_features(**text)
+        text_emb = _embedding(self.model.get_text_features(**text))
         cos = torch.nn.functional.cosine_similarity(image_emb, text_emb, dim=-1)
         return (self.model.logit_scale.exp() * cos / self.divisor).tolist()
+
+
+def _embedding(output) -> torch.Tensor:
+    """The projected embedding: transformers >= 5 wraps it as the output's `pooler_output`."""
+    return output if isinstance(output, torch.Tensor) else output.pooler_output
 
 
 def load_reward(name: str, clip_path: str | None) -> ImageReward:

@@ -114,7 +114,7 @@ class DiffusionTrainer:
                 kls.append(float(kl))
             weight = len(rows) / len(chunk)
             (loss * weight).backward()
-            total += float(loss) * weight
+            total += loss.item() * weight
             diffs.append((logp.detach().cpu() - old).abs())
             clip_fracs.append(extra["train/clip_frac"] * weight)
         metrics = {
@@ -153,7 +153,7 @@ class DiffusionTrainer:
                 kls.append(float(kl))
             weight = len(rows) / len(chunk)
             (loss * weight).backward()
-            total += float(loss) * weight
+            total += loss.item() * weight
         return total, ({"train/kl": sum(kls) / len(kls)} if kls else {})
 
     def sft_step(self, x0_B: torch.Tensor, labels_B: torch.Tensor, step: int) -> dict[str, float]:
