@@ -10,8 +10,8 @@ from verst.cli import main  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["flow_grpo", "nft"])
-def test_cli_trains_a_tiny_diffusion_model(tmp_path, algorithm):
+@pytest.mark.parametrize(("algorithm", "engine"), [("flow_grpo", "http"), ("nft", "in_process")])
+def test_cli_trains_a_tiny_diffusion_model(tmp_path, algorithm, engine):
     model_dir = tmp_path / "tiny"
     argv = ["model", "create-tiny-diffusion", str(model_dir), "--image-size", "8",
             "--hidden-size", "32", "--num-layers", "1", "--pretrain-steps", "2"]
@@ -20,7 +20,8 @@ def test_cli_trains_a_tiny_diffusion_model(tmp_path, algorithm):
     run_dir = tmp_path / "run"
     overrides = [f"model.path={model_dir}", "num_steps=2", "rollout.prompts_per_step=2",
                  "rollout.n_samples_per_prompt=2", "diffusion.num_inference_steps=4",
-                 "diffusion.eval_seeds_per_prompt=1", "diffusion.sde_window_range=[0,3]"]
+                 "diffusion.eval_seeds_per_prompt=1", "diffusion.sde_window_range=[0,3]",
+                 f"diffusion.engine={engine}"]
     assert main(["train", example, *overrides, "--run-dir", str(run_dir)]) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("step", 0) > 0 and "train/loss" in r]

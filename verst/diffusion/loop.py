@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 
 from verst.config import RunConfig, dump_config
-from verst.diffusion import model as tiny, objectives, shapes
+from verst.diffusion import model as tiny, objectives, remote, shapes
 from verst.diffusion.engine import DiffusionEngine, DiffusionRequest, Trajectory
+from verst.diffusion.server import DiffusionClient
+from verst.fleet.launcher import LocalEngine
 from verst.diffusion.grid import save_grid
 from verst.diffusion.rewards import ImageReward, load_reward
 from verst.diffusion.trainer import DiffusionTrainer
@@ -33,11 +35,21 @@ EVAL_SEED_BASE = 10**9  # evaluation seeds never meet the training seeds below i
 @dataclass
 class DiffusionRun:
     cfg: RunConfig
-    engine: DiffusionEngine
+    engine: DiffusionEngine | DiffusionClient
     trainer: DiffusionTrainer
     reward: ImageReward
     model_dir: Path
     run_dir: Path
+    image_size: int
+    server: LocalEngine | None = None  # the served engine's process, for engine=http
+
+    def sync(self) -> None:
+        """The next weight version to the engine: a bump in process, a disk push over HTTP."""
+        version = self.engine.weight_version + 1
+        if isinstance(self.engine, DiffusionClient):
+            remote.push(self.trainer.model, self.engine, self.run_dir, version)
+        else:
+            self.engine.set_weight_version(version)
 
 
 def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
@@ -48,8 +60,12 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
     model, meta = tiny.load(cfg.model.path, device)
     reward = load_reward(cfg.diffusion.reward, cfg.diffusion.clip_path)
     trainer = DiffusionTrainer(model, cfg.diffusion, cfg.trainer, device, cfg.seed)
-    engine = DiffusionEngine(model, meta["image_size"], device)
-    return DiffusionRun(cfg, engine, trainer, reward, Path(cfg.model.path), run_dir)
+    size = meta["image_size"]
+    if cfg.diffusion.engine == "http":
+        server, client = remote.launch(cfg.model.path, run_dir, device)
+        return DiffusionRun(cfg, client, trainer, reward, Path(cfg.model.path), run_dir, size, server)
+    engine = DiffusionEngine(model, size, device)
+    return DiffusionRun(cfg, engine, trainer, reward, Path(cfg.model.path), run_dir, size)
 
 
 def train_steps(cfg: RunConfig, step: int) -> list[int]:
@@ -116,8 +132,8 @@ def rl_step(run: DiffusionRun, step: int) -> dict[str, float]:
         advantages = objectives.group_advantages(rewards_P_G, cfg.diffusion.adv_clip_max).flatten()
     with timer("train"):
         metrics = run.trainer.step(trajectories, advantages, chosen, step=step)
-    with timer("sync"):  # the engine holds the trainer's own tensors
-        run.engine.set_weight_version(run.engine.weight_version + 1)
+    with timer("sync"):
+        run.sync()
     metrics |= {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()),
@@ -133,7 +149,7 @@ def sft_step(run: DiffusionRun, step: int, data: tuple[torch.Tensor, torch.Tenso
     idx = torch.randint(0, len(labels), (batch,), generator=torch.Generator().manual_seed(cfg.seed + step))
     with timer("train"):
         metrics = run.trainer.sft_step(images[idx] * 2 - 1, labels[idx], step)
-    run.engine.set_weight_version(run.engine.weight_version + 1)
+    run.sync()
     return metrics | timer.metrics(step_phases=("train",))
 
 
@@ -159,7 +175,16 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
                          "directory as model.path instead")
     check_writable(run_dir)
     run = build(cfg, run_dir)
-    data = shapes.dataset(cfg.diffusion.sft_dataset_size, run.engine.image_size, cfg.seed) if cfg.diffusion.algorithm == "sft" else None
+    try:
+        _run(cfg, run, run_dir)
+    finally:
+        if run.server is not None:
+            run.server.stop()
+    return run_dir
+
+
+def _run(cfg: RunConfig, run: DiffusionRun, run_dir: Path) -> None:
+    data = shapes.dataset(cfg.diffusion.sft_dataset_size, run.image_size, cfg.seed) if cfg.diffusion.algorithm == "sft" else None
     interval = cfg.diffusion.eval_interval_steps
     with MetricsLogger(run_dir, cfg.num_steps, start_step=0, monitor=cfg.monitor, config=cfg.model_dump(mode="json")) as log:
         dump_config(cfg, run_dir / "config.yaml")
@@ -174,4 +199,3 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
                 save_checkpoint(run, step)
             log.log({"step": step, "weight_version": run.engine.weight_version} | metrics)
         log.info(f"done: {cfg.num_steps} steps; samples and checkpoints in {run_dir}")
-    return run_dir

@@ -33,6 +33,8 @@ def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
 
 def decode_tensor(body: dict[str, Any]) -> torch.Tensor:
     raw = bytearray(base64.b64decode(body["data"]))
+    if not raw:  # an ODE trajectory records no log-probs; frombuffer refuses empty buffers
+        return torch.zeros(body["shape"], dtype=torch.float32)
     return torch.frombuffer(raw, dtype=torch.float32).reshape(body["shape"]).clone()
 
 
