@@ -1,4 +1,4 @@
-"""The diffusion engine, in process and over HTTP, replayed by the trainer; rewards; config errors."""
+"""The diffusion engine in process and over HTTP, replayed by the trainer; rewards; bad config."""
 
 from pathlib import Path
 
@@ -9,7 +9,8 @@ pytest.importorskip("diffusers")
 
 from tests.servers import LoopThread, start_app  # noqa: E402
 from verst.config import ConfigError, load_config  # noqa: E402
-from verst.diffusion import model as tiny, shapes  # noqa: E402
+from verst.diffusion import model as tiny  # noqa: E402
+from verst.diffusion import shapes
 from verst.diffusion.config import DiffusionConfig  # noqa: E402
 from verst.diffusion.engine import DiffusionEngine, DiffusionRequest  # noqa: E402
 from verst.diffusion.rewards import ClipScore, load_reward, shape_colour  # noqa: E402
@@ -32,11 +33,22 @@ def engine_for(model_dir: Path) -> DiffusionEngine:
     return DiffusionEngine(model, meta["image_size"])
 
 
-def requests(sde_type="flow_sde", eta=0.7, guidance=1.0, record=(0, 1, 2)) -> list[DiffusionRequest]:
+def requests(
+    sde_type="flow_sde", eta=0.7, guidance=1.0, record=(0, 1, 2)
+) -> list[DiffusionRequest]:
     return [
-        DiffusionRequest(caption, "a blue square" if guidance != 1 else "", 4, guidance, seed=s,
-                         sde_type=sde_type, noise_level=eta, record_steps=list(record))
-        for caption in shapes.CAPTIONS[:3] for s in range(2)
+        DiffusionRequest(
+            caption,
+            "a blue square" if guidance != 1 else "",
+            4,
+            guidance,
+            seed=s,
+            sde_type=sde_type,
+            noise_level=eta,
+            record_steps=list(record),
+        )
+        for caption in shapes.CAPTIONS[:3]
+        for s in range(2)
     ]
 
 
@@ -64,10 +76,19 @@ def test_trainer_replays_the_engines_log_probs(model_dir, sde_type, guidance):
     assert metrics["train/log_prob_mean_abs_diff"] < 1e-5
     assert metrics["train/transitions"] == 18 and metrics["train/grad_norm"] > 0
     before = [p.clone() for p in engine.model.parameters()]
-    nft = DiffusionTrainer(engine.model, DiffusionConfig(algorithm="nft", sde_type="ode", noise_level=0),
-                           TrainerConfig(lr=1e-3), torch.device("cpu"), 0)
-    assert torch.isfinite(torch.tensor(nft.step(trajectories, advantages, [1, 2], step=1)["train/loss"]))
-    assert any(not torch.equal(p, q) for p, q in zip(before, engine.model.parameters()))
+    nft = DiffusionTrainer(
+        engine.model,
+        DiffusionConfig(algorithm="nft", sde_type="ode", noise_level=0),
+        TrainerConfig(lr=1e-3),
+        torch.device("cpu"),
+        0,
+    )
+    assert torch.isfinite(
+        torch.tensor(nft.step(trajectories, advantages, [1, 2], step=1)["train/loss"])
+    )
+    assert any(
+        not torch.equal(p, q) for p, q in zip(before, engine.model.parameters(), strict=True)
+    )
 
 
 def test_http_route_returns_the_in_process_trajectories(model_dir, tmp_path):
@@ -84,7 +105,9 @@ def test_http_route_returns_the_in_process_trajectories(model_dir, tmp_path):
         with pytest.raises(ValueError, match=r"requests\[0\]\.sde_type: unknown SDE type"):
             client.generate([DiffusionRequest("a red circle", sde_type="ddim")])
         with pytest.raises(ValueError, match="record_steps: step index 9"):
-            client.generate([DiffusionRequest("a red circle", num_inference_steps=4, record_steps=[9])])
+            client.generate(
+                [DiffusionRequest("a red circle", num_inference_steps=4, record_steps=[9])]
+            )
         changed = engine_for(model_dir).model
         torch.nn.init.zeros_(next(changed.parameters()))
         changed.save_pretrained(tmp_path / "transformer")
@@ -115,8 +138,15 @@ def test_clip_adapter_scores_with_a_local_tiny_clip(tmp_path):
     words = ["[PAD]", "[UNK]", "a", *shapes.COLOURS, *shapes.SHAPES]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(tmp_path)
-    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]"
+    ).save_pretrained(tmp_path)
+    small = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     config = CLIPConfig(
         text_config=small | {"vocab_size": len(words), "max_position_embeddings": 16},
         vision_config=small | {"image_size": 16, "patch_size": 8},
@@ -127,16 +157,27 @@ def test_clip_adapter_scores_with_a_local_tiny_clip(tmp_path):
     scorer = load_reward("clip", str(tmp_path))
     assert isinstance(scorer, ClipScore)
     scores = scorer(torch.rand(3, 3, 16, 16), ["a red circle", "a blue square", "a green triangle"])
-    assert len(scores) == 3 and all(abs(s) <= scorer.model.logit_scale.exp().item() / 26 for s in scores)
+    assert len(scores) == 3 and all(
+        abs(s) <= scorer.model.logit_scale.exp().item() / 26 for s in scores
+    )
 
 
 def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="model.path: model.kind=diffusion"):
         load_config(None, ["model.kind=diffusion", "model.tiny.family=qwen3"])
     with pytest.raises(ConfigError, match="sde_type=ode has no transition log-probs"):
-        load_config(None, ["model.kind=diffusion", f"model.path={tmp_path}", "diffusion.sde_type=ode",
-                           "diffusion.noise_level=0"])
+        load_config(
+            None,
+            [
+                "model.kind=diffusion",
+                f"model.path={tmp_path}",
+                "diffusion.sde_type=ode",
+                "diffusion.noise_level=0",
+            ],
+        )
     with pytest.raises(ConfigError, match="diffusion.sde_type"):
-        load_config(None, ["model.kind=diffusion", f"model.path={tmp_path}", "diffusion.sde_type=sde"])
+        load_config(
+            None, ["model.kind=diffusion", f"model.path={tmp_path}", "diffusion.sde_type=sde"]
+        )
     with pytest.raises(FileNotFoundError, match="create-tiny-diffusion"):
         tiny.load(tmp_path / "missing")

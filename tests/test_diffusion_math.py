@@ -102,7 +102,9 @@ def test_nft_loss_by_hand():
     x0, eps, t = torch.tensor([[1.0, -1.0]]), torch.tensor([[0.0, 2.0]]), torch.tensor([0.5])
     x_t = 0.5 * x0 + 0.5 * eps
     v_old, v_new = torch.tensor([[0.0, 0.0]]), torch.tensor([[1.0, 1.0]], requires_grad=True)
-    loss = objectives.nft_loss(x0, x_t, t, v_new, v_old, torch.tensor([2.5]), beta=1.0, adv_clip_max=5.0)
+    loss = objectives.nft_loss(
+        x0, x_t, t, v_new, v_old, torch.tensor([2.5]), beta=1.0, adv_clip_max=5.0
+    )
     pos_err = (x_t - 0.5 * torch.tensor([[1.0, 1.0]])) - x0  # v+ = v_new
     neg_err = (x_t - 0.5 * torch.tensor([[-1.0, -1.0]])) - x0  # v- = 2 v_old - v_new
     weighted = lambda e: float((e**2 / e.abs().mean()).mean())  # noqa: E731
@@ -122,7 +124,9 @@ def test_step_strategies_under_a_seed():
     chosen = objectives.epoch_global_random_choice(10, 3, seed=1, epoch=2)
     assert chosen == objectives.epoch_global_random_choice(10, 3, seed=1, epoch=2)
     assert chosen == sorted(set(chosen)) and len(chosen) == 3
-    epochs = {tuple(objectives.epoch_global_random_choice(10, 3, seed=1, epoch=e)) for e in range(5)}
+    epochs = {
+        tuple(objectives.epoch_global_random_choice(10, 3, seed=1, epoch=e)) for e in range(5)
+    }
     assert len(epochs) > 1
     assert set(objectives.epoch_global_random_choice(10, 2, 0, 0, allowed=[4, 5])) == {4, 5}
     with pytest.raises(ValueError, match="sde_window_range"):

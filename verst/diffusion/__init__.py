@@ -1,4 +1,4 @@
-"""RL for diffusion models on verst's loop: Flow-GRPO, DiffusionNFT and SFT (`model.kind: diffusion`).
+"""RL for diffusion models on verst's loop: Flow-GRPO, DiffusionNFT, SFT (`model.kind: diffusion`).
 
 A sample is a whole denoising trajectory. The engine (`engine.py`, served by `server.py`)
 returns the latent trajectory with per-step transition log-probabilities; the trainer

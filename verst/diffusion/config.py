@@ -22,7 +22,9 @@ class DiffusionConfig(ConfigBase):
     )
     noise_level: float = Field(0.7, ge=0, description="eta of the SDE (0 for ode)")
     guidance_scale: float = Field(1.0, ge=0, description="classifier-free guidance; 1 = off")
-    negative_prompt: str = Field("", description="the guidance's negative prompt ('' = unconditional)")
+    negative_prompt: str = Field(
+        "", description="the guidance's negative prompt ('' = unconditional)"
+    )
     step_strategy: Literal["sde_window", "epoch_global_random_choice"] = Field(
         "sde_window",
         description="which steps train: a random contiguous window, or a random set per epoch",
@@ -69,6 +71,7 @@ class DiffusionConfig(ConfigBase):
         low, high = self.sde_window_range
         if not 0 <= low < high <= self.num_inference_steps:
             raise ValueError(
-                f"diffusion.sde_window_range {[low, high]} must lie in 0..{self.num_inference_steps}"
+                f"diffusion.sde_window_range {[low, high]} must lie in "
+                f"0..{self.num_inference_steps}"
             )
         return self

@@ -40,7 +40,9 @@ class DiffusionRequest:
         n = self.num_inference_steps
         grid = sde.time_grid(n)
         if self.record_steps is None:
-            steps = [i for i in range(n) if sde.step_std(self.sde_type, self.noise_level, grid, i) > 0]
+            steps = [
+                i for i in range(n) if sde.step_std(self.sde_type, self.noise_level, grid, i) > 0
+            ]
         else:
             steps = sorted(set(self.record_steps))
         sde.check_recorded_steps(steps, n, self.sde_type, self.noise_level, field="record_steps")
@@ -76,7 +78,9 @@ class DiffusionEngine:
         self.weight_version = version
 
     @torch.no_grad()
-    def generate(self, requests: list[DiffusionRequest], *, max_batch: int = 64) -> list[Trajectory]:
+    def generate(
+        self, requests: list[DiffusionRequest], *, max_batch: int = 64
+    ) -> list[Trajectory]:
         """Trajectories for `requests`, in order; requests of equal steps are batched."""
         recorded = [r.recorded() for r in requests]
         out: list[Trajectory | None] = [None] * len(requests)
@@ -86,17 +90,22 @@ class DiffusionEngine:
         for indices in by_steps.values():
             for start in range(0, len(indices), max_batch):
                 chunk = indices[start : start + max_batch]
-                for i, traj in zip(chunk, self._batch([requests[i] for i in chunk], [recorded[i] for i in chunk])):
+                batch = self._batch([requests[i] for i in chunk], [recorded[i] for i in chunk])
+                for i, traj in zip(chunk, batch, strict=True):
                     out[i] = traj
         return [t for t in out if t is not None]
 
-    def _batch(self, requests: list[DiffusionRequest], recorded: list[list[int]]) -> list[Trajectory]:
+    def _batch(
+        self, requests: list[DiffusionRequest], recorded: list[list[int]]
+    ) -> list[Trajectory]:
         n, b = requests[0].num_inference_steps, len(requests)
         grid = sde.time_grid(n)
         generators = [torch.Generator().manual_seed(r.seed) for r in requests]
         shape = (3, self.image_size, self.image_size)
         x = torch.stack([torch.randn(shape, generator=g) for g in generators]).to(self.device)
-        labels = torch.tensor([shapes.caption_class(r.prompt) for r in requests], device=self.device)
+        labels = torch.tensor(
+            [shapes.caption_class(r.prompt) for r in requests], device=self.device
+        )
         negative = torch.tensor(
             [shapes.caption_class(r.negative_prompt, field="negative_prompt") for r in requests],
             device=self.device,
@@ -111,8 +120,15 @@ class DiffusionEngine:
             latents.append(x.cpu())
         stacked = torch.stack(latents, dim=1)  # (B, n + 1, C, H, W)
         return [
-            Trajectory(r, stacked[j], recorded[j], torch.tensor(log_probs[j], dtype=torch.float32),
-                       int(labels[j]), int(negative[j]), self.weight_version)
+            Trajectory(
+                r,
+                stacked[j],
+                recorded[j],
+                torch.tensor(log_probs[j], dtype=torch.float32),
+                int(labels[j]),
+                int(negative[j]),
+                self.weight_version,
+            )
             for j, r in enumerate(requests)
         ]
 

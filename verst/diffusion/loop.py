@@ -1,4 +1,4 @@
-"""The diffusion RL loop (`verst train` with `model.kind: diffusion`): rollout → reward → train → sync.
+"""The diffusion loop (`verst train` with `model.kind: diffusion`): rollout → reward → train → sync.
 
 Each step draws `rollout.prompts_per_step` captions, samples `rollout.n_samples_per_prompt`
 trajectories of each (seeds differ per sample), scores them, normalises rewards within each
@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 from verst.config import RunConfig, dump_config
-from verst.diffusion import model as tiny, objectives, remote, shapes
+from verst.diffusion import model as tiny
+from verst.diffusion import objectives, remote, shapes
 from verst.diffusion.engine import DiffusionEngine, DiffusionRequest, Trajectory
-from verst.diffusion.server import DiffusionClient
-from verst.fleet.launcher import LocalEngine
 from verst.diffusion.grid import save_grid
 from verst.diffusion.rewards import ImageReward, load_reward
+from verst.diffusion.server import DiffusionClient
 from verst.diffusion.trainer import DiffusionTrainer
+from verst.fleet.launcher import LocalEngine
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
 from verst.rundir import check_writable
@@ -53,7 +54,9 @@ class DiffusionRun:
 
 
 def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
-    device = torch.device("cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu")
+    device = torch.device(
+        "cuda" if cfg.trainer.device != "cpu" and torch.cuda.is_available() else "cpu"
+    )
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     assert cfg.model.path is not None  # RunConfig requires it for model.kind=diffusion
@@ -63,7 +66,9 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
     size = meta["image_size"]
     if cfg.diffusion.engine == "http":
         server, client = remote.launch(cfg.model.path, run_dir, device)
-        return DiffusionRun(cfg, client, trainer, reward, Path(cfg.model.path), run_dir, size, server)
+        return DiffusionRun(
+            cfg, client, trainer, reward, Path(cfg.model.path), run_dir, size, server
+        )
     engine = DiffusionEngine(model, size, device)
     return DiffusionRun(cfg, engine, trainer, reward, Path(cfg.model.path), run_dir, size)
 
@@ -71,10 +76,14 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
 def train_steps(cfg: RunConfig, step: int) -> list[int]:
     d = cfg.diffusion
     if d.step_strategy == "sde_window":
-        return objectives.sde_window(d.num_inference_steps, d.sde_window_size, d.sde_window_range, cfg.seed * 100_003 + step)
+        return objectives.sde_window(
+            d.num_inference_steps, d.sde_window_size, d.sde_window_range, cfg.seed * 100_003 + step
+        )
     low, high = d.sde_window_range
     allowed = list(range(low, high))
-    return objectives.epoch_global_random_choice(d.num_inference_steps, d.train_steps_per_trajectory, cfg.seed, step, allowed=allowed)
+    return objectives.epoch_global_random_choice(
+        d.num_inference_steps, d.train_steps_per_trajectory, cfg.seed, step, allowed=allowed
+    )
 
 
 def requests_for(cfg: RunConfig, step: int, record: list[int]) -> list[DiffusionRequest]:
@@ -86,8 +95,13 @@ def requests_for(cfg: RunConfig, step: int, record: list[int]) -> list[Diffusion
     sde_type = d.sde_type
     return [
         DiffusionRequest(
-            shapes.CAPTIONS[int(p)], d.negative_prompt, d.num_inference_steps, d.guidance_scale,
-            seed=base + g * r.n_samples_per_prompt + k, sde_type=sde_type, noise_level=d.noise_level,
+            shapes.CAPTIONS[int(p)],
+            d.negative_prompt,
+            d.num_inference_steps,
+            d.guidance_scale,
+            seed=base + g * r.n_samples_per_prompt + k,
+            sde_type=sde_type,
+            noise_level=d.noise_level,
             record_steps=record if sde_type != "ode" else [],
         )
         for g, p in enumerate(picks)
@@ -99,7 +113,9 @@ def score(run: DiffusionRun, trajectories: list[Trajectory]) -> torch.Tensor:
     images = torch.stack([t.image for t in trajectories])
     rewards = run.reward(images, [t.request.prompt for t in trajectories])
     if len(rewards) != len(trajectories):
-        raise ValueError(f"diffusion.reward returned {len(rewards)} scores for {len(trajectories)} images")
+        raise ValueError(
+            f"diffusion.reward returned {len(rewards)} scores for {len(trajectories)} images"
+        )
     for t, value in zip(trajectories, rewards, strict=True):
         t.reward = float(value)
     return torch.tensor(rewards, dtype=torch.float32)
@@ -109,14 +125,26 @@ def evaluate(run: DiffusionRun, step: int) -> dict[str, float]:
     """Mean reward of every caption under held-out seeds (ODE sampling); saves the grid."""
     d = run.cfg.diffusion
     requests = [
-        DiffusionRequest(c, d.negative_prompt, d.num_inference_steps, d.guidance_scale,
-                         seed=EVAL_SEED_BASE + s, sde_type="ode", noise_level=0.0, record_steps=[])
+        DiffusionRequest(
+            c,
+            d.negative_prompt,
+            d.num_inference_steps,
+            d.guidance_scale,
+            seed=EVAL_SEED_BASE + s,
+            sde_type="ode",
+            noise_level=0.0,
+            record_steps=[],
+        )
         for c in shapes.CAPTIONS
         for s in range(d.eval_seeds_per_prompt)
     ]
     trajectories = run.engine.generate(requests)
     rewards = score(run, trajectories)
-    save_grid(torch.stack([t.image for t in trajectories]), len(shapes.CAPTIONS), run.run_dir / f"samples_step{step}.png")
+    save_grid(
+        torch.stack([t.image for t in trajectories]),
+        len(shapes.CAPTIONS),
+        run.run_dir / f"samples_step{step}.png",
+    )
     return {"eval/reward_mean": float(rewards.mean()), "eval/reward_std": float(rewards.std())}
 
 
@@ -142,11 +170,15 @@ def rl_step(run: DiffusionRun, step: int) -> dict[str, float]:
     return metrics | timer.metrics(step_phases=("rollout", "reward", "advantages", "train", "sync"))
 
 
-def sft_step(run: DiffusionRun, step: int, data: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+def sft_step(
+    run: DiffusionRun, step: int, data: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, float]:
     cfg, timer = run.cfg, PhaseTimer(step=step)
     images, labels = data
     batch = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
-    idx = torch.randint(0, len(labels), (batch,), generator=torch.Generator().manual_seed(cfg.seed + step))
+    idx = torch.randint(
+        0, len(labels), (batch,), generator=torch.Generator().manual_seed(cfg.seed + step)
+    )
     with timer("train"):
         metrics = run.trainer.sft_step(images[idx] * 2 - 1, labels[idx], step)
     run.sync()
@@ -165,14 +197,18 @@ def save_checkpoint(run: DiffusionRun, step: int) -> Path:
         elif source.is_file():
             shutil.copy2(source, target / name)
     torch.save(run.trainer.optimizer.state_dict(), target / "optimizer.pt")
-    (target / "step.json").write_text(json.dumps({"step": step, "weight_version": run.engine.weight_version}))
+    (target / "step.json").write_text(
+        json.dumps({"step": step, "weight_version": run.engine.weight_version})
+    )
     return target
 
 
 def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
     if resume:
-        raise ValueError("--resume: diffusion runs do not resume yet; start from a checkpoint "
-                         "directory as model.path instead")
+        raise ValueError(
+            "--resume: diffusion runs do not resume yet; start from a checkpoint "
+            "directory as model.path instead"
+        )
     check_writable(run_dir)
     run = build(cfg, run_dir)
     try:
@@ -184,9 +220,19 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
 
 
 def _run(cfg: RunConfig, run: DiffusionRun, run_dir: Path) -> None:
-    data = shapes.dataset(cfg.diffusion.sft_dataset_size, run.image_size, cfg.seed) if cfg.diffusion.algorithm == "sft" else None
+    data = (
+        shapes.dataset(cfg.diffusion.sft_dataset_size, run.image_size, cfg.seed)
+        if cfg.diffusion.algorithm == "sft"
+        else None
+    )
     interval = cfg.diffusion.eval_interval_steps
-    with MetricsLogger(run_dir, cfg.num_steps, start_step=0, monitor=cfg.monitor, config=cfg.model_dump(mode="json")) as log:
+    with MetricsLogger(
+        run_dir,
+        cfg.num_steps,
+        start_step=0,
+        monitor=cfg.monitor,
+        config=cfg.model_dump(mode="json"),
+    ) as log:
         dump_config(cfg, run_dir / "config.yaml")
         log.log({"step": 0, "weight_version": 0} | evaluate(run, 0))
         for step in range(1, cfg.num_steps + 1):

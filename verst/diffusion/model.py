@@ -103,7 +103,9 @@ def pretrain(
     for step in range(steps):
         idx = torch.randint(0, x0.shape[0], (batch_size,), generator=generator)
         drop = torch.rand(batch_size, generator=generator) < 0.1
-        batch_labels = torch.where(drop, torch.full_like(labels[idx], shapes.NULL_CLASS), labels[idx])
+        batch_labels = torch.where(
+            drop, torch.full_like(labels[idx], shapes.NULL_CLASS), labels[idx]
+        )
         loss = flow_matching_loss(model, x0[idx], batch_labels, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -111,8 +113,10 @@ def pretrain(
         optimizer.step()
         schedule.step()
         if (step + 1) % max(steps // 10, 1) == 0:
-            log(f"pre-train step {step + 1}/{steps}: loss {loss.item():.4f} "
-                f"({time.monotonic() - start:.0f}s)")
+            log(
+                f"pre-train step {step + 1}/{steps}: loss {loss.item():.4f} "
+                f"({time.monotonic() - start:.0f}s)"
+            )
     return float(loss.item())
 
 
@@ -121,10 +125,14 @@ def save(model: torch.nn.Module, directory: Path, spec: TinyDiffusionSpec) -> No
 
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory / "transformer")
-    FlowMatchEulerDiscreteScheduler(num_train_timesteps=int(TIMESTEP_SCALE), shift=1.0).save_pretrained(
-        directory / "scheduler"
-    )
-    meta = {"image_size": spec.image_size, "captions": list(shapes.CAPTIONS), "null_class": shapes.NULL_CLASS}
+    FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=int(TIMESTEP_SCALE), shift=1.0
+    ).save_pretrained(directory / "scheduler")
+    meta = {
+        "image_size": spec.image_size,
+        "captions": list(shapes.CAPTIONS),
+        "null_class": shapes.NULL_CLASS,
+    }
     (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -151,6 +159,8 @@ def create_tiny_diffusion(
 ) -> float:
     """Build, pre-train and save the tiny model; returns the last pre-training loss."""
     model = build_model(spec, seed)
-    loss = pretrain(model, spec, steps=pretrain_steps, seed=seed, log=log) if pretrain_steps else 0.0
+    loss = (
+        pretrain(model, spec, steps=pretrain_steps, seed=seed, log=log) if pretrain_steps else 0.0
+    )
     save(model, directory, spec)
     return loss

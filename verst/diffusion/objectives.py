@@ -38,7 +38,10 @@ def flow_grpo_loss(
     clipped = -advantages_N * ratio.clamp(1 - clip_range, 1 + clip_range)
     loss = torch.maximum(unclipped, clipped).mean()
     clip_frac = ((ratio.detach() - 1).abs() > clip_range).float().mean()
-    return loss, {"train/clip_frac": float(clip_frac), "train/ratio_mean": float(ratio.detach().mean())}
+    return loss, {
+        "train/clip_frac": float(clip_frac),
+        "train/ratio_mean": float(ratio.detach().mean()),
+    }
 
 
 def gaussian_mean_kl(mean_new_N: torch.Tensor, mean_ref_N: torch.Tensor, std_N: torch.Tensor):
@@ -87,7 +90,9 @@ def nft_loss(
     return (adv_clip_max * (r * positive + (1 - r) * negative) / beta).mean()
 
 
-def sde_window(num_steps: int, window_size: int, window_range: tuple[int, int], seed: int) -> list[int]:
+def sde_window(
+    num_steps: int, window_size: int, window_range: tuple[int, int], seed: int
+) -> list[int]:
     """A contiguous window of `window_size` steps whose start is drawn in `window_range`
     (inclusive start, exclusive end of the window) under `seed`."""
     low, high = window_range

@@ -18,15 +18,28 @@ from verst.fleet.launcher import LocalEngine, free_port, wait_healthy
 START_TIMEOUT_S = 300.0
 
 
-def launch(model_dir: str, run_dir: Path, device: torch.device) -> tuple[LocalEngine, DiffusionClient]:
+def launch(
+    model_dir: str, run_dir: Path, device: torch.device
+) -> tuple[LocalEngine, DiffusionClient]:
     port = free_port()
     log_path = run_dir / "diffusion-engine.log"
     log = log_path.open("wb")
-    cmd = [sys.executable, "-m", "verst", "serve-diffusion", "--model", model_dir,
-           "--port", str(port), "--device", str(device)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verst",
+        "serve-diffusion",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--device",
+        str(device),
+    ]
     # its own session, so stopping it never signals the trainer's process group
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+    )
     engine = LocalEngine(process=process, port=port, log_path=log_path, _log=log)
     try:
         wait_healthy(engine, START_TIMEOUT_S, "verst serve-diffusion")

@@ -48,7 +48,9 @@ def shape_colour_score(image: torch.Tensor, prompt: str) -> float:
 
 def shape_colour(images: torch.Tensor, prompts: list[str]) -> list[float]:
     """The built-in procedural reward, one score per image."""
-    return [shape_colour_score(img.float().cpu(), p) for img, p in zip(images, prompts, strict=True)]
+    return [
+        shape_colour_score(img.float().cpu(), p) for img, p in zip(images, prompts, strict=True)
+    ]
 
 
 class ClipScore:
@@ -92,7 +94,9 @@ def load_reward(name: str, clip_path: str | None) -> ImageReward:
     """The reward `diffusion.reward` names (a built-in or an import path)."""
     if name == "clip":
         if clip_path is None:
-            raise ValueError("diffusion.reward=clip needs diffusion.clip_path (a local CLIP directory)")
+            raise ValueError(
+                "diffusion.reward=clip needs diffusion.clip_path (a local CLIP directory)"
+            )
         return ClipScore(clip_path)
     builtins = {"shape_colour": shape_colour, "clip": None}
     return load_named(name, builtins, ImageReward, field="diffusion.reward", kind="image reward")

@@ -81,7 +81,7 @@ def step_mean(
 
 
 def transition_log_prob(x_next_B: torch.Tensor, mean_B: torch.Tensor, std: float) -> torch.Tensor:
-    """Per-sample Gaussian log-density of `x_next_B` under N(mean, std^2), averaged over elements."""
+    """Per-sample Gaussian log-density of `x_next_B` under N(mean, std^2), element-averaged."""
     if std <= 0:
         raise ValueError("a deterministic step (std 0) has no transition log-prob")
     z = (x_next_B - mean_B) / std

@@ -171,5 +171,7 @@ class DiffusionClient:
         return [trajectory_from_json(t) for t in body["trajectories"]]
 
     def update_weights_from_disk(self, model_path: Path, version: int) -> None:
-        self._post("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": version})
+        self._post(
+            "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": version}
+        )
         self.weight_version = version

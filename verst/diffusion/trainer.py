@@ -28,7 +28,13 @@ class DiffusionTrainer:
         device: torch.device,
         seed: int,
     ):
-        self.model, self.cfg, self.trainer_cfg, self.device, self.seed = model, cfg, trainer, device, seed
+        self.model, self.cfg, self.trainer_cfg, self.device, self.seed = (
+            model,
+            cfg,
+            trainer,
+            device,
+            seed,
+        )
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=trainer.lr,
@@ -52,11 +58,18 @@ class DiffusionTrainer:
         return float(norm)
 
     def step(
-        self, trajectories: list[Trajectory], advantages: torch.Tensor, train_steps: list[int], *, step: int
+        self,
+        trajectories: list[Trajectory],
+        advantages: torch.Tensor,
+        train_steps: list[int],
+        *,
+        step: int,
     ) -> dict[str, float]:
         pairs = [(j, i) for j in range(len(trajectories)) for i in train_steps]
         k = min(self.cfg.updates_per_step, len(pairs))
-        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(self.seed + step))
+        order = torch.randperm(
+            len(pairs), generator=torch.Generator().manual_seed(self.seed + step)
+        )
         slices = [[pairs[int(n)] for n in order[s::k]] for s in range(k)]
         metrics: dict[str, float] = {"train/transitions": float(len(pairs))}
         losses, norms = [], []
@@ -97,14 +110,18 @@ class DiffusionTrainer:
             grid = sde.time_grid(request.num_inference_steps)
             x = torch.stack([trajectories[j].latents[i] for j in rows]).to(self.device)
             x_next = torch.stack([trajectories[j].latents[i + 1] for j in rows]).to(self.device)
-            old = torch.stack([trajectories[j].log_probs[trajectories[j].record_steps.index(i)] for j in rows])
+            old = torch.stack(
+                [trajectories[j].log_probs[trajectories[j].record_steps.index(i)] for j in rows]
+            )
             cond = self._conditioning(trajectories, rows)
             t = torch.full((len(rows),), float(grid[i]), device=self.device)
             mean = sde.step_mean(sde_type, eta, grid, i, x, velocity(self.model, x, t, *cond))
             std = sde.step_std(sde_type, eta, grid, i)
             logp = sde.transition_log_prob(x_next, mean, std)
             adv = advantages[rows].to(self.device)
-            loss, extra = objectives.flow_grpo_loss(logp, old.to(self.device), adv, self.cfg.clip_range)
+            loss, extra = objectives.flow_grpo_loss(
+                logp, old.to(self.device), adv, self.cfg.clip_range
+            )
             if self.reference is not None:
                 with torch.no_grad():
                     ref_v = velocity(self.reference, x, t, *cond)
@@ -143,7 +160,14 @@ class DiffusionTrainer:
             v_new = velocity(self.model, x_t, t, labels, labels, ones)
             adv = advantages[rows].to(self.device)
             loss = objectives.nft_loss(
-                x0, x_t, t, v_new, v_old, adv, beta=self.cfg.nft_beta, adv_clip_max=self.cfg.adv_clip_max
+                x0,
+                x_t,
+                t,
+                v_new,
+                v_old,
+                adv,
+                beta=self.cfg.nft_beta,
+                adv_clip_max=self.cfg.adv_clip_max,
             )
             if self.reference is not None:
                 with torch.no_grad():
@@ -159,6 +183,8 @@ class DiffusionTrainer:
     def sft_step(self, x0_B: torch.Tensor, labels_B: torch.Tensor, step: int) -> dict[str, float]:
         """One flow-matching step on data (SFT for diffusion)."""
         generator = torch.Generator().manual_seed(self.seed * 7919 + step)
-        loss = flow_matching_loss(self.model, x0_B.to(self.device), labels_B.to(self.device), generator)
+        loss = flow_matching_loss(
+            self.model, x0_B.to(self.device), labels_B.to(self.device), generator
+        )
         loss.backward()
         return {"sft/loss": float(loss), "train/grad_norm": self._apply(loss.detach())}
