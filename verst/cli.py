@@ -1,6 +1,7 @@
 """The `verst` command: `verst train`, `verst sft`, `verst eval`, `verst serve`, `verst route`,
 `verst sessions`, `verst plot`, `verst dashboard`, `verst model create-tiny`,
-`verst model merge-lora`, `verst sandbox run`.
+`verst model create-tiny-diffusion`, `verst model merge-lora`, `verst serve-diffusion`,
+`verst sandbox run`.
 
 Config errors, missing files, a run directory that cannot be written and non-finite losses end
 the command with a one-line message and an exit code of `verst.exitcodes` (2 bad input, 3 the
@@ -108,6 +109,22 @@ def _model_parser(subparsers: argparse._SubParsersAction) -> None:
     tiny.add_argument("--hidden-size", type=int, default=128)
     tiny.add_argument("--num-layers", type=int, default=4)
     tiny.add_argument("--seed", type=int, default=0)
+    diffusion = commands.add_parser(
+        "create-tiny-diffusion",
+        help="write a tiny class-conditioned rectified-flow DiT (diffusers), briefly pre-trained "
+        "on procedural coloured shapes, to DIR",
+    )
+    diffusion.add_argument("dir", type=Path)
+    diffusion.add_argument("--image-size", type=int, default=16, help="pixels per side")
+    diffusion.add_argument("--hidden-size", type=int, default=64)
+    diffusion.add_argument("--num-layers", type=int, default=3)
+    diffusion.add_argument(
+        "--pretrain-steps",
+        type=_non_negative,
+        default=400,
+        help="flow-matching steps on the shapes (0 = random weights; default: %(default)s)",
+    )
+    diffusion.add_argument("--seed", type=int, default=0)
     merge = commands.add_parser(
         "merge-lora", help="merge a LoRA adapter (peft format) into BASE and write an HF OUT"
     )
@@ -260,6 +277,24 @@ def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_key_flags(parser, admin=False)
 
 
+def _serve_diffusion_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve-diffusion",
+        help="serve a diffusion model directory: POST /rollout/generate records trajectories",
+    )
+    parser.add_argument("--model", required=True, help="a create-tiny-diffusion directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30010)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+
+
+def _serve_diffusion(args: argparse.Namespace) -> int:
+    from verst.diffusion.server import run_diffusion_server
+
+    run_diffusion_server(args.model, host=args.host, port=args.port, device=args.device)
+    return 0
+
+
 def _plot_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plot",
@@ -340,7 +375,9 @@ def _train(args: argparse.Namespace) -> int:
 
         return Supervisor(train_args, run_dir, args.max_restarts).run(resume=args.resume)
     # heavy imports only once the config is known to be valid
-    if cfg.mode == "sft":
+    if cfg.model.kind == "diffusion":
+        from verst.diffusion.loop import train
+    elif cfg.mode == "sft":
         from verst.sft_loop import run_sft as train
     else:
         from verst.loop import train
@@ -363,6 +400,17 @@ def _create_tiny(args: argparse.Namespace) -> int:
     )
     create_tiny(args.dir, cfg, seed=args.seed)
     print(f"wrote a tiny {args.family} model and tokenizer to {args.dir}")
+    return 0
+
+
+def _create_tiny_diffusion(args: argparse.Namespace) -> int:
+    from verst.diffusion.model import TinyDiffusionSpec, create_tiny_diffusion
+
+    spec = TinyDiffusionSpec(
+        image_size=args.image_size, hidden_size=args.hidden_size, num_layers=args.num_layers
+    )
+    loss = create_tiny_diffusion(args.dir, spec, pretrain_steps=args.pretrain_steps, seed=args.seed)
+    print(f"wrote a tiny diffusion model to {args.dir} (last pre-training loss {loss:.4f})")
     return 0
 
 
@@ -491,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     _sessions_parser(subparsers)
     _plot_parser(subparsers)
     _dashboard_parser(subparsers)
+    _serve_diffusion_parser(subparsers)
     _model_parser(subparsers)
     sandbox_cli.add_parser(subparsers)
     args = parser.parse_args(argv)
@@ -511,8 +560,12 @@ def main(argv: list[str] | None = None) -> int:
             return _plot(args)
         if args.command == "dashboard":
             return _dashboard(args)
+        if args.command == "serve-diffusion":
+            return _serve_diffusion(args)
         if args.model_command == "merge-lora":
             return _merge_lora(args)
+        if args.model_command == "create-tiny-diffusion":
+            return _create_tiny_diffusion(args)
         return _create_tiny(args)
     except RunDirError as error:
         print(f"verst: error: {error}", file=sys.stderr)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
+from verst.diffusion.config import DiffusionConfig
 from verst.envs.runner import EnvConfig
 from verst.eval.config import EvalConfig
 from verst.fleet.health import FaultToleranceConfig
@@ -73,6 +74,9 @@ class RunConfig(ConfigBase):
         description="a multi-turn environment played through the agent-function layer",
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+    diffusion: DiffusionConfig = Field(
+        default_factory=DiffusionConfig, description="diffusion RL (model.kind: diffusion)"
+    )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="checkpoint cadence"
     )
@@ -92,6 +96,7 @@ class RunConfig(ConfigBase):
                 f"rollout.n_samples_per_prompt must be >= 2 for {estimator}: advantages are "
                 "relative to the group, so a group of one has advantage 0 and learns nothing"
             )
+        check_diffusion(self)
         check_placement(self)
         check_ray_transport(self)
         check_no_reward(self)
@@ -185,6 +190,21 @@ def check_routing_replay(cfg: RunConfig) -> None:
             f"model.tiny.family {tiny.family!r} is dense: use one of {', '.join(MOE_FAMILIES)}"
         )
     cfg.rollout.return_routed_experts = True
+
+
+def check_diffusion(cfg: RunConfig) -> None:
+    """Refuse what a diffusion run cannot do (each error names the field)."""
+    if cfg.model.kind != "diffusion":
+        return
+    if cfg.model.path is None:
+        raise ValueError(
+            "model.path: model.kind=diffusion loads a diffusion model directory; make one with "
+            "`verst model create-tiny-diffusion DIR`"
+        )
+    if cfg.mode != "sync":
+        raise ValueError(f"mode={cfg.mode}: model.kind=diffusion runs mode=sync (not yet async)")
+    if cfg.model.lora.enabled:
+        raise ValueError("model.lora: diffusion trains full weights (LoRA not yet)")
 
 
 def check_eval(cfg: RunConfig) -> None:

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -27,6 +27,11 @@ from verst.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_
 class ModelConfig(ConfigBase):
     """Where the policy comes from: `path` (an HF directory) or `tiny` (random, in-process)."""
 
+    kind: Literal["causal_lm", "diffusion"] = Field(
+        "causal_lm",
+        description="causal_lm = a language model; diffusion = a `verst model "
+        "create-tiny-diffusion` directory in model.path, trained by the diffusion section",
+    )
     path: str | None = Field(None, description="local HF model directory to load")
     tiny: TinyModelConfig | None = Field(
         None, description="build a random tiny model in-process instead of loading `path`"
