@@ -133,6 +133,10 @@ class ModelRunner:
             use_grouped_experts(model)
             pool.keep_routing(self.routing.layers, self.routing.top_k)
             hook_routers(model, self._record_routing)
+            # the grouped GEMM's per-expert offsets come from the host: a CUDA graph cannot
+            # capture them (seen on the H200: "Cannot copy between CPU and CUDA tensors during
+            # CUDA graph capture"), so MoE decode runs eagerly
+            self.cuda_graphs = False
 
     # --- public ---------------------------------------------------------------------------------
 
