@@ -1,5 +1,6 @@
 """MoE on CUDA: the engine's grouped expert dispatch and routing capture (eager decode: MoE
-models run without CUDA graphs) against a full HF forward, and one routing-replay trainer step, in bf16 and fp32."""
+models run without CUDA graphs) against a full HF forward, and one routing-replay trainer
+step, in bf16 and fp32."""
 
 from __future__ import annotations
 
