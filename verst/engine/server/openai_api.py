@@ -123,11 +123,9 @@ def _openai_prompts(
     raise openai_error("prompt must be a string, a list of strings or a list of token ids")
 
 
-def parse_openai(
-    payload: Any, tokenizer: Any, context_len: int, *, chat: bool, tools: ChatTools | None = None
-) -> GenerateJob:
-    """An OpenAI completions / chat body → the same job `/generate` runs; `tools` are the
-    chat request's, checked (`openai_tools.chat_tools`)."""
+def _check_envelope(payload: Any, *, chat: bool) -> None:
+    """400s for a body that is not an object, fields the engine does not honour, and bad
+    stream options."""
     if not isinstance(payload, dict):
         raise openai_error("the request body must be a JSON object")
     if not chat and payload.get("tools") not in (None, []):
@@ -143,11 +141,11 @@ def parse_openai(
         raise openai_error("stream_options must be an object")
     if not isinstance(stream_options.get("include_usage", False), bool):
         raise openai_error("stream_options.include_usage must be a boolean")
-    logprobs, top, start = _logprob_options(payload, chat=chat)
-    if chat:
-        max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
-    else:
-        max_tokens = payload.get("max_tokens", 16)
+
+
+def _raw_sampling(payload: dict[str, Any], tools: ChatTools | None) -> dict[str, Any]:
+    """The body's sampling fields under SGLang's names (None where unset); a forced tool
+    choice constrains the answer to its calls."""
     raw: dict[str, Any] = {
         "temperature": payload.get("temperature"),
         "top_p": payload.get("top_p"),
@@ -170,6 +168,21 @@ def parse_openai(
                 "it cannot be combined with response_format, regex or ebnf"
             )
         raw["json_schema"] = tools.call_schema()
+    return raw
+
+
+def parse_openai(
+    payload: Any, tokenizer: Any, context_len: int, *, chat: bool, tools: ChatTools | None = None
+) -> GenerateJob:
+    """An OpenAI completions / chat body → the same job `/generate` runs; `tools` are the
+    chat request's, checked (`openai_tools.chat_tools`)."""
+    _check_envelope(payload, chat=chat)
+    logprobs, top, start = _logprob_options(payload, chat=chat)
+    if chat:
+        max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    else:
+        max_tokens = payload.get("max_tokens", 16)
+    raw = _raw_sampling(payload, tools)
     prompts = _openai_prompts(payload, tokenizer, chat, tools)
     lora_path = payload.get("lora_path")
     if lora_path is not None and (not isinstance(lora_path, str) or not lora_path):

@@ -36,7 +36,7 @@ from verst.train.megatron.inputs import response_logits, sequence_inputs
 from verst.train.megatron.mapping import WeightMap
 from verst.train.megatron.model import build_model, init_parallel, load_hf_weights
 from verst.train.objective import Normalisers, policy_objective
-from verst.train.trainer import NonFiniteLossError, TrainerConfig, _lr_lambda, compute_dtype
+from verst.train.trainer_config import NonFiniteLossError, TrainerConfig, _lr_lambda, compute_dtype
 
 
 class MegatronTrainer:
