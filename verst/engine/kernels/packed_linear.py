@@ -17,13 +17,27 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 
 
+@cache
 def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether oneDNN can pack bf16 weights on this CPU: it needs avx_ne_convert or AVX-512
+    (BW, VL, DQ), which e.g. AMD EPYC CPUs before Zen 4 lack; probed once with a tiny weight.
+    Without it bf16 linears run as plain `F.linear`."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    try:
+        packed = pack_weight(torch.zeros(8, 8, dtype=torch.bfloat16))
+        packed_linear(torch.zeros(1, 8, dtype=torch.bfloat16), packed, None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def packable(weight: torch.Tensor) -> bool:
