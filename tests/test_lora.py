@@ -117,17 +117,17 @@ def test_a_bf16_engine_is_sent_only_the_adapters() -> None:
 def test_a_lora_push_takes_only_the_adapters_from_the_trainer(monkeypatch) -> None:
     """Under FSDP every tensor a push takes is a gather all ranks join, and a cast to the
     engine's dtype: the frozen base must not be taken only to be dropped."""
-    import verst.sync.embedded as embedded
+    import verst.train.trainer as trainer_module
 
     taken: list[str] = []
-    walk = embedded.full_parameters
+    walk = trainer_module.full_parameters
 
     def recording(*args, **kwargs):
         for name, tensor in walk(*args, **kwargs):
             taken.append(name)
             yield name, tensor
 
-    monkeypatch.setattr(embedded, "full_parameters", recording)
+    monkeypatch.setattr(trainer_module, "full_parameters", recording)
     model = tiny_model()
     apply_lora(model, LORA)
     engine = embedded_engine(copy.deepcopy(model).to(torch.bfloat16).eval())
