@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,7 @@ def _partial_start(text: str, start: str) -> int:
     return 0
 
 
-class ToolCallParser:
+class ToolCallParser(ABC):
     """The incremental parser; a format fills in `start`, `markers`, `_end` and `_calls`."""
 
     start = ""
@@ -68,13 +69,13 @@ class ToolCallParser:
         self._in_call = False
         self.num_calls = 0
 
+    @abstractmethod
     def _end(self, held: str) -> int | None:
         """Where the call that `held` starts with ends (None: not yet)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _calls(self, raw: str) -> list[ToolCall] | None:
         """The calls in one raw call text (start to end), or None when it is malformed."""
-        raise NotImplementedError
 
     def feed(self, text: str) -> ParsedDelta:
         delta = ParsedDelta(first_index=self.num_calls)
