@@ -27,20 +27,12 @@ import time
 from pathlib import Path
 
 import torch
+from weight_sync import QWEN2_05B  # Qwen2-0.5B's shapes (494M parameters, tied embeddings)
 
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = {
     "h200": dict(
-        model=dict(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-        ),
+        model=QWEN2_05B,
         device="cuda",
         peak_flops=989e12,  # H200 SXM dense bf16
         sequences=16,
