@@ -41,7 +41,7 @@ def _items() -> list[TrainItem]:
 
 
 def _hf_logprobs(model, items):
-    micro = collate(items, 0, torch.device("cpu"))
+    micro = collate(items, 0, next(model.parameters()).device)
     with torch.no_grad():
         logits = response_outputs(model, micro).float()
     values = logprobs_from_logits(logits, micro.response_ids_B_T)

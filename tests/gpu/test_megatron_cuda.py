@@ -37,7 +37,8 @@ def _torchrun(gpus: int, layout: list[int], family: str, tmp_path: Path) -> None
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}",
                "-m", "tests.gpu.megatron_parallel",
                *map(str, layout), family, str(out)]  # fmt: skip
-    env = os.environ | {"PYTHONPATH": str(root)}
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = os.environ | {"PYTHONPATH": path}
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())

@@ -33,10 +33,21 @@ def init_parallel(cfg: MegatronConfig, seed: int, device: torch.device) -> None:
             expert_model_parallel_size=cfg.expert_parallel,
             expert_tensor_parallel_size=1,
         )
+    define_te_gemm_without_te()
     if device.type == "cuda":
         model_parallel_cuda_manual_seed(seed)
     else:
         allow_cpu()
+
+
+def define_te_gemm_without_te() -> None:
+    """megatron-core 0.16's MoE router gating tests `te_general_gemm is not None`, a name its
+    `moe_utils` binds only when Transformer Engine imports: without TE every MoE forward is a
+    NameError. Bound to None, the gating takes its own torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def transformer_config(hf: Any, dtype: torch.dtype, cfg: MegatronConfig) -> Any:
