@@ -33,6 +33,7 @@ from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.logprob_extras import LogprobRecord, record_step, score_prompt
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.penalties import PenaltySlots
+from verst.engine.prompt_sharing import PromptSharing
 from verst.engine.radix_cache import RadixCache
 from verst.engine.requests import FINISH_LENGTH, GenerateOutput, GenerateRequest, finish_reason
 from verst.engine.running import Running
@@ -45,7 +46,7 @@ ADAPTER_KEY_SHIFT = 40  # adapter uid << this, added to token ids, namespaces th
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
-class Scheduler:
+class Scheduler(PromptSharing):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -356,94 +357,6 @@ class Scheduler:
                 leaders.setdefault(self._lead_key(r), r)
         self.waiting.extendleft(reversed(deferred))
         return finished
-
-    @staticmethod
-    def _may_lead(r: Running) -> bool:
-        fresh = len(r.tokens) == r.prompt_length  # a retracted request may carry its output
-        return fresh and r.computed < r.prompt_length and r.request.logprob_start_len < 0
-
-    @staticmethod
-    def _may_follow(r: Running) -> bool:
-        return len(r.tokens) == r.prompt_length and r.request.logprob_start_len < 0
-
-    def _fork_followers(self, prefilled: list[Running]) -> dict[int, list[Running]]:
-        """Start every waiting follower of a request whose prefill just ended, on a copy of its
-        prompt's KV (whole pages shared through the prefix cache, the last partial page
-        copied). Returns the started followers by id(leader); a follower that finds no room
-        stays queued and computes its prompt as any request would."""
-        leaders = {id(r): r for r in prefilled if r in self.running}
-        forks: dict[int, list[Running]] = {}
-        source: list[int] = []
-        target: list[int] = []
-        for f in self.waiting:
-            leader = f.leader
-            if leader is None or id(leader) not in leaders:
-                continue
-            if len(self.running) >= self.max_running or not self._share_kv(
-                f, leader, source, target
-            ):
-                f.leader = None
-                continue
-            self.running.append(f)
-            forks.setdefault(id(leader), []).append(f)
-        if forks:
-            started = {id(f) for fs in forks.values() for f in fs}
-            self.waiting = deque(f for f in self.waiting if id(f) not in started)
-            self.pool.copy_pages(source, target)
-        return forks
-
-    def _share_kv(self, f: Running, leader: Running, source: list[int], target: list[int]) -> bool:
-        """Give f the leader's prompt KV: cached whole pages locked, the rest to copy."""
-        shared: list[int] = []
-        if self.cache is not None and leader.match is not None:
-            match = self.cache.match_prefix(list(self._prompt_key(leader)), record_stats=False)
-            shared = list(match.pages)
-        own = leader.pages[len(shared) : -(-leader.computed // self.pool.page_size)]
-        if len(own) > self.pool.num_free():
-            return False
-        if shared:
-            self.cache.lock(match)
-            f.match = match
-        f.pages = shared + self.pool.alloc(len(own))
-        source += own
-        target += f.pages[len(shared) :]
-        f.computed = f.cached_tokens = leader.computed
-        f.leader = None
-        return True
-
-    def _prompt_key(self, r: Running) -> tuple[int, ...]:
-        """The whole pages of r's prompt that a cache hit can cover (all but its last token),
-        as the prefix cache keys them."""
-        ps = self.pool.page_size
-        return tuple(self._keyed(r, r.tokens[: (r.prompt_length - 1) // ps * ps]))
-
-    @staticmethod
-    def _keyed(r: Running, tokens: list[int]) -> list[int]:
-        """Token ids as prefix-cache keys: a request with an adapter has keys of its own (the
-        same tokens under another adapter, or none, have other KV)."""
-        if not r.cache_offset:
-            return tokens
-        return [t + r.cache_offset for t in tokens]
-
-    @staticmethod
-    def _lead_key(r: Running) -> tuple[int | None, tuple[int, ...]]:
-        return r.adapter, tuple(r.tokens)
-
-    def _share_prompt(self, r: Running) -> None:
-        """Put r's freshly prefilled prompt pages in the prefix cache now, not when r ends, so
-        requests with the same prompt skip its prefill; r keeps them locked while it runs."""
-        key = self._prompt_key(r)
-        if self.cache is None or not key or (r.match is not None and r.match.length >= len(key)):
-            return
-        pages = len(key) // self.pool.page_size
-        duplicates = self.cache.insert(list(key), r.pages[:pages])
-        match = self.cache.match_prefix(list(key), record_stats=False)
-        self.cache.lock(match)
-        if r.match is not None:
-            self.cache.unlock(r.match)
-        r.match = match
-        r.pages[:pages] = match.pages  # the tree's copy where another request cached it first
-        self.pool.free(duplicates)
 
     def _plan(self) -> list[tuple[Running, int]]:
         """(request, tokens to feed) for this step, with pages allocated for them."""
