@@ -141,3 +141,24 @@ def test_calculator_example_on_two_trainer_ranks(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
         assert row["rollout/num_samples"] == 8 and "rollout/agent_turns_mean" in row
+
+
+def test_multi_turn_sessions_carry_the_routed_experts_for_replay(tmp_path: Path) -> None:
+    """A MoE policy with routing replay through the calculator agent: every session's sample
+    carries the experts of all its positions (the engine's record through the session server),
+    the trainer replays them, and the replayed log-probs match the engine's."""
+    run_dir = tmp_path / "run"
+    moe = [
+        "model.tiny={family: qwen3-moe, hidden_size: 32, num_layers: 2, num_heads: 2, "
+        "num_kv_heads: 1, intermediate_size: 64, max_position_embeddings: 128, num_experts: 4, "
+        "experts_per_token: 2}",
+        "loss.routing_replay=true",
+    ]
+    assert main(["train", EXAMPLE, *QUICK, *moe, "--run-dir", str(run_dir)]) == 0
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["rollout/agent_turns_mean"] >= 1.0
+        assert row["rollout/agent_aborted_ratio"] == 0.0
+        assert 0.0 < row["train/routing_agreement"] <= 1.0
+        assert row["train/train_rollout_logprob_abs_diff"] < 1e-4

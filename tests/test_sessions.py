@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import pytest
+import torch
 
 from verst.sessions.assembly import AssemblyError, TurnRecord, assemble
 from verst.types import Status
@@ -73,6 +74,24 @@ def test_truncation_inside_a_too_long_first_turn() -> None:
     assert sample.rollout_logprobs == [-0.1] and sample.status is Status.TRUNCATED
     with pytest.raises(AssemblyError, match="prompt alone"):
         assemble(three_turns(), max_seq_len=3)
+
+
+def test_the_last_kept_turn_gives_the_routed_experts() -> None:
+    """Each turn's record covers all its fed positions (its prompt holds the turns before):
+    the sample takes the last kept turn's, cut to the kept tokens."""
+    records = three_turns()
+    for i, r in enumerate(records):
+        rows = torch.arange(len(r.total_ids) - 1, dtype=torch.int32) * 10 + i  # [rows, 1]
+        records[i] = TurnRecord(*astuple(r)[:5], rows[:, None].expand(-1, 2).contiguous())
+    whole = assemble(records)
+    assert torch.equal(whole.routed_experts, records[2].routed_experts)  # 11 rows of 12 tokens
+    dropped = assemble(records, max_seq_len=11)  # the last turn dropped: turn 1's record
+    assert torch.equal(dropped.routed_experts, records[1].routed_experts)
+    cut = assemble(records, max_seq_len=4)  # inside the first turn: its rows cut to 3
+    assert torch.equal(cut.routed_experts, records[0].routed_experts[:3])
+    records[2] = TurnRecord(*astuple(records[2])[:5], records[2].routed_experts[:5])
+    with pytest.raises(AssemblyError, match="cover 5 positions, the session has 11"):
+        assemble(records)
 
 
 def test_inconsistent_records_raise() -> None:

@@ -363,6 +363,7 @@ def build_engine(
         fleet = start_fleet(cfg, run_dir, engine_model, policy.shell, tokenizer, trainer.device)
         if cfg.model.lora.enabled and not cfg.model.lora.adapters:
             fleet.lora_path = POLICY_ADAPTER  # each request runs with the adapter pushed
+        fleet.routed_experts = cfg.rollout.return_routed_experts
     distributed.barrier()
     engine = fleet if distributed.world_size() == 1 else RankedFleet(fleet)
     try:

@@ -89,6 +89,7 @@ class Fleet:
         self._retried_keys: set[str] = set()
         self._sessions_url: str | None = None
         self.lora_path: str | None = None  # the LoRA adapter every request runs with, if any
+        self.routed_experts = False  # sessions ask for each turn's experts (MoE replay)
         self._changed = asyncio.Event()  # replaced after each change of the engines
         self.weight_version = 0
         self.pushing = False
@@ -435,6 +436,7 @@ class Fleet:
             model_name="policy",
             upstream_keys=self.api_keys,
             lora_path=self.lora_path,
+            routed_experts=self.routed_experts,
         )
         return await self._serve(app)
 

@@ -47,6 +47,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
+from verst.models.moe import decode_routed_experts
 from verst.plugins import AgentFunction, load_plugin
 from verst.sessions.templates import MISMATCH_TYPES
 from verst.types import Group, Sample, Status
@@ -150,6 +151,8 @@ def _fill(sample: Sample, assembled: dict[str, Any], summary: dict[str, Any]) ->
     sample.rollout_logprobs = [float(lp) for lp in assembled["rollout_logprobs"]]
     sample.weight_versions = [int(v) for v in assembled["weight_versions"]]
     sample.status = Status(assembled["status"])
+    if assembled.get("routed_experts") is not None:
+        sample.routed_experts = decode_routed_experts(assembled["routed_experts"], len(tokens) - 1)
     sample.validate()
     meta = assembled.get("metadata") or {}
     messages = summary.get("messages") or []

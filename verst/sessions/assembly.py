@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from verst.types import Sample, Status
 
 FINISH_LENGTH = "length"
@@ -37,6 +39,10 @@ class TurnRecord:
     output_logprobs: list[float]
     weight_version: int | str
     finish_reason: str  # "stop", "length" or "abort"
+    # MoE, when the session server asks for them: the experts of every fed position of
+    # input + output, int32 [len(total_ids) − 1, layers × top_k] (cached positions keep the
+    # routing of the forward that computed them, an earlier turn's)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def total_ids(self) -> list[int]:
@@ -114,6 +120,7 @@ def assemble(records: Sequence[TurnRecord], *, max_seq_len: int | None = None) -
                     first.output_logprobs[:keep_out],
                     first.weight_version,
                     FINISH_LENGTH,
+                    first.routed_experts,
                 )
             ]
     prompt_length = len(kept[0].input_ids)
@@ -134,6 +141,20 @@ def assemble(records: Sequence[TurnRecord], *, max_seq_len: int | None = None) -
         status=status or _status(last.finish_reason),
         weight_versions=[_as_version(r.weight_version) for r in kept],
         metadata={"num_turns": len(kept), "dropped_turns": len(records) - len(kept)},
+        routed_experts=_routed_experts(last, len(last.total_ids)),
     )
     sample.validate()
     return sample
+
+
+def _routed_experts(last: TurnRecord, tokens: int) -> torch.Tensor | None:
+    """The session's experts: the last kept turn's record covers every earlier position too
+    (its prompt is the turns before it); cut to the kept tokens."""
+    if last.routed_experts is None:
+        return None
+    if last.routed_experts.shape[0] < tokens - 1:
+        raise AssemblyError(
+            f"the last turn's routed_experts cover {last.routed_experts.shape[0]} positions, "
+            f"the session has {tokens - 1}"
+        )
+    return last.routed_experts[: tokens - 1]

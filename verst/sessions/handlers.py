@@ -142,12 +142,14 @@ class SessionHandlers:
         *,
         model_name: str,
         lora_path: str | None = None,
+        routed_experts: bool = False,
     ) -> None:
         self.store = store
         self.chat_tokenizer = chat_tokenizer
         self.upstream = upstream
         self.model_name = model_name
         self.lora_path = lora_path  # the LoRA adapter every turn runs with (None: the base)
+        self.routed_experts = routed_experts  # ask for every turn's experts (MoE replay)
 
     async def create(self, request: web.Request) -> web.Response:
         return web.json_response({"session_id": self.store.create().session_id})
@@ -202,6 +204,8 @@ class SessionHandlers:
         payload = {"input_ids": plan.input_ids, "sampling_params": params}
         if self.lora_path is not None:
             payload["lora_path"] = self.lora_path
+        if self.routed_experts:
+            payload["return_routed_experts"] = True
         result = await self.upstream.generate(sid, {**payload, "return_logprob": True})
         record = turn_record(plan.input_ids, result)
         text = result.get("text")

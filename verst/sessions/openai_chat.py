@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from verst.models.moe import decode_routed_experts, encode_routed_experts
 from verst.sessions.assembly import TurnRecord
 from verst.sessions.store import SessionError
 from verst.sessions.templates import Message
@@ -57,6 +58,10 @@ def sample_to_json(sample: Sample) -> dict[str, Any]:
         "status": sample.status.value,
         "mismatch": sample.metadata.get("mismatch"),
         "metadata": sample.metadata,
+        # base64 int32 [len(tokens) − 1, layers × top_k], as the engine's meta_info has it
+        "routed_experts": None
+        if sample.routed_experts is None
+        else encode_routed_experts(sample.routed_experts),
     }
 
 
@@ -150,7 +155,20 @@ def turn_record(input_ids: list[int], result: dict[str, Any]) -> TurnRecord:
             502, "the upstream's output_token_logprobs do not match its output_ids", "bad_upstream"
         )
     logprobs = [float(t[0]) for t in triples]
-    return TurnRecord(list(input_ids), output_ids, logprobs, _weight_version(meta), finish_type)
+    routed = _routed_experts(meta, len(input_ids) + len(output_ids) - 1)
+    version = _weight_version(meta)
+    return TurnRecord(list(input_ids), output_ids, logprobs, version, finish_type, routed)
+
+
+def _routed_experts(meta: dict[str, Any], rows: int) -> Any:
+    """The answer's `meta_info.routed_experts` (present when asked for) as int32 rows."""
+    text = meta.get("routed_experts")
+    if text is None:
+        return None
+    try:
+        return decode_routed_experts(text, rows)
+    except ValueError as error:
+        raise SessionError(502, f"the upstream's {error}", "bad_upstream") from error
 
 
 @dataclass(frozen=True)

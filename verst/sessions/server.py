@@ -45,12 +45,14 @@ def make_session_app(
     upstream_keys: ApiKeys | None = None,
     limits: HttpLimits | None = None,
     lora_path: str | None = None,
+    routed_experts: bool = False,
 ) -> web.Application:
     """The session server over a router or engine at `upstream_url` (SGLang's `/generate`).
     Pass `store` to share the sessions with in-process code (e.g. to assemble directly); its
     `ttl_s` and `max_sessions` bound the sessions kept. `api_keys` guard every route but
     `/health`; `upstream_keys` (default: the same) are sent upstream. With `lora_path`, every
-    turn is generated with that LoRA adapter of the engines."""
+    turn is generated with that LoRA adapter of the engines; with `routed_experts`, every turn
+    asks for the experts of its tokens and the assembled sample carries them."""
     try:
         import aiohttp  # noqa: F401  (the import error names the extra)
     except ImportError as error:
@@ -64,7 +66,14 @@ def make_session_app(
         headers=(upstream_keys if upstream_keys is not None else api_keys).headers(),
     )
     store = store or SessionStore(chat_tokenizer)
-    h = SessionHandlers(store, chat_tokenizer, upstream, model_name=model_name, lora_path=lora_path)
+    h = SessionHandlers(
+        store,
+        chat_tokenizer,
+        upstream,
+        model_name=model_name,
+        lora_path=lora_path,
+        routed_experts=routed_experts,
+    )
     middlewares: list = [session_errors]
     if api_keys.enabled:
         middlewares.insert(0, auth_middleware(api_keys, lambda request: False))
