@@ -133,16 +133,23 @@ class DiffusionEngine:
         ]
 
     def _advance(self, requests, recorded, grid, i, x, v, generators, log_probs) -> torch.Tensor:
-        """Each sample's step i: its SDE where it records step i, else the ODE."""
-        rows = []
+        """Each sample's step i: its SDE where it records step i, else the ODE (one batched
+        step per sampler; each sample's noise from its own generator)."""
+        nxt = sde.step_mean("ode", 0.0, grid, i, x, v)
+        samplers: dict[tuple[str, float], list[int]] = {}
         for j, r in enumerate(requests):
             if i in recorded[j]:
-                mean = sde.step_mean(r.sde_type, r.noise_level, grid, i, x[j : j + 1], v[j : j + 1])
-                std = sde.step_std(r.sde_type, r.noise_level, grid, i)
-                noise = torch.randn(mean.shape[1:], generator=generators[j]).to(mean.device)
-                nxt = mean + std * noise
-                log_probs[j].append(float(sde.transition_log_prob(nxt, mean, std)[0]))
-            else:
-                nxt = sde.step_mean("ode", 0.0, grid, i, x[j : j + 1], v[j : j + 1])
-            rows.append(nxt)
-        return torch.cat(rows)
+                samplers.setdefault((r.sde_type, r.noise_level), []).append(j)
+        for (sde_type, eta), rows in samplers.items():
+            mean = sde.step_mean(sde_type, eta, grid, i, x[rows], v[rows])
+            std = sde.step_std(sde_type, eta, grid, i)
+            noise = torch.stack(
+                [torch.randn(mean.shape[1:], generator=generators[j]) for j in rows]
+            )
+            sampled = mean + std * noise.to(mean.device)
+            for j, logp in zip(
+                rows, sde.transition_log_prob(sampled, mean, std).tolist(), strict=True
+            ):
+                log_probs[j].append(logp)
+            nxt[rows] = sampled
+        return nxt

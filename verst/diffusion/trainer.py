@@ -187,4 +187,4 @@ class DiffusionTrainer:
             self.model, x0_B.to(self.device), labels_B.to(self.device), generator
         )
         loss.backward()
-        return {"sft/loss": float(loss), "train/grad_norm": self._apply(loss.detach())}
+        return {"sft/loss": loss.item(), "train/grad_norm": self._apply(loss.detach())}
