@@ -166,7 +166,8 @@ def training(model_dir: Path, engine: DiffusionEngine, args) -> dict:
             sde_window_range=(0, args.steps),
         )
         trainer = DiffusionTrainer(model, cfg, TrainerConfig(), torch.device("cpu"), 0)
-        step = lambda: trainer.step(trajectories, advantages, chosen, step=1)  # noqa: B023,E731
+        per_trajectory = [chosen] * len(trajectories)
+        step = lambda: trainer.step(trajectories, advantages, per_trajectory, step=1)  # noqa: B023,E731
         median, low = timed(step, args.repeats)
         out[f"{algorithm}_transitions_per_s"] = transitions / median
         out[f"{algorithm}_transitions_per_s_best"] = transitions / low

@@ -7,12 +7,14 @@ window. A `Trajectory` carries the image, every latent x_0..x_n of the walk from
 the recorded steps' transition log-probs and the conditioning (class ids, guidance) that
 replays the model's forward, so the trainer recomputes exactly the same transitions.
 
-The engine holds the trainer's model object when they share a process (a weight update is a
-version bump), or its own copy behind `verst serve-diffusion`.
+The engine holds the trainer's model object when they share a process and take turns (a weight
+update is a version bump), or its own copy: fully asynchronous (`update_weights` copies the
+trainer's weights in between two batches) or behind `verst serve-diffusion`.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -73,9 +75,16 @@ class DiffusionEngine:
         self.image_size = image_size
         self.device = torch.device(device)
         self.weight_version = 0
+        self._lock = threading.Lock()  # a batch and a weight update never overlap
 
     def set_weight_version(self, version: int) -> None:
         self.weight_version = version
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Copy `state` into the engine's own model once the batch in flight has finished."""
+        with self._lock, torch.no_grad():
+            self.model.load_state_dict(state)
+            self.weight_version = version
 
     @torch.no_grad()
     def generate(
@@ -90,7 +99,8 @@ class DiffusionEngine:
         for indices in by_steps.values():
             for start in range(0, len(indices), max_batch):
                 chunk = indices[start : start + max_batch]
-                batch = self._batch([requests[i] for i in chunk], [recorded[i] for i in chunk])
+                with self._lock:
+                    batch = self._batch([requests[i] for i in chunk], [recorded[i] for i in chunk])
                 for i, traj in zip(chunk, batch, strict=True):
                     out[i] = traj
         return [t for t in out if t is not None]
