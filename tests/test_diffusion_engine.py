@@ -72,7 +72,7 @@ def test_trainer_replays_the_engines_log_probs(model_dir, sde_type, guidance):
     cfg = DiffusionConfig(sde_type=sde_type, micro_batch=4)
     trainer = DiffusionTrainer(engine.model, cfg, TrainerConfig(lr=1e-4), torch.device("cpu"), 0)
     advantages = torch.linspace(-1, 1, len(trajectories))
-    metrics = trainer.step(trajectories, advantages, [0, 1, 2], step=1)
+    metrics = trainer.step(trajectories, advantages, [[0, 1, 2]] * len(trajectories), step=1)
     assert metrics["train/log_prob_mean_abs_diff"] < 1e-5
     assert metrics["train/transitions"] == 18 and metrics["train/grad_norm"] > 0
     before = [p.clone() for p in engine.model.parameters()]
@@ -84,7 +84,9 @@ def test_trainer_replays_the_engines_log_probs(model_dir, sde_type, guidance):
         0,
     )
     assert torch.isfinite(
-        torch.tensor(nft.step(trajectories, advantages, [1, 2], step=1)["train/loss"])
+        torch.tensor(
+            nft.step(trajectories, advantages, [[1, 2]] * len(trajectories), step=1)["train/loss"]
+        )
     )
     assert any(
         not torch.equal(p, q) for p, q in zip(before, engine.model.parameters(), strict=True)

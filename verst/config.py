@@ -201,8 +201,15 @@ def check_diffusion(cfg: RunConfig) -> None:
             "model.path: model.kind=diffusion loads a diffusion model directory; make one with "
             "`verst model create-tiny-diffusion DIR`"
         )
-    if cfg.mode != "sync":
-        raise ValueError(f"mode={cfg.mode}: model.kind=diffusion runs mode=sync (not yet async)")
+    if cfg.mode == "sft":
+        raise ValueError(
+            "mode=sft: a diffusion run trains by flow matching with diffusion.algorithm=sft"
+        )
+    if cfg.mode == "fully_async" and cfg.diffusion.algorithm == "sft":
+        raise ValueError(
+            "mode=fully_async with diffusion.algorithm=sft: SFT has no rollout to run ahead; "
+            "use mode=sync"
+        )
     if cfg.model.lora.enabled:
         raise ValueError("model.lora: diffusion trains full weights (LoRA not yet)")
 
@@ -243,24 +250,26 @@ def check_no_reward(cfg: RunConfig) -> None:
 def check_placement(cfg: RunConfig) -> None:
     """Refuse engine placement, transport, pause mode and loop mode that cannot work together."""
     placement, transport = cfg.placement, cfg.sync.resolve(cfg.placement)
+    # a diffusion engine's placement is diffusion.engine; fully async it keeps weights of its own
+    lm_async = cfg.mode == "fully_async" and cfg.model.kind != "diffusion"
     if cfg.fault_tolerance.enabled and placement.engines != "processes":
         raise ValueError(
             f"fault_tolerance.enabled: engines placed {placement.engines} run in the trainer's "
             "process and cannot be restarted; use placement.engines=processes, or set "
             "fault_tolerance.enabled=false"
         )
-    if cfg.mode == "fully_async" and placement.mode != "disaggregated":
+    if lm_async and placement.mode != "disaggregated":
         raise ValueError(
             "mode=fully_async needs placement.mode=disaggregated (with placement.engines="
             "processes): colocated engines share the trainer's device, so they could not "
             "generate while it trains"
         )
-    if cfg.mode == "fully_async" and cfg.pause_mode == "abort":
+    if lm_async and cfg.pause_mode == "abort":
         raise ValueError(
             "mode=fully_async needs rollout.pause_mode retract or in_place: abort would throw "
             "away every trajectory in flight at each weight update"
         )
-    if cfg.mode == "fully_async" and cfg.rollout.function:
+    if lm_async and cfg.rollout.function:
         raise ValueError(
             "rollout.function owns a whole synchronous step, and mode=fully_async has none: "
             "use rollout.generate_function (one sample), or mode=sync"

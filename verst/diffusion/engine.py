@@ -7,12 +7,14 @@ window. A `Trajectory` carries the image, every latent x_0..x_n of the walk from
 the recorded steps' transition log-probs and the conditioning (class ids, guidance) that
 replays the model's forward, so the trainer recomputes exactly the same transitions.
 
-The engine holds the trainer's model object when they share a process (a weight update is a
-version bump), or its own copy behind `verst serve-diffusion`.
+The engine holds the trainer's model object when they share a process and take turns (a weight
+update is a version bump), or its own copy: fully asynchronous (`update_weights` copies the
+trainer's weights in between two batches) or behind `verst serve-diffusion`.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -73,9 +75,16 @@ class DiffusionEngine:
         self.image_size = image_size
         self.device = torch.device(device)
         self.weight_version = 0
+        self._lock = threading.Lock()  # a batch and a weight update never overlap
 
     def set_weight_version(self, version: int) -> None:
         self.weight_version = version
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Copy `state` into the engine's own model once the batch in flight has finished."""
+        with self._lock, torch.no_grad():
+            self.model.load_state_dict(state)
+            self.weight_version = version
 
     @torch.no_grad()
     def generate(
@@ -90,7 +99,8 @@ class DiffusionEngine:
         for indices in by_steps.values():
             for start in range(0, len(indices), max_batch):
                 chunk = indices[start : start + max_batch]
-                batch = self._batch([requests[i] for i in chunk], [recorded[i] for i in chunk])
+                with self._lock:
+                    batch = self._batch([requests[i] for i in chunk], [recorded[i] for i in chunk])
                 for i, traj in zip(chunk, batch, strict=True):
                     out[i] = traj
         return [t for t in out if t is not None]
@@ -133,16 +143,23 @@ class DiffusionEngine:
         ]
 
     def _advance(self, requests, recorded, grid, i, x, v, generators, log_probs) -> torch.Tensor:
-        """Each sample's step i: its SDE where it records step i, else the ODE."""
-        rows = []
+        """Each sample's step i: its SDE where it records step i, else the ODE (one batched
+        step per sampler; each sample's noise from its own generator)."""
+        nxt = sde.step_mean("ode", 0.0, grid, i, x, v)
+        samplers: dict[tuple[str, float], list[int]] = {}
         for j, r in enumerate(requests):
             if i in recorded[j]:
-                mean = sde.step_mean(r.sde_type, r.noise_level, grid, i, x[j : j + 1], v[j : j + 1])
-                std = sde.step_std(r.sde_type, r.noise_level, grid, i)
-                noise = torch.randn(mean.shape[1:], generator=generators[j]).to(mean.device)
-                nxt = mean + std * noise
-                log_probs[j].append(float(sde.transition_log_prob(nxt, mean, std)[0]))
-            else:
-                nxt = sde.step_mean("ode", 0.0, grid, i, x[j : j + 1], v[j : j + 1])
-            rows.append(nxt)
-        return torch.cat(rows)
+                samplers.setdefault((r.sde_type, r.noise_level), []).append(j)
+        for (sde_type, eta), rows in samplers.items():
+            mean = sde.step_mean(sde_type, eta, grid, i, x[rows], v[rows])
+            std = sde.step_std(sde_type, eta, grid, i)
+            noise = torch.stack(
+                [torch.randn(mean.shape[1:], generator=generators[j]) for j in rows]
+            )
+            sampled = mean + std * noise.to(mean.device)
+            for j, logp in zip(
+                rows, sde.transition_log_prob(sampled, mean, std).tolist(), strict=True
+            ):
+                log_probs[j].append(logp)
+            nxt[rows] = sampled
+        return nxt

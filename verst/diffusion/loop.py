@@ -3,24 +3,29 @@
 Each step draws `rollout.prompts_per_step` captions, samples `rollout.n_samples_per_prompt`
 trajectories of each (seeds differ per sample), scores them, normalises rewards within each
 group, and trains the chosen steps. The engine shares the trainer's model, so a sync is a
-weight-version bump. Evaluation samples every caption with held-out noise seeds by the ODE and
-logs `eval/reward_mean`; `samples_step{N}.png` holds those samples (one row per caption).
+weight-version bump. Fully asynchronous (`mode: fully_async`), the engine keeps weights of its
+own and never stops generating (`verst.diffusion.async_rollout`: the LM's rollout worker and data
+buffer); each step takes one batch of finished groups (`perf/wait_time_s`), trains, and copies
+the new weights into the engine. Evaluation samples every caption with held-out noise seeds by
+the ODE and logs `eval/reward_mean`; `samples_step{N}.png` holds those samples (one row per
+caption). Checkpoints are `verst.diffusion.checkpoint`'s; `--resume` continues from the newest.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from verst.config import RunConfig, dump_config
+from verst.diffusion import checkpoint, objectives, remote, shapes
 from verst.diffusion import model as tiny
-from verst.diffusion import objectives, remote, shapes
+from verst.diffusion.async_rollout import TRAIN_STEPS, TRAJECTORY, AsyncDiffusionRollout
 from verst.diffusion.engine import DiffusionEngine, DiffusionRequest, Trajectory
 from verst.diffusion.grid import save_grid
+from verst.diffusion.requests import requests_for, train_steps
 from verst.diffusion.rewards import ImageReward, load_reward
 from verst.diffusion.server import DiffusionClient
 from verst.diffusion.trainer import DiffusionTrainer
@@ -28,7 +33,6 @@ from verst.fleet.launcher import LocalEngine
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
 from verst.rundir import check_writable
-from verst.train.checkpoint import checkpoint_dir
 
 EVAL_SEED_BASE = 10**9  # evaluation seeds never meet the training seeds below it
 
@@ -43,14 +47,18 @@ class DiffusionRun:
     run_dir: Path
     image_size: int
     server: LocalEngine | None = None  # the served engine's process, for engine=http
+    rollout: AsyncDiffusionRollout | None = None  # mode=fully_async
 
-    def sync(self) -> None:
-        """The next weight version to the engine: a bump in process, a disk push over HTTP."""
-        version = self.engine.weight_version + 1
+    def sync(self, version: int | None = None) -> None:
+        """The trainer's weights to the engine as `version` (default: the next): a bump when
+        they share the model, a copy into the engine's own, or a disk push over HTTP."""
+        version = self.engine.weight_version + 1 if version is None else version
         if isinstance(self.engine, DiffusionClient):
             remote.push(self.trainer.model, self.engine, self.run_dir, version)
-        else:
+        elif self.engine.model is self.trainer.model:
             self.engine.set_weight_version(version)
+        else:
+            self.engine.update_weights(self.trainer.model.state_dict(), version)
 
 
 def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
@@ -69,44 +77,10 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
         return DiffusionRun(
             cfg, client, trainer, reward, Path(cfg.model.path), run_dir, size, server
         )
-    engine = DiffusionEngine(model, size, device)
+    # fully asynchronous, the engine samples while the trainer updates: weights of its own
+    own = copy.deepcopy(model) if cfg.mode == "fully_async" else model
+    engine = DiffusionEngine(own, size, device)
     return DiffusionRun(cfg, engine, trainer, reward, Path(cfg.model.path), run_dir, size)
-
-
-def train_steps(cfg: RunConfig, step: int) -> list[int]:
-    d = cfg.diffusion
-    if d.step_strategy == "sde_window":
-        return objectives.sde_window(
-            d.num_inference_steps, d.sde_window_size, d.sde_window_range, cfg.seed * 100_003 + step
-        )
-    low, high = d.sde_window_range
-    allowed = list(range(low, high))
-    return objectives.epoch_global_random_choice(
-        d.num_inference_steps, d.train_steps_per_trajectory, cfg.seed, step, allowed=allowed
-    )
-
-
-def requests_for(cfg: RunConfig, step: int, record: list[int]) -> list[DiffusionRequest]:
-    """`prompts_per_step` groups of `n_samples_per_prompt` requests, prompt-major."""
-    d, r = cfg.diffusion, cfg.rollout
-    generator = torch.Generator().manual_seed(cfg.seed * 7 + step)
-    picks = torch.randint(0, len(shapes.CAPTIONS), (r.prompts_per_step,), generator=generator)
-    base = (cfg.seed * 100_000 + step) * r.prompts_per_step * r.n_samples_per_prompt
-    sde_type = d.sde_type
-    return [
-        DiffusionRequest(
-            shapes.CAPTIONS[int(p)],
-            d.negative_prompt,
-            d.num_inference_steps,
-            d.guidance_scale,
-            seed=base + g * r.n_samples_per_prompt + k,
-            sde_type=sde_type,
-            noise_level=d.noise_level,
-            record_steps=record if sde_type != "ode" else [],
-        )
-        for g, p in enumerate(picks)
-        for k in range(r.n_samples_per_prompt)
-    ]
 
 
 def score(run: DiffusionRun, trajectories: list[Trajectory]) -> torch.Tensor:
@@ -148,26 +122,42 @@ def evaluate(run: DiffusionRun, step: int) -> dict[str, float]:
     return {"eval/reward_mean": float(rewards.mean()), "eval/reward_std": float(rewards.std())}
 
 
+def collect(run: DiffusionRun, step: int) -> tuple[list[Trajectory], list[list[int]], dict]:
+    """This step's trajectories and each one's trained steps: generated now (sync), or one
+    batch of finished groups from the fully asynchronous worker, already scored."""
+    if run.rollout is None:
+        chosen = train_steps(run.cfg, step)
+        trajectories = run.engine.generate(requests_for(run.cfg, step, chosen))
+        return trajectories, [chosen] * len(trajectories), {}
+    samples = [s for group in run.rollout.take(run.engine.weight_version) for s in group]
+    trajectories = [s.metadata[TRAJECTORY] for s in samples]
+    return trajectories, [s.metadata[TRAIN_STEPS] for s in samples], run.rollout.metrics()
+
+
 def rl_step(run: DiffusionRun, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, PhaseTimer(step=step)
-    chosen = train_steps(cfg, step)
-    with timer("rollout"):
-        trajectories = run.engine.generate(requests_for(cfg, step, chosen))
+    phase = "rollout" if run.rollout is None else "wait"
+    with timer(phase):
+        trajectories, chosen, metrics = collect(run, step)
     with timer("reward"):
-        rewards = score(run, trajectories)
+        rewards = score(run, trajectories) if run.rollout is None else rewards_of(trajectories)
     with timer("advantages"):
-        rewards_P_G = rewards.view(cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt)
+        rewards_P_G = rewards.view(-1, cfg.rollout.n_samples_per_prompt)
         advantages = objectives.group_advantages(rewards_P_G, cfg.diffusion.adv_clip_max).flatten()
     with timer("train"):
-        metrics = run.trainer.step(trajectories, advantages, chosen, step=step)
+        metrics |= run.trainer.step(trajectories, advantages, chosen, step=step)
     with timer("sync"):
         run.sync()
     metrics |= {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()),
-        "train/trained_steps": float(len(chosen)),
+        "train/trained_steps": sum(map(len, chosen)) / len(chosen),
     }
-    return metrics | timer.metrics(step_phases=("rollout", "reward", "advantages", "train", "sync"))
+    return metrics | timer.metrics(step_phases=(phase, "reward", "advantages", "train", "sync"))
+
+
+def rewards_of(trajectories: list[Trajectory]) -> torch.Tensor:
+    return torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32)
 
 
 def sft_step(
@@ -186,40 +176,46 @@ def sft_step(
 
 
 def save_checkpoint(run: DiffusionRun, step: int) -> Path:
-    """A model directory (usable as model.path) plus the optimizer's state."""
-    target = checkpoint_dir(run.run_dir, step)
-    target.mkdir(parents=True, exist_ok=True)
-    run.trainer.model.save_pretrained(target / "transformer")
-    for name in ("scheduler", tiny.META_FILE):
-        source = run.model_dir / name
-        if source.is_dir():
-            shutil.copytree(source, target / name, dirs_exist_ok=True)
-        elif source.is_file():
-            shutil.copy2(source, target / name)
-    torch.save(run.trainer.optimizer.state_dict(), target / "optimizer.pt")
-    (target / "step.json").write_text(
-        json.dumps({"step": step, "weight_version": run.engine.weight_version})
+    """A model directory (usable as model.path) plus the state `--resume` continues from."""
+    state = {
+        "step": step,
+        "weight_version": run.engine.weight_version,
+        "optimizer": run.trainer.optimizer.state_dict(),
+    }
+    if run.rollout is not None:
+        state["source"] = run.rollout.source_state()
+    keep = run.cfg.checkpoint.keep_last
+    return checkpoint.save(
+        run.run_dir, step, run.trainer.model, run.model_dir, state, keep_last=keep
     )
-    return target
 
 
 def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
-    if resume:
-        raise ValueError(
-            "--resume: diffusion runs do not resume yet; start from a checkpoint "
-            "directory as model.path instead"
-        )
     check_writable(run_dir)
     run = build(cfg, run_dir)
     try:
-        _run(cfg, run, run_dir)
+        step, source_state = restore(run) if resume else (0, None)
+        if cfg.mode == "fully_async":
+            run.rollout = AsyncDiffusionRollout(cfg, run.engine, run.reward, source_state)
+        _run(cfg, run, run_dir, step)
     finally:
+        if run.rollout is not None:
+            run.rollout.close()
         if run.server is not None:
             run.server.stop()
     return run_dir
 
 
-def _run(cfg: RunConfig, run: DiffusionRun, run_dir: Path) -> None:
+def restore(run: DiffusionRun) -> tuple[int, dict | None]:
+    """The newest checkpoint's weights, optimizer and weight version (pushed to the engine);
+    its step and, fully asynchronous, the prompt source's state."""
+    state = checkpoint.restore_latest(run.run_dir, run.trainer.model)
+    run.trainer.optimizer.load_state_dict(state["optimizer"])
+    run.sync(state["weight_version"])
+    return int(state["step"]), state.get("source")
+
+
+def _run(cfg: RunConfig, run: DiffusionRun, run_dir: Path, start: int) -> None:
     data = (
         shapes.dataset(cfg.diffusion.sft_dataset_size, run.image_size, cfg.seed)
         if cfg.diffusion.algorithm == "sft"
@@ -229,19 +225,24 @@ def _run(cfg: RunConfig, run: DiffusionRun, run_dir: Path) -> None:
     with MetricsLogger(
         run_dir,
         cfg.num_steps,
-        start_step=0,
+        start_step=start,
         monitor=cfg.monitor,
         config=cfg.model_dump(mode="json"),
     ) as log:
-        dump_config(cfg, run_dir / "config.yaml")
-        log.log({"step": 0, "weight_version": 0} | evaluate(run, 0))
-        for step in range(1, cfg.num_steps + 1):
+        if start == 0:
+            dump_config(cfg, run_dir / "config.yaml")
+            log.log({"step": 0, "weight_version": 0} | evaluate(run, 0))
+        else:
+            log.info(f"resumed from step {start} (weight version {run.engine.weight_version})")
+        if run.rollout is not None:
+            run.rollout.start()
+        for step in range(start + 1, cfg.num_steps + 1):
             metrics = sft_step(run, step, data) if data is not None else rl_step(run, step)
             last = step == cfg.num_steps
             if last or (interval and step % interval == 0):
                 metrics |= evaluate(run, step)
-            every = cfg.checkpoint.interval_steps
-            if last or (every and step % every == 0):
-                save_checkpoint(run, step)
             log.log({"step": step, "weight_version": run.engine.weight_version} | metrics)
+            every = cfg.checkpoint.interval_steps
+            if last or (every and step % every == 0):  # after the record, as the LM loop does
+                save_checkpoint(run, step)
         log.info(f"done: {cfg.num_steps} steps; samples and checkpoints in {run_dir}")

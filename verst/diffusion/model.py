@@ -154,6 +154,19 @@ def load(directory: str | Path, device: torch.device | str = "cpu") -> tuple[tor
     return model.float().eval(), meta
 
 
+def read_weights(transformer_dir: Path, *, field: str) -> dict[str, torch.Tensor]:
+    """The tensors of a saved transformer directory; ValueError naming `field` when it has none."""
+    from safetensors.torch import load_file
+
+    files = sorted(transformer_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{field}: {transformer_dir} holds no safetensors")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state |= load_file(file)
+    return state
+
+
 def create_tiny_diffusion(
     directory: Path, spec: TinyDiffusionSpec, *, pretrain_steps: int, seed: int, log=print
 ) -> float:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from verst.diffusion import model as tiny
 from verst.diffusion.engine import DiffusionEngine, DiffusionRequest, Trajectory
 
 REQUEST_FIELDS = {f.name for f in fields(DiffusionRequest)}
@@ -127,15 +128,7 @@ def make_app(engine: DiffusionEngine):  # -> aiohttp.web.Application
 
 
 def load_weights(engine: DiffusionEngine, transformer_dir: Path) -> None:
-    from safetensors.torch import load_file
-
-    files = sorted(transformer_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model_path: {transformer_dir} holds no safetensors")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state |= load_file(file)
-    engine.model.load_state_dict(state)
+    engine.model.load_state_dict(tiny.read_weights(transformer_dir, field="model_path"))
 
 
 def run_diffusion_server(model_dir: str, *, host: str, port: int, device: str) -> None:

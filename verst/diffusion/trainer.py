@@ -1,6 +1,7 @@
 """The diffusion trainer: replays recorded transitions and optimises Flow-GRPO, NFT or SFT.
 
-`step(trajectories, advantages, train_steps)` takes one batch of rollouts; with
+`step(trajectories, advantages, train_steps)` takes one batch of rollouts and, for each
+trajectory, the denoising steps it trains (its recorded ones, for Flow-GRPO); with
 `updates_per_step` = k it makes k optimizer steps on k slices of the transitions. Before the
 first update the recomputed log-probs must equal the engine's: `train/log_prob_mean_abs_diff`
 is their mean absolute difference on the first slice (0 up to float rounding).
@@ -61,11 +62,15 @@ class DiffusionTrainer:
         self,
         trajectories: list[Trajectory],
         advantages: torch.Tensor,
-        train_steps: list[int],
+        train_steps: list[list[int]],
         *,
         step: int,
     ) -> dict[str, float]:
-        pairs = [(j, i) for j in range(len(trajectories)) for i in train_steps]
+        if len(train_steps) != len(trajectories):
+            raise ValueError(
+                f"{len(train_steps)} lists of train steps for {len(trajectories)} trajectories"
+            )
+        pairs = [(j, i) for j, chosen in enumerate(train_steps) for i in chosen]
         k = min(self.cfg.updates_per_step, len(pairs))
         order = torch.randperm(
             len(pairs), generator=torch.Generator().manual_seed(self.seed + step)
@@ -187,4 +192,4 @@ class DiffusionTrainer:
             self.model, x0_B.to(self.device), labels_B.to(self.device), generator
         )
         loss.backward()
-        return {"sft/loss": float(loss), "train/grad_norm": self._apply(loss.detach())}
+        return {"sft/loss": loss.item(), "train/grad_norm": self._apply(loss.detach())}
