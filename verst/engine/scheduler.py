@@ -62,8 +62,10 @@ class Scheduler:
         fused_kernels: bool = True,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         tokenizer: Any = None,
+        true_on_policy: bool = False,
     ) -> None:
-        """`tokenizer` (the model's HF tokenizer) enables constrained decoding."""
+        """`tokenizer` (the model's HF tokenizer) enables constrained decoding;
+        `true_on_policy`: the batch-invariant forward the trainer runs too (`ModelRunner`)."""
         self.model = model
         self.pool = pool
         self.runner = ModelRunner(
@@ -74,6 +76,7 @@ class Scheduler:
             lean=lean_forward,
             fused_kernels=fused_kernels,
             max_adapters=max_adapters,
+            true_on_policy=true_on_policy,
         )
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.eos_token_ids = list(eos_token_ids)

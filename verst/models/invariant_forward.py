@@ -17,6 +17,7 @@ import torch
 from verst.models import batch_invariant as bi
 
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TRUE_ON_POLICY_FAMILIES = ("qwen3", "qwen2", "llama")  # the tiny families it reads
 
 # (layer, new K [B, T, G, D], new V) -> (every key of each row [B, S, G, D], V, key counts [B])
 KeySource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
