@@ -66,7 +66,7 @@ def rotary_tables(
     positions_B_T: torch.Tensor, inv_freq_D2: torch.Tensor, scaling: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [B, T, D] of HF's default rotary embedding at these positions."""
-    freqs_B_T_D2 = positions_B_T[..., None].float() * inv_freq_D2.float()
+    freqs_B_T_D2 = positions_B_T[..., None].float() * inv_freq_D2.to(positions_B_T.device)
     emb_B_T_D = torch.cat([freqs_B_T_D2, freqs_B_T_D2], dim=-1)
     cos = pointwise(torch.cos, emb_B_T_D) * scaling
     sin = pointwise(torch.sin, emb_B_T_D) * scaling

@@ -31,7 +31,7 @@ def covers(model: torch.nn.Module) -> str | None:
         return f"model type {model_type!r} (true on-policy covers {', '.join(DENSE_MODEL_TYPES)})"
     if getattr(config, "hidden_act", None) != "silu":
         return f"hidden_act {config.hidden_act!r} (needs silu)"
-    rope = getattr(config, "rope_scaling", None) or {}
+    rope = _rope(config)
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         return f"rope_scaling {rope} (needs the default rotary embedding)"
     window = getattr(config, "sliding_window", None)
@@ -58,6 +58,11 @@ class InvariantDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = model.get_decoder().layers[0].self_attn.head_dim
+        # from the config, in fp32: the model's `inv_freq` buffer is cast with the model (a
+        # bf16 engine copy holds a rounded one, the fp32 trainer an exact one)
+        theta = _rope(config).get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        self.inv_freq_D2 = 1.0 / (theta**steps)
 
     def hidden(
         self, ids_B_T: torch.Tensor, positions_B_T: torch.Tensor, keys: KeySource
@@ -65,9 +70,8 @@ class InvariantDecoder:
         """The final-norm hidden states [B, T, E] of the fed tokens."""
         decoder = self.model.get_decoder()
         x_B_T_E = decoder.embed_tokens(ids_B_T)
-        rotary = decoder.rotary_emb
         cos, sin = bi.rotary_tables(
-            positions_B_T, rotary.inv_freq, rotary.attention_scaling, x_B_T_E.dtype
+            positions_B_T, self.inv_freq_D2, decoder.rotary_emb.attention_scaling, x_B_T_E.dtype
         )
         for index, layer in enumerate(decoder.layers):
             h_B_T_E = _norm(layer.input_layernorm, x_B_T_E)
@@ -112,6 +116,10 @@ def own_keys(positions_B_T: torch.Tensor) -> KeySource:
         (positions_B_T.shape[0],), positions_B_T.shape[1], device=positions_B_T.device
     )
     return lambda layer, k_B_T_G_D, v_B_T_G_D: (k_B_T_G_D, v_B_T_G_D, lens_B)
+
+
+def _rope(config: object) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
 
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
