@@ -205,7 +205,7 @@ def check_true_on_policy(cfg: RunConfig) -> None:
         "trainer.backend=megatron (its layers are Megatron's, not the invariant forward)": (
             cfg.trainer.backend == "megatron"
         ),
-        "model.lora.enabled (the invariant forward reads plain linear layers)": (
+        "model.lora.rank > 0 (the invariant forward reads plain linear layers)": (
             cfg.model.lora.enabled
         ),
         "loss.routing_replay (mixture-of-experts models are not covered yet)": (

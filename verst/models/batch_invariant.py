@@ -34,8 +34,9 @@ def linear(x_N_I: torch.Tensor, weight_O_I: torch.Tensor, bias_O: torch.Tensor |
     """`F.linear` over the last dimension, each row computed as in a call of 16+ rows."""
     rows_N_I = x_N_I.reshape(-1, x_N_I.shape[-1])
     n = rows_N_I.shape[0]
-    if n < ROW_TILE:
-        rows_N_I = F.pad(rows_N_I, (0, 0, 0, ROW_TILE - n))
+    if n >= ROW_TILE:
+        return F.linear(x_N_I, weight_O_I, bias_O)
+    rows_N_I = F.pad(rows_N_I, (0, 0, 0, ROW_TILE - n))
     out_N_O = F.linear(rows_N_I, weight_O_I, bias_O)[:n]
     return out_N_O.reshape(*x_N_I.shape[:-1], out_N_O.shape[-1])
 

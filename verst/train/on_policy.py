@@ -29,13 +29,13 @@ def invariant_scores(
     _install(model)
     _active.on = True
     try:
-        logits_B_T_V = model(ids_B_L, picks_B_T)
+        logits_N_V = model(ids_B_L, picks_B_T)
     finally:
         _active.on = False
-    B, T, V = logits_B_T_V.shape
+    B, T = picks_B_T.shape
     # as `sampling.sample_next_tokens` does it: a float32 temperature per row
-    temp_N = torch.full((B * T,), temperature, device=logits_B_T_V.device).float()
-    logprobs_N_V = torch.log_softmax(logits_B_T_V.reshape(-1, V) / temp_N.unsqueeze(-1), dim=-1)
+    temp_N = torch.full((B * T,), temperature, device=logits_N_V.device).float()
+    logprobs_N_V = torch.log_softmax(logits_N_V / temp_N.unsqueeze(-1), dim=-1)
     targets_N_1 = micro.response_ids_B_T.reshape(-1, 1).long()
     logprobs_B_T = logprobs_N_V.gather(-1, targets_N_1).view(B, T)
     entropy_B_T = -(logprobs_N_V.exp() * logprobs_N_V).sum(-1).view(B, T)
@@ -78,4 +78,4 @@ def _forward(self: torch.nn.Module, *args, **kwargs):
     hidden_B_L_E = decoder.hidden(ids_B_L, positions_B_L, own_keys(positions_B_L))
     E = hidden_B_L_E.shape[-1]
     picked_B_T_E = hidden_B_L_E.gather(1, picks_B_T[..., None].expand(-1, -1, E))
-    return decoder.logits(picked_B_T_E.reshape(-1, E)).view(B, picks_B_T.shape[1], -1)
+    return decoder.logits(picked_B_T_E.reshape(-1, E))  # [B·T, V]: FSDP hooks want no view
