@@ -64,8 +64,7 @@ class Scheduler:
         tokenizer: Any = None,
         true_on_policy: bool = False,
     ) -> None:
-        """`tokenizer` (the model's HF tokenizer) enables constrained decoding;
-        `true_on_policy`: the batch-invariant forward the trainer runs too (`ModelRunner`)."""
+        """`tokenizer` (HF's) enables constrained decoding; `true_on_policy`: see `ModelRunner`."""
         self.model = model
         self.pool = pool
         self.runner = ModelRunner(

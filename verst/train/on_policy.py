@@ -45,9 +45,8 @@ def invariant_scores(
 def _sequences(micro: MicroBatch, pad_id: int) -> tuple[Tensor, Tensor]:
     """Each response after its prompt, right-padded [B, L]; and the position whose logits
     predict each response token [B, T]."""
-    prompts = [
-        ids_L[mask_L.bool()] for ids_L, mask_L in zip(micro.prompt_ids_K_L, micro.prompt_mask_K_L)
-    ]
+    pairs = zip(micro.prompt_ids_K_L, micro.prompt_mask_K_L, strict=True)
+    prompts = [ids_L[mask_L.bool()] for ids_L, mask_L in pairs]
     rows = []
     for b, k in enumerate(micro.prompt_index_B.tolist()):
         response = micro.response_ids_B_T[b][micro.response_mask_B_T[b].bool()]
