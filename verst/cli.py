@@ -168,6 +168,12 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--served-model-name", help="the model name the API reports")
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument(
+        "--true-on-policy",
+        action="store_true",
+        help="run every forward through the batch-invariant forward the trainer's true "
+        "on-policy mode runs (log-probs bitwise equal to the trainer's)",
+    )
+    parser.add_argument(
         "--num-threads", type=int, help="torch CPU threads (default: torch's own choice)"
     )
     parser.add_argument(
@@ -452,6 +458,7 @@ def _serve(args: argparse.Namespace) -> int:
         group_join_timeout_s=args.weight_group_timeout_s,
         max_loras=args.max_loras_per_batch,
         lora_paths=_lora_paths(args.lora_paths),
+        true_on_policy=args.true_on_policy,
     )
     return 0
 

@@ -20,6 +20,7 @@ from verst.eval.config import EvalConfig
 from verst.fleet.health import FaultToleranceConfig
 from verst.fleet.placement import PlacementConfig
 from verst.models.families import MOE_FAMILIES
+from verst.models.invariant_forward import TRUE_ON_POLICY_FAMILIES
 from verst.models.loading import ModelConfig
 from verst.models.tiny import TinyModelConfig
 from verst.monitor.config import MonitorConfig
@@ -104,6 +105,7 @@ class RunConfig(ConfigBase):
         check_eval(self)
         check_megatron(self)
         check_routing_replay(self)
+        check_true_on_policy(self)
         return self
 
     @property
@@ -190,6 +192,41 @@ def check_routing_replay(cfg: RunConfig) -> None:
             f"model.tiny.family {tiny.family!r} is dense: use one of {', '.join(MOE_FAMILIES)}"
         )
     cfg.rollout.return_routed_experts = True
+
+
+def check_true_on_policy(cfg: RunConfig) -> None:
+    """`trainer.true_on_policy` needs verst's own engines running the batch-invariant forward
+    on the trainer's kind of device (the CPU, the one verified), on a model it reads; a model
+    loaded from a path is checked when the engine and trainer are built."""
+    if not cfg.trainer.true_on_policy:
+        return
+    tiny = cfg.model.tiny
+    refusals = {
+        "trainer.backend=megatron (its layers are Megatron's, not the invariant forward)": (
+            cfg.trainer.backend == "megatron"
+        ),
+        "model.lora.rank > 0 (the invariant forward reads plain linear layers)": (
+            cfg.model.lora.enabled
+        ),
+        "loss.routing_replay (mixture-of-experts models are not covered yet)": (
+            cfg.loss.routing_replay
+        ),
+        f"model.tiny.family={tiny.family if tiny else None} (covered: "
+        f"{', '.join(TRUE_ON_POLICY_FAMILIES)})": (
+            tiny is not None and tiny.family not in TRUE_ON_POLICY_FAMILIES
+        ),
+        "trainer.device=cuda (verified on the CPU only)": cfg.trainer.device == "cuda",
+        "placement.backend=ray (engines on other hosts may run other kernels)": (
+            cfg.placement.backend == "ray"
+        ),
+        "placement.engine_devices other than cpu (the trainer's log-probs are the CPU's)": any(
+            not device.startswith("cpu") for device in cfg.placement.engine_devices
+        ),
+        "model.kind=diffusion": cfg.model.kind == "diffusion",
+    }
+    for field, on in refusals.items():
+        if on:
+            raise ValueError(f"trainer.true_on_policy cannot be guaranteed with {field}")
 
 
 def check_diffusion(cfg: RunConfig) -> None:

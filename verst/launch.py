@@ -356,6 +356,7 @@ def build_engine(
             max_running=cfg.placement.max_batch_size,
             seed=cfg.seed + distributed.rank(),
             tokenizer=tokenizer,
+            true_on_policy=cfg.trainer.true_on_policy,
         )
         return scheduler, EmbeddedSync(trainer, scheduler, lora=cfg.model.lora), None
     fleet = None
@@ -416,4 +417,5 @@ def start_fleet(
         dtype=next(engine_model.parameters()).dtype,
         seed=cfg.seed,
         fault_tolerance=cfg.fault_tolerance,
+        true_on_policy=cfg.trainer.true_on_policy,
     )

@@ -41,6 +41,7 @@ from verst.engine.paged_attention import (
     paged_decode_triton,
     triton,
 )
+from verst.models.invariant_forward import InvariantDecoder, KeySource
 from verst.models.moe import hook_routers, routing_shape, use_grouped_experts
 
 _META = 5  # decode meta columns before the page table: token, position, slot, length, adapter
@@ -77,7 +78,10 @@ class ModelRunner:
         lean: bool = True,
         fused_kernels: bool = True,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
+        true_on_policy: bool = False,
     ) -> None:
+        """`true_on_policy`: every forward (decode and prefill) through the batch-invariant
+        forward the trainer runs too (`invariant_forward`): no kernels, graphs or packing."""
         self.model = model
         self.pool = pool
         self.pad_token_id = pad_token_id
@@ -89,7 +93,10 @@ class ModelRunner:
         # rows longer than this attend through windowed masks in the sliding layers
         self.window = model_window(config)
         on_cuda = self.device.type == "cuda"
-        self.use_triton = on_cuda and triton is not None
+        self.invariant = InvariantDecoder(model) if true_on_policy else None
+        if true_on_policy:
+            lean = fused_kernels = cuda_graphs = False
+        self.use_triton = on_cuda and triton is not None and not true_on_policy
         self.cuda_graphs = (
             self.use_triton if cuda_graphs is None else (cuda_graphs and self.use_triton)
         )
@@ -120,7 +127,7 @@ class ModelRunner:
         self.lean = LeanDecoder.of(model, self.kernels) if lean else None
         hf = self.lean is None
         self.fused = fusable_norms(model) if hf and self.use_triton else []
-        self.packed = PackedLinears.of(model) if hf and not on_cuda else None
+        self.packed = PackedLinears.of(model) if hf and not on_cuda and not true_on_policy else None
         # LoRA adapters served beside the frozen base, run by the lean forward
         self.adapters = AdapterRegistry.of(model, max_adapters) if self.lean is not None else None
         self._graphs_structure = 0  # the registry's structure the graphs were captured with
@@ -241,7 +248,7 @@ class ModelRunner:
             decode_kernel=self.decode_kernel,
         )
         adapters = self._adapter_rows(meta_B_M[:, 4]) if adapted else None
-        hidden_B_1_E = self._run_decoder(ids_B_1, positions_B_1, step, adapters)
+        hidden_B_1_E = self._run_decoder(ids_B_1, positions_B_1, step, adapters, seq_lens_B)
         return self._logits(hidden_B_1_E[:, 0])
 
     def _bucket(self, batch: int) -> int | None:
@@ -335,7 +342,7 @@ class ModelRunner:
             base = self._base_slot()
             slots_B = torch.tensor([base if r.adapter is None else r.adapter for r in rows])
             adapters = self._adapter_rows(slots_B.to(device, non_blocking=True))
-        hidden_B_T_E = self._run_decoder(ids_B_T, positions_B_T, step, adapters)
+        hidden_B_T_E = self._run_decoder(ids_B_T, positions_B_T, step, adapters, past_B + new_B)
         # the LM head only where logits are wanted
         wanted: list[int] = []
         spans: dict[int, tuple[int, int]] = {}
@@ -361,7 +368,13 @@ class ModelRunner:
         positions_B_T: torch.Tensor,
         step: PagedStep,
         adapters: AdapterRows | None = None,
+        key_lens_B: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Final-norm hidden states [B, T, E]; `key_lens_B`: each row's tokens in the pool once
+        this step's are written (read by the true on-policy forward)."""
+        if self.invariant is not None:
+            assert key_lens_B is not None
+            return self.invariant.hidden(ids_B_T, positions_B_T, self._pool_keys(step, key_lens_B))
         if self.lean is not None:
             return self.lean.hidden(ids_B_T, positions_B_T, step, adapters)
         self._step_slots_N = step.slots_N
@@ -379,7 +392,26 @@ class ModelRunner:
         if self._step_slots_N is not None:
             self.pool.record_routing(layer, self._step_slots_N, output[2])
 
+    def _pool_keys(self, step: PagedStep, key_lens_B: torch.Tensor) -> KeySource:
+        """The true on-policy forward's keys: this step's K/V written into the pool, then each
+        row's pages read back whole (positions past its length are masked there)."""
+        pool, pages_N = self.pool, step.table_B_P.reshape(-1)
+        B, S = step.table_B_P.shape[0], step.table_B_P.shape[1] * pool.page_size
+
+        def keys(layer: int, k_B_T_G_D: torch.Tensor, v_B_T_G_D: torch.Tensor):
+            G, D = k_B_T_G_D.shape[2:]
+            k_flat, v_flat = pool.flat(layer)
+            k_flat.index_copy_(0, step.slots_N, k_B_T_G_D.reshape(-1, G, D).to(pool.dtype))
+            v_flat.index_copy_(0, step.slots_N, v_B_T_G_D.reshape(-1, G, D).to(pool.dtype))
+            k_B_S_G_D = pool.k[layer].view(pool.num_pages, -1).index_select(0, pages_N)
+            v_B_S_G_D = pool.v[layer].view(pool.num_pages, -1).index_select(0, pages_N)
+            return k_B_S_G_D.view(B, S, G, D), v_B_S_G_D.view(B, S, G, D), key_lens_B
+
+        return keys
+
     def _logits(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
+        if self.invariant is not None:
+            return self.invariant.logits(hidden_N_E)
         if self.lean is not None:
             logits_N_V = self.lean.logits(hidden_N_E).float()
         else:

@@ -63,8 +63,9 @@ class Scheduler(PromptSharing):
         fused_kernels: bool = True,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         tokenizer: Any = None,
+        true_on_policy: bool = False,
     ) -> None:
-        """`tokenizer` (the model's HF tokenizer) enables constrained decoding."""
+        """`tokenizer` (HF's) enables constrained decoding; `true_on_policy`: see `ModelRunner`."""
         self.model = model
         self.pool = pool
         self.runner = ModelRunner(
@@ -75,6 +76,7 @@ class Scheduler(PromptSharing):
             lean=lean_forward,
             fused_kernels=fused_kernels,
             max_adapters=max_adapters,
+            true_on_policy=true_on_policy,
         )
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.eos_token_ids = list(eos_token_ids)

@@ -131,6 +131,7 @@ class ServingEngine(WeightUpdates):
         kv_cache_bytes: int | None = None,
         page_size: int = 16,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
+        true_on_policy: bool = False,
     ) -> ServingEngine:
         """Load a local HF directory behind a scheduler that stops on the model's EOS ids.
 
@@ -152,6 +153,7 @@ class ServingEngine(WeightUpdates):
             page_size=page_size,
             model_path=model_path,
             max_adapters=max_adapters,
+            true_on_policy=true_on_policy,
         )
 
     @classmethod
@@ -167,9 +169,11 @@ class ServingEngine(WeightUpdates):
         page_size: int = 16,
         model_path: str = "",
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
+        true_on_policy: bool = False,
     ) -> ServingEngine:
         """Serve a loaded model (its device and dtype); the scheduler stops on its EOS ids.
-        It can hold up to `max_adapters` LoRA adapters (`load_lora_adapter`)."""
+        It can hold up to `max_adapters` LoRA adapters (`load_lora_adapter`); `true_on_policy`:
+        the batch-invariant forward (`Scheduler`)."""
         from verst.models.loading import eos_token_ids
 
         eos = eos_token_ids(model, tokenizer)
@@ -184,6 +188,7 @@ class ServingEngine(WeightUpdates):
             seed=seed,
             max_adapters=max_adapters,
             tokenizer=tokenizer,
+            true_on_policy=true_on_policy,
         )
         return cls(scheduler, tokenizer, batch_wait_s=batch_wait_s, model_path=model_path)
 

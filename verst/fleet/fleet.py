@@ -139,8 +139,10 @@ class Fleet:
         dtype: torch.dtype,
         seed: int,
         fault_tolerance: FaultToleranceConfig | None = None,
+        true_on_policy: bool = False,
     ) -> Fleet:
-        """Bring up `cfg.num_engines` engines with `model`'s weights.
+        """Bring up `cfg.num_engines` engines with `model`'s weights (`true_on_policy`: each
+        runs the batch-invariant forward, `Scheduler`).
 
         `model` is the engine's copy (its device and dtype) for in-process engines; engine
         processes load `model_dir`, which must hold the same weights.
@@ -152,10 +154,14 @@ class Fleet:
         keys = ApiKeys(api_key=generate_key())
         try:
             if cfg.engines == "in_process":
-                clients, runners = loop.run(_start_in_process(cfg, model, tokenizer, seed, keys))
+                clients, runners = loop.run(
+                    _start_in_process(cfg, model, tokenizer, seed, keys, true_on_policy)
+                )
                 return cls(loop, clients, tokenizer=tokenizer, runners=runners, api_keys=keys)
             devices = _devices(cfg, trainer_device)
-            processes = _engine_processes(cfg, model_dir, devices, dtype, seed, keys)
+            processes = _engine_processes(
+                cfg, model_dir, devices, dtype, seed, keys, true_on_policy
+            )
             processes.start_all()
             clients = {e.url: HttpEngineClient(e.url, api_keys=keys) for e in processes.engines}
             return cls(
@@ -465,7 +471,12 @@ async def _serve_app(app: Any) -> tuple[Any, str]:
 
 
 async def _start_in_process(
-    cfg: PlacementConfig, model: torch.nn.Module, tokenizer: Any, seed: int, keys: ApiKeys
+    cfg: PlacementConfig,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    seed: int,
+    keys: ApiKeys,
+    true_on_policy: bool,
 ) -> tuple[dict[str, EngineClient], list[Any]]:
     """Engines on the trainer's device; the first uses `model` itself, the others copies."""
     import copy
@@ -477,7 +488,11 @@ async def _start_in_process(
     for i in range(cfg.num_engines):
         engine_model = model if i == 0 else copy.deepcopy(model)
         serving = ServingEngine.from_model(
-            engine_model, tokenizer, seed=seed + i, max_batch_size=cfg.max_batch_size
+            engine_model,
+            tokenizer,
+            seed=seed + i,
+            max_batch_size=cfg.max_batch_size,
+            true_on_policy=true_on_policy,
         )
         await serving.start()
         app = make_app(serving, tokenizer, served_model_name="policy", api_keys=keys)
@@ -494,10 +509,11 @@ def _engine_processes(
     dtype: torch.dtype,
     seed: int,
     keys: ApiKeys,
+    true_on_policy: bool,
 ) -> EngineProcesses:
     """`verst serve` processes, one per device (started by `start_all`)."""
     common = ["--dtype", str(dtype).removeprefix("torch."), "--max-batch-size"]
-    common += [str(cfg.max_batch_size)]
+    common += [str(cfg.max_batch_size)] + (["--true-on-policy"] if true_on_policy else [])
     if cfg.engine_threads is not None:
         common += ["--num-threads", str(cfg.engine_threads)]
     kwargs: dict[str, Any] = dict(

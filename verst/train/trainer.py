@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from verst import distributed
 from verst.models import lora
+from verst.models.invariant_forward import covers
 from verst.models.moe import routing_shape
 from verst.monitor.mfu import mfu_metrics
 from verst.monitor.timer import PhaseTimer
@@ -50,6 +51,7 @@ from verst.train.objective import (
     set_token_advantages,
     whiten_globally,
 )
+from verst.train.on_policy import invariant_scores
 from verst.train.routing_replay import RoutingReplay, require_moe, routed_calls
 from verst.train.token_logprobs import response_scores
 from verst.train.trainer_config import (
@@ -103,6 +105,10 @@ class Trainer:
         self.constant_normaliser = constant_normaliser
         self.total_steps = total_steps
         distributed.init_distributed(device)
+        if cfg.true_on_policy:
+            reason = covers(model) if device.type == "cpu" else "a CUDA device (CPU only yet)"
+            if reason is not None:
+                raise ValueError(f"trainer.true_on_policy cannot be guaranteed with {reason}")
         # MoE: routing recorded at rollout is replayed (loss.routing_replay) or compared with
         self.routing_shape = require_moe(model) if loss_cfg.routing_replay else routing_shape(model)
         self.routing = None
@@ -229,6 +235,8 @@ class Trainer:
         self, model: torch.nn.Module, micro: MicroBatch, *, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (log-prob, entropy) [B, T] of each response token at the sampling temperature."""
+        if self.cfg.true_on_policy:
+            return invariant_scores(model, micro, self.temperature, self.pad_token_id)
         chunk = self.cfg.logprob_chunk_tokens
         with self._replaying(model, micro):
             return response_scores(model, micro, self.temperature, chunk, entropy_grad=entropy_grad)

@@ -47,6 +47,11 @@ class TrainerConfig(ConfigBase):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype; auto = bfloat16 on CUDA, float32 on CPU"
     )
+    true_on_policy: bool = Field(
+        False,
+        description="engine and trainer compute log-probs through one batch-invariant forward, "
+        "so train/train_rollout_logprob_abs_diff is exactly 0 (dense Llama-family models)",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="training device; auto = CUDA when available"
     )

@@ -161,6 +161,7 @@ def run_server(
     max_loras: int = DEFAULT_MAX_ADAPTERS,
     lora_paths: dict[str, str] | None = None,
     tool_call_parser: str | None = None,
+    true_on_policy: bool = False,
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
@@ -179,6 +180,7 @@ def run_server(
         dtype=getattr(torch, dtype),
         max_batch_size=max_batch_size,
         max_adapters=max_loras,
+        true_on_policy=true_on_policy,
     )
     for name, path in (lora_paths or {}).items():  # the operator's own: no directory limit
         config, tensors = read_adapter_dir(Path(path))

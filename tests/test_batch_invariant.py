@@ -1,0 +1,126 @@
+"""Batch invariance of each op of `verst.models.batch_invariant` and of the invariant forward:
+a row's result is bitwise the same whatever shares the call (torch.equal, never allclose)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from verst.models import batch_invariant as bi
+from verst.models.invariant_forward import InvariantDecoder, covers, own_keys
+from verst.models.tiny import TinyModelConfig, build_tiny_model
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_do_not_depend_on_the_batch(dtype):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 32).to(dtype), torch.randn(96).to(dtype)
+    x = torch.randn(300, 32).to(dtype)
+    alone = torch.cat([bi.linear(x[i : i + 1], weight, bias) for i in range(40)])
+    for rows in (2, 3, 15, 16, 17, 40, 300):
+        assert torch.equal(bi.linear(x[:rows], weight, bias)[:40], alone[:rows])
+    # another row order puts each row elsewhere in the GEMM's tiles
+    order = torch.randperm(300)
+    assert torch.equal(bi.linear(x[order], weight, bias), bi.linear(x, weight, bias)[order])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pointwise_and_norm_rows_do_not_depend_on_the_batch(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(2000, 64) * 3).to(dtype)
+    weight = torch.randn(64).to(dtype)
+    for fn in (F.silu, torch.exp, torch.rsqrt):
+        whole = bi.pointwise(fn, x.abs() + 0.1)
+        for i in (0, 7, 1999):
+            assert torch.equal(bi.pointwise(fn, x[i : i + 1].abs() + 0.1), whole[i : i + 1])
+    whole = bi.rms_norm(x, weight, 1e-6)
+    for rows in (1, 3, 33):
+        assert torch.equal(bi.rms_norm(x[:rows], weight, 1e-6), whole[:rows])
+
+
+def test_log_softmax_rows_do_not_depend_on_the_batch():
+    """The sampler's fp32 log-softmax: what the engine reports for one row is what the
+    trainer computes for that row among thousands."""
+    torch.manual_seed(0)
+    z = torch.randn(3000, 151) * 5
+    whole = torch.log_softmax(z, dim=-1)
+    for i in (0, 5, 2999):
+        assert torch.equal(torch.log_softmax(z[i : i + 1], dim=-1), whole[i : i + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_of_a_query_ignores_later_keys_and_other_rows(dtype):
+    """A decode query over its keys 0..p equals that query inside a full causal pass over a
+    longer sequence, in a batch with other rows."""
+    torch.manual_seed(0)
+    B, T, H, G, D = 3, 37, 4, 2, 16
+    q = torch.randn(B, T, H, D).to(dtype)
+    k, v = torch.randn(B, T, G, D).to(dtype), torch.randn(B, T, G, D).to(dtype)
+    positions = torch.arange(T).expand(B, T)
+    full = bi.attention(q, k, v, positions, torch.full((B,), T), 0.25)
+    for p in (0, 5, 16, 36):
+        # row 1's query at p alone, its keys padded with garbage past p
+        keys_k = torch.cat([k[1:2, : p + 1], torch.full((1, 9, G, D), 1e4).to(dtype)], dim=1)
+        keys_v = torch.cat([v[1:2, : p + 1], torch.full((1, 9, G, D), float("nan"))], dim=1)
+        one = bi.attention(
+            q[1:2, p : p + 1], keys_k, keys_v.to(dtype), torch.tensor([[p]]),
+            torch.tensor([p + 1]), 0.25,
+        )  # fmt: skip
+        assert torch.equal(one[0, 0], full[1, p])
+
+
+def tiny(family: str, dtype: torch.dtype) -> torch.nn.Module:
+    cfg = TinyModelConfig(
+        family=family,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    return build_tiny_model(cfg, vocab_size=40, seed=0).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_forward_incremental_equals_whole_sequence(family, dtype):
+    """Prefill of 7 tokens then one-token decode steps (the engine's way) give the logits of
+    one forward over whole sequences in a batch (the trainer's way), bitwise; and they are
+    HF's up to rounding."""
+    model = tiny(family, dtype)
+    decoder = InvariantDecoder(model)
+    torch.manual_seed(1)
+    B, L = 5, 30
+    ids = torch.randint(0, 40, (B, L))
+    positions = torch.arange(L).expand(B, L)
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keys(layer, k, v):
+        old_k, old_v = cache.get(layer, (k[:, :0], v[:, :0]))
+        cache[layer] = (torch.cat([old_k, k], 1), torch.cat([old_v, v], 1))
+        return *cache[layer], torch.tensor([cache[layer][0].shape[1]])
+
+    with torch.no_grad():
+        whole = decoder.hidden(ids, positions, own_keys(positions))
+        whole = decoder.logits(whole.reshape(B * L, -1)).view(B, L, -1)
+        steps = [decoder.hidden(ids[2:3, :7], positions[2:3, :7], keys)]
+        steps += [decoder.hidden(ids[2:3, t : t + 1], positions[2:3, t : t + 1], keys)
+                  for t in range(7, L)]  # fmt: skip
+        incremental = decoder.logits(torch.cat(steps, dim=1)[0])
+        hf = model(ids).logits.float()
+    assert torch.equal(incremental, whole[2])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (whole - hf).abs().max() < tolerance
+
+
+def test_models_it_cannot_read_are_named():
+    mistral = tiny("mistral", torch.float32)
+    assert "sliding_window" in covers(mistral)
+    with pytest.raises(ValueError, match="sliding_window"):
+        InvariantDecoder(mistral)
+    moe = tiny("qwen3-moe", torch.float32)
+    assert "qwen3_moe" in covers(moe)

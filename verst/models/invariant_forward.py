@@ -1,0 +1,130 @@
+"""The one forward both sides run in true on-policy mode: a Llama-family decoder through the
+batch-invariant ops of `batch_invariant`, reading the HF model's own parameters at call time.
+
+The engine calls it with the K/V of earlier tokens in its paged pool, one token a row (decode)
+or a chunk (prefill); the trainer calls it on whole sequences. Every op's result for a token
+depends on that token's row alone, and attention reduces over the keys in fixed chunks, so a
+token's logits are bitwise the same either way. `covers` says which models it reads; any
+other model in true on-policy mode is refused at config or build time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from verst.models import batch_invariant as bi
+
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TRUE_ON_POLICY_FAMILIES = ("qwen3", "qwen2", "llama")  # the tiny families it reads
+
+# (layer, new K [B, T, G, D], new V) -> (every key of each row [B, S, G, D], V, key counts [B])
+KeySource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def covers(model: torch.nn.Module) -> str | None:
+    """None when `InvariantDecoder` reads `model`; else why not (for the error message)."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in DENSE_MODEL_TYPES:
+        return f"model type {model_type!r} (true on-policy covers {', '.join(DENSE_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {config.hidden_act!r} (needs silu)"
+    rope = _rope(config)
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return f"rope_scaling {rope} (needs the default rotary embedding)"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        if window < config.max_position_embeddings:
+            return f"sliding_window {window} (below max_position_embeddings)"
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or getattr(config, "final_logit_softcapping", None):
+        return "an output head other than a plain linear layer"
+    for layer in model.get_decoder().layers:
+        projections = [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj]
+        if any(type(m) is not torch.nn.Linear for m in projections):
+            return "projections other than plain nn.Linear (LoRA layers?)"
+    return None
+
+
+class InvariantDecoder:
+    def __init__(self, model: torch.nn.Module) -> None:
+        reason = covers(model)
+        if reason is not None:
+            raise ValueError(f"true on-policy mode cannot run {reason}")
+        self.model = model
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = model.get_decoder().layers[0].self_attn.head_dim
+        # from the config, in fp32: the model's `inv_freq` buffer is cast with the model (a
+        # bf16 engine copy holds a rounded one, the fp32 trainer an exact one)
+        theta = _rope(config).get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        self.inv_freq_D2 = 1.0 / (theta**steps)
+
+    def hidden(
+        self, ids_B_T: torch.Tensor, positions_B_T: torch.Tensor, keys: KeySource
+    ) -> torch.Tensor:
+        """The final-norm hidden states [B, T, E] of the fed tokens."""
+        decoder = self.model.get_decoder()
+        x_B_T_E = decoder.embed_tokens(ids_B_T)
+        cos, sin = bi.rotary_tables(
+            positions_B_T, self.inv_freq_D2, decoder.rotary_emb.attention_scaling, x_B_T_E.dtype
+        )
+        for index, layer in enumerate(decoder.layers):
+            h_B_T_E = _norm(layer.input_layernorm, x_B_T_E)
+            attn = self._attention(index, layer.self_attn, h_B_T_E, cos, sin, positions_B_T, keys)
+            x_B_T_E = x_B_T_E + attn
+            h_B_T_E = _norm(layer.post_attention_layernorm, x_B_T_E)
+            mlp = layer.mlp
+            act = bi.silu_mul(_linear(mlp.gate_proj, h_B_T_E), _linear(mlp.up_proj, h_B_T_E))
+            x_B_T_E = x_B_T_E + _linear(mlp.down_proj, act)
+        return _norm(decoder.norm, x_B_T_E)
+
+    def logits(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, V] of hidden states."""
+        return _linear(self.model.get_output_embeddings(), hidden_N_E).float()
+
+    def _attention(
+        self,
+        index: int,
+        attn: torch.nn.Module,
+        h_B_T_E: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions_B_T: torch.Tensor,
+        keys: KeySource,
+    ) -> torch.Tensor:
+        B, T, _ = h_B_T_E.shape
+        D = self.head_dim
+        q = _linear(attn.q_proj, h_B_T_E).view(B, T, self.heads, D)
+        k = _linear(attn.k_proj, h_B_T_E).view(B, T, self.kv_heads, D)
+        v = _linear(attn.v_proj, h_B_T_E).view(B, T, self.kv_heads, D)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head norms
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+        q, k = bi.apply_rotary(q, cos, sin), bi.apply_rotary(k, cos, sin)
+        k_B_S_G_D, v_B_S_G_D, key_lens_B = keys(index, k, v)
+        out = bi.attention(q, k_B_S_G_D, v_B_S_G_D, positions_B_T, key_lens_B, attn.scaling)
+        return _linear(attn.o_proj, out.reshape(B, T, -1))
+
+
+def own_keys(positions_B_T: torch.Tensor) -> KeySource:
+    """Keys of whole sequences fed at once (the trainer): each row's own new K/V, all set."""
+    lens_B = torch.full(
+        (positions_B_T.shape[0],), positions_B_T.shape[1], device=positions_B_T.device
+    )
+    return lambda layer, k_B_T_G_D, v_B_T_G_D: (k_B_T_G_D, v_B_T_G_D, lens_B)
+
+
+def _rope(config: object) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return bi.linear(x, module.weight, module.bias)
+
+
+def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return bi.rms_norm(x, module.weight, module.variance_epsilon)
