@@ -46,14 +46,17 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     flat = x.reshape(-1)
     n = flat.numel()
     step = POINTWISE_CHUNK if n > POINTWISE_CHUNK else 64
-    flat = F.pad(flat, (0, -(-n // step) * step - n))
+    pad = -(-n // step) * step - n
+    flat = F.pad(flat, (0, pad)) if pad else flat
+    if step != POINTWISE_CHUNK:  # one call below the grain size: no split, no concatenation
+        return fn(flat)[:n].view(x.shape)
     out = torch.cat([fn(chunk) for chunk in flat.split(POINTWISE_CHUNK)])
     return out[:n].view(x.shape)
 
 
 def rms_norm(x_N_E: torch.Tensor, weight_E: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's Llama / Qwen RMSNorm: in fp32, rounded to the input's dtype, times the weight."""
-    xf_N_E = x_N_E.float()
+    xf_N_E = x_N_E.float().contiguous()
     variance_N_1 = (xf_N_E * xf_N_E).mean(-1, keepdim=True)
     normed_N_E = xf_N_E * pointwise(torch.rsqrt, variance_N_1 + eps)
     return weight_E * normed_N_E.to(x_N_E.dtype)
@@ -84,7 +87,9 @@ def apply_rotary(x_B_T_H_D: torch.Tensor, cos_B_T_D: torch.Tensor, sin_B_T_D: to
 def chunked_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dimension (a multiple of KEY_CHUNK): each chunk's sum, then the
     chunks' sums added left to right, so trailing chunks of zeros change nothing."""
-    parts = x.unflatten(-1, (-1, KEY_CHUNK)).sum(-1)
+    # contiguous: a product of permuted operands may be laid out with this dimension outer,
+    # and a reduction over a strided dimension sums in an order set by the other dimensions
+    parts = x.contiguous().unflatten(-1, (-1, KEY_CHUNK)).sum(-1)
     total = parts[..., 0]
     for i in range(1, parts.shape[-1]):
         total = total + parts[..., i]
@@ -109,9 +114,10 @@ def attention(
     k_B_H_S_D = F.pad(k_B_S_G_D, (0, 0, 0, 0, 0, pad)).repeat_interleave(H // G, 2).transpose(1, 2)
     v_B_S_G_D = F.pad(v_B_S_G_D, (0, 0, 0, 0, 0, pad))
     v_B_S_G_D = torch.where(set_B_S[:, :, None, None], v_B_S_G_D, 0.0)  # unset slots: any bits
-    v_B_H_D_S = v_B_S_G_D.repeat_interleave(H // G, 2).permute(0, 2, 3, 1)
+    v_B_H_D_S = v_B_S_G_D.repeat_interleave(H // G, 2).permute(0, 2, 3, 1).contiguous()
     q_B_H_T_D = q_B_T_H_D.transpose(1, 2)
-    scores_B_H_T_S = (q_B_H_T_D[:, :, :, None] * k_B_H_S_D[:, :, None]).sum(-1) * scaling
+    products_B_H_T_S_D = (q_B_H_T_D[:, :, :, None] * k_B_H_S_D[:, :, None]).contiguous()
+    scores_B_H_T_S = products_B_H_T_S_D.sum(-1) * scaling
     seen_B_T_S = keys_S <= q_positions_B_T[..., None]
     scores_B_H_T_S = scores_B_H_T_S.float().masked_fill(~seen_B_T_S[:, None], float("-inf"))
     top_B_H_T_1 = scores_B_H_T_S.amax(-1, keepdim=True)
