@@ -25,7 +25,10 @@ steps start up; the last one always evaluates and checkpoints). Per run it repor
 - every evaluation point's `eval/lag_steps` and `eval/duration_s`, and whether it was valid
   (no `eval/skipped_*`, and for the engine modes every sample of the step's version alone).
 
-Lost throughput per mode = 1 - (its median perf_samples_per_s) / (the median of `none`).
+Lost throughput per mode = 1 - (its median perf_samples_per_s) / (the median of `none`), and
+the median over repeats of 1 - (a run's) / (the `none` run of the same repeat), paired; and
+`trainer_blocked_pct`, the share of the trainer's time inside the eval phase (the shared
+evaluation itself; a snapshot mode's export), which other load on the machine moves less.
 
     python bench/async_eval.py                      # CPU, 3 repeats of each mode
     python bench/async_eval.py --repeats 3 --steps 30
@@ -214,34 +217,39 @@ def distribution(values: list[float]) -> dict[str, float]:
     }
 
 
-def report(runs: dict[str, list[dict]]) -> dict[str, Any]:
-    base = {
-        key: statistics.median(r[key] for r in runs["none"])
-        for key in ("perf_samples_per_s", "wall_samples_per_s", "cpu_s_per_step")
-    }
+def mode_row(results: list[dict], base: list[dict], samples_per_step: int) -> dict[str, Any]:
+    """One mode's figures against `base` (the `none` runs, in the same alternation order)."""
+    keys = ("perf_samples_per_s", "wall_samples_per_s", "cpu_s_per_step")
+    row: dict[str, Any] = {key: spread([r[key] for r in results]) for key in keys}
+    medians = {key: statistics.median(r[key] for r in base) for key in keys}
+    row["lost_pct_perf"] = 100 * (1 - row["perf_samples_per_s"]["median"] / medians[keys[0]])
+    row["lost_pct_wall"] = 100 * (1 - row["wall_samples_per_s"]["median"] / medians[keys[1]])
+    row["extra_cpu_pct"] = 100 * (row["cpu_s_per_step"]["median"] / medians[keys[2]] - 1)
+    # each run against the `none` run of its own repeat, minutes apart: load drifts less
+    paired = [100 * (1 - r[keys[0]] / b[keys[0]]) for r, b in zip(results, base, strict=True)]
+    row["lost_pct_paired"] = {"per_repeat": paired, "median": statistics.median(paired)}
+    # the share of the trainer's time spent inside the eval phase (blocked by evaluation)
+    blocked = [100 * r["perf_eval_time_s_mean"] * r[keys[0]] / samples_per_step for r in results]
+    row["trainer_blocked_pct"] = spread(blocked) if any(blocked) else {"median": 0.0}
+    points = [p for r in results for p in r["eval_points"]]
+    row["eval_points"] = len(points)
+    row["eval_points_valid"] = sum(p["valid"] for p in points)
+    row["lag_steps"] = distribution([p["lag_steps"] for p in points if p["lag_steps"] is not None])
+    row["duration_s"] = distribution([p["duration_s"] for p in points if p["duration_s"]])
+    return row
+
+
+def report(runs: dict[str, list[dict]], samples_per_step: int) -> dict[str, Any]:
     table = {}
     for mode, results in runs.items():
-        points = [p for r in results for p in r["eval_points"]]
-        row = {key: spread([r[key] for r in results]) for key in base}
-        row["lost_pct_perf"] = 100 * (
-            1 - row["perf_samples_per_s"]["median"] / base["perf_samples_per_s"]
-        )
-        row["lost_pct_wall"] = 100 * (
-            1 - row["wall_samples_per_s"]["median"] / base["wall_samples_per_s"]
-        )
-        row["extra_cpu_pct"] = 100 * (row["cpu_s_per_step"]["median"] / base["cpu_s_per_step"] - 1)
-        row["eval_points"] = len(points)
-        row["eval_points_valid"] = sum(p["valid"] for p in points)
-        row["lag_steps"] = distribution(
-            [p["lag_steps"] for p in points if p["lag_steps"] is not None]
-        )
-        row["duration_s"] = distribution([p["duration_s"] for p in points if p["duration_s"]])
-        table[mode] = row
+        row = table[mode] = mode_row(results, runs["none"], samples_per_step)
         print(
             f"{mode:>9}: {row['perf_samples_per_s']['median']:.1f} samples/s "
             f"(spread {row['perf_samples_per_s']['spread_pct']:.0f}%), lost "
-            f"{row['lost_pct_perf']:.1f}% by perf timers, {row['lost_pct_wall']:.1f}% by wall; "
-            f"cpu/step {row['cpu_s_per_step']['median']:.2f}s; points valid "
+            f"{row['lost_pct_perf']:.1f}% of medians, {row['lost_pct_paired']['median']:.1f}% "
+            f"paired, {row['lost_pct_wall']:.1f}% by wall; trainer blocked "
+            f"{row['trainer_blocked_pct']['median']:.1f}%; cpu/step "
+            f"{row['cpu_s_per_step']['median']:.2f}s; points valid "
             f"{row['eval_points_valid']}/{row['eval_points']}; lag {row['lag_steps']}",
             flush=True,
         )
@@ -260,7 +268,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/async_eval_cpu.json")
+    parser.add_argument(
+        "--resummarise", action="store_true", help="recompute --out's summary from its runs"
+    )
     args = parser.parse_args()
+    if args.resummarise:
+        record = json.loads(args.out.read_text())
+        config = record["config"]
+        record["summary"] = report(record["runs"], config["prompts"] * config["n"])
+        args.out.write_text(json.dumps(record, indent=2))
+        return
 
     runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     load: list[float] = []
@@ -286,7 +303,7 @@ def main() -> None:
         "commit": commit,
         "config": vars(args) | {"out": str(args.out), "base": str(EXAMPLE.relative_to(ROOT))},
         "load_average_1m_at_run_starts": load,
-        "summary": report(runs) if "none" in runs else None,
+        "summary": report(runs, args.prompts * args.n) if "none" in runs else None,
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
