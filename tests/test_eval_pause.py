@@ -79,6 +79,6 @@ def test_shared_eval_pauses_lose_no_group_and_train_none_twice(tmp_path: Path) -
     assert max(r["buffer/staleness_max"] for r in rows[1:]) >= 1
     assert not any(k.startswith("eval/skipped_") for r in rows for k in r)
     report = check_exactly_once(run_dir / LEDGER_FILE, 12)
-    assert report.ok and report.complete_epochs == [0], report.summary()
+    assert report.ok and 0 in report.complete_epochs, report.summary()
     trained = [x for x in read_ledger(run_dir / LEDGER_FILE) if x["outcome"] == TRAINED]
     assert len(trained) == 5 * 4  # every step's batch, across four evaluation pauses
