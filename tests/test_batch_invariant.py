@@ -56,13 +56,22 @@ def test_log_softmax_rows_do_not_depend_on_the_batch():
 def test_attention_of_a_query_ignores_later_keys_and_other_rows(dtype, D):
     """A decode query over its keys 0..p equals that query inside a full causal pass over a
     longer sequence, in a batch with other rows."""
+    check_attention(dtype, D, 37, range(37))
+
+
+def test_attention_over_long_sequences():
+    """Keys far past one GEMM block: 600 keys, queries early, mid and last."""
+    check_attention(torch.float32, 32, 600, [0, 17, 255, 256, 511, 599])
+
+
+def check_attention(dtype: torch.dtype, D: int, T: int, positions) -> None:
     torch.manual_seed(0)
-    B, T, H, G = 3, 37, 4, 2
+    B, H, G = 3, 4, 2
     q = torch.randn(B, T, H, D).to(dtype)
     k, v = torch.randn(B, T, G, D).to(dtype), torch.randn(B, T, G, D).to(dtype)
     positions = torch.arange(T).expand(B, T)
     full = bi.attention(q, k, v, positions, torch.full((B,), T), 0.25)
-    for p in range(T):
+    for p in positions:
         # row 1's query at p alone, its keys padded with garbage past p
         keys_k = torch.cat([k[1:2, : p + 1], torch.full((1, 9, G, D), 1e4).to(dtype)], dim=1)
         keys_v = torch.cat([v[1:2, : p + 1], torch.full((1, 9, G, D), float("nan"))], dim=1)
