@@ -64,14 +64,14 @@ def test_attention_over_long_sequences():
     check_attention(torch.float32, 32, 600, [0, 17, 255, 256, 511, 599])
 
 
-def check_attention(dtype: torch.dtype, D: int, T: int, positions) -> None:
+def check_attention(dtype: torch.dtype, D: int, T: int, queries) -> None:
     torch.manual_seed(0)
     B, H, G = 3, 4, 2
     q = torch.randn(B, T, H, D).to(dtype)
     k, v = torch.randn(B, T, G, D).to(dtype), torch.randn(B, T, G, D).to(dtype)
     positions = torch.arange(T).expand(B, T)
     full = bi.attention(q, k, v, positions, torch.full((B,), T), 0.25)
-    for p in positions:
+    for p in queries:
         # row 1's query at p alone, its keys padded with garbage past p
         keys_k = torch.cat([k[1:2, : p + 1], torch.full((1, 9, G, D), 1e4).to(dtype)], dim=1)
         keys_v = torch.cat([v[1:2, : p + 1], torch.full((1, 9, G, D), float("nan"))], dim=1)
