@@ -43,6 +43,7 @@ def run(on: bool, args: argparse.Namespace, root: Path) -> dict[str, float]:
         "trainer.device=cpu",
         f"trainer.dtype={args.dtype}",
         f"trainer.true_on_policy={str(on).lower()}",
+        f"model.tiny.family={args.family}",
         "trainer.lr=1e-3",
         "loss.entropy_coef=0.01",
         "warm_start.enabled=false",
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="alternated runs per mode")
     parser.add_argument("--dtype", default="float32", help="trainer.dtype: float32 | bfloat16")
+    parser.add_argument("--family", default="qwen3", help="model.tiny.family (qwen3-moe too)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     repeats: dict[str, list[dict[str, float]]] = {"normal": [], "on": []}
@@ -105,7 +107,8 @@ def main() -> None:
     for name, summary in result["runs"].items():
         print(name, {k: round(v, 9) for k, v in summary.items()})
     print("slowdown of true on-policy (medians):", {k: round(v, 3) for k, v in ratios.items()})
-    out = Path(args.out) / f"true_on_policy_cpu_{args.dtype}.json"
+    suffix = "" if args.family == "qwen3" else f"_{args.family}"
+    out = Path(args.out) / f"true_on_policy_cpu_{args.dtype}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
