@@ -10,7 +10,8 @@ reward is 0 (a random tiny model): one with `trainer.true_on_policy=false`, one 
 
 Prints per run the mean (and max) `train/train_rollout_logprob_abs_diff`, the engine's
 generation tokens/s and `perf/train_time_s` (means over steps after the first, which pays
-warm-up), the ratios normal / true on-policy (the issue's goal: each <= 1.5), and writes
+warm-up; medians over `--repeats` alternated pairs of runs, since a shared CPU's load moves
+them), the slowdowns of true on-policy (the issue's goal: each <= 1.5), and writes
 bench/results/true_on_policy_cpu_<dtype>.json.
 """
 
@@ -42,6 +43,7 @@ def run(on: bool, args: argparse.Namespace, root: Path) -> dict[str, float]:
         "trainer.device=cpu",
         f"trainer.dtype={args.dtype}",
         f"trainer.true_on_policy={str(on).lower()}",
+        f"model.tiny.family={args.family}",
         "trainer.lr=1e-3",
         "loss.entropy_coef=0.01",
         "warm_start.enabled=false",
@@ -50,7 +52,7 @@ def run(on: bool, args: argparse.Namespace, root: Path) -> dict[str, float]:
         f"rollout.prompts_per_step={args.prompts}",
         f"rollout.max_new_tokens={args.max_new_tokens}",
     ]
-    run_dir = root / ("true_on_policy" if on else "normal")
+    run_dir = root / f"{'true_on_policy' if on else 'normal'}_{len(list(root.iterdir()))}"
     train(load_config(None, overrides), run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/grad_norm" in r]
@@ -65,6 +67,10 @@ def run(on: bool, args: argparse.Namespace, root: Path) -> dict[str, float]:
     }
 
 
+def median_of(summaries: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="RL steps per run")
@@ -72,12 +78,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="alternated runs per mode")
     parser.add_argument("--dtype", default="float32", help="trainer.dtype: float32 | bfloat16")
+    parser.add_argument("--family", default="qwen3", help="model.tiny.family (qwen3-moe too)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
+    repeats: dict[str, list[dict[str, float]]] = {"normal": [], "on": []}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: run(on, args, Path(tmp)) for name, on in (("normal", False), ("on", True))}
-    normal, on = runs["normal"], runs["on"]
+        for _ in range(args.repeats):  # alternated, so a shared machine's load hits both
+            for name, on in (("normal", False), ("on", True)):
+                repeats[name].append(run(on, args, Path(tmp)))
+    normal, on = (median_of(repeats[name]) for name in ("normal", "on"))
     ratios = {
         "engine_slowdown": normal["engine_tokens_per_s"] / on["engine_tokens_per_s"],
         "train_step_slowdown": on["train_time_s"] / normal["train_time_s"],
@@ -90,12 +101,14 @@ def main() -> None:
         "commit": commit.stdout.strip(),
         "args": vars(args),
         "runs": {"normal": normal, "true_on_policy": on},
+        "repeats": {"normal": repeats["normal"], "true_on_policy": repeats["on"]},
         "ratios": ratios,
     }
     for name, summary in result["runs"].items():
         print(name, {k: round(v, 9) for k, v in summary.items()})
-    print("slowdown (normal / true on-policy):", {k: round(v, 3) for k, v in ratios.items()})
-    out = Path(args.out) / f"true_on_policy_cpu_{args.dtype}.json"
+    print("slowdown of true on-policy (medians):", {k: round(v, 3) for k, v in ratios.items()})
+    suffix = "" if args.family == "qwen3" else f"_{args.family}"
+    out = Path(args.out) / f"true_on_policy_cpu_{args.dtype}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

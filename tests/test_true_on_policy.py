@@ -49,10 +49,11 @@ def engine(model: torch.nn.Module, max_running: int) -> Scheduler:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_logprobs_equal_the_trainers_whatever_the_batch(dtype):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])
+def test_engine_logprobs_equal_the_trainers_whatever_the_batch(family, dtype):
     """Sampled together (continuous batching, prompts of 1 to 17 tokens) or one request at a
     time, the engine's log-probs are the trainer's for the same tokens, bitwise."""
-    model = tiny("qwen3", dtype)
+    model = tiny(family, dtype)
     params = SamplingParams(max_new_tokens=12, temperature=0.8, ignore_eos=True)
     together = engine(model, 8).generate([GenerateRequest(list(p), params) for p in PROMPTS])
     alone = engine(model, 1).generate([GenerateRequest(list(p), params) for p in PROMPTS])
@@ -77,6 +78,7 @@ def records(run_dir: Path) -> list[dict]:
     [
         [],
         ["trainer.dtype=bfloat16"],
+        ["model.tiny.family=qwen3-moe", "model.tiny.num_experts=4"],
         # max_staleness 0: every group trained was sampled by the version that trains on it
         [
             "mode=fully_async",
@@ -85,7 +87,7 @@ def records(run_dir: Path) -> list[dict]:
             "rollout.max_staleness=0",
         ],
     ],
-    ids=["sync_fp32", "sync_bf16", "fully_async"],
+    ids=["sync_fp32", "sync_bf16", "sync_moe", "fully_async"],
 )
 def test_train_logprob_diff_is_exactly_zero(tmp_path: Path, overrides: list[str]):
     run_dir = tmp_path / "run"
@@ -110,7 +112,7 @@ def test_normal_mode_differs(tmp_path: Path):
     [
         ("trainer.backend=megatron", "trainer.backend=megatron"),
         ("model.lora.rank=4", "model.lora"),
-        ("model.tiny.family=qwen3-moe", "model.tiny.family=qwen3-moe"),
+        ("rollout.return_routed_experts=true", "rollout.return_routed_experts"),
         ("model.tiny.family=mistral", "model.tiny.family=mistral"),
         ("trainer.device=cuda", "trainer.device=cuda"),
         ("placement.backend=ray", "placement.backend=ray"),

@@ -208,8 +208,9 @@ def check_true_on_policy(cfg: RunConfig) -> None:
         "model.lora.rank > 0 (the invariant forward reads plain linear layers)": (
             cfg.model.lora.enabled
         ),
-        "loss.routing_replay (mixture-of-experts models are not covered yet)": (
-            cfg.loss.routing_replay
+        "loss.routing_replay or rollout.return_routed_experts (the invariant forward routes "
+        "by itself, without the router hooks; its routing is the engine's anyway)": (
+            cfg.loss.routing_replay or cfg.rollout.return_routed_experts
         ),
         f"model.tiny.family={tiny.family if tiny else None} (covered: "
         f"{', '.join(TRUE_ON_POLICY_FAMILIES)})": (

@@ -11,11 +11,15 @@ ops, so both compute bit-identical log-probs. What breaks invariance on the CPU,
   one: `pointwise` feeds the op chunks of `POINTWISE_CHUNK` elements, a multiple of every
   vector width and below ATen's grain size, so every element takes the vector path;
 - a softmax or weighted sum over a row of keys reduces in an order set by the row's length:
-  `attention` reduces in fixed chunks of `KEY_CHUNK` keys and adds the chunks' sums left to
-  right, so keys past a query (-inf scores, zero weights) add exact zeros.
+  `attention` reduces in fixed chunks of `KEY_CHUNK` keys (its value sum a GEMM of that fixed
+  depth per chunk) and adds the chunks' sums left to right, so keys past a query (-inf
+  scores, zero weights) add exact zeros;
+- a reduction over a strided dimension sums in an order set by the other dimensions: every
+  reduction here runs over a contiguous last dimension.
 
-Reductions over a fixed-length last dimension (a norm's mean, a chunk's sum) and
-`torch.log_softmax` per row were measured invariant to the number of rows.
+Reductions over a fixed-length last dimension (a norm's mean, a chunk's sum), GEMMs of 16+
+rows of a fixed depth (whatever their column count) and `torch.log_softmax` per row were
+measured invariant to the number of rows (tests/test_batch_invariant.py).
 """
 
 from __future__ import annotations
@@ -84,16 +88,28 @@ def apply_rotary(x_B_T_H_D: torch.Tensor, cos_B_T_D: torch.Tensor, sin_B_T_D: to
     return x_B_T_H_D * cos_B_T_D[:, :, None] + rotated * sin_B_T_D[:, :, None]
 
 
-def chunked_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dimension (a multiple of KEY_CHUNK): each chunk's sum, then the
-    chunks' sums added left to right, so trailing chunks of zeros change nothing."""
+def chunked_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over `dim` (a multiple of KEY_CHUNK long): each chunk's sum, then the chunks' sums
+    added left to right, so trailing chunks of zeros change nothing."""
     # contiguous: a product of permuted operands may be laid out with this dimension outer,
     # and a reduction over a strided dimension sums in an order set by the other dimensions
-    parts = x.contiguous().unflatten(-1, (-1, KEY_CHUNK)).sum(-1)
-    total = parts[..., 0]
-    for i in range(1, parts.shape[-1]):
-        total = total + parts[..., i]
+    parts = x.movedim(dim, -1).contiguous().unflatten(-1, (-1, KEY_CHUNK)).sum(-1)
+    return _left_to_right(parts.movedim(-1, 0))
+
+
+def _left_to_right(parts: torch.Tensor) -> torch.Tensor:
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
     return total
+
+
+def rows_matmul(a_X_M_K: torch.Tensor, b_X_K_N: torch.Tensor) -> torch.Tensor:
+    """Batched `a @ b` with at least ROW_TILE rows a GEMM (the row-invariant kernel)."""
+    M = a_X_M_K.shape[-2]
+    if M >= ROW_TILE:
+        return torch.matmul(a_X_M_K, b_X_K_N)
+    return torch.matmul(F.pad(a_X_M_K, (0, 0, 0, ROW_TILE - M)), b_X_K_N)[..., :M, :]
 
 
 def attention(
@@ -105,24 +121,30 @@ def attention(
     scaling: float,
 ) -> torch.Tensor:
     """Causal attention [B, T, H, D]: the query at position p of row b sees that row's keys at
-    positions 0..p (key s sits at position s; keys at or past `key_lens_B[b]` are unset)."""
+    positions 0..p (key s sits at position s; keys at or past `key_lens_B[b]` are unset).
+
+    Scores are GEMMs over the head dimension (a fixed depth); the weighted sum of values is a
+    GEMM per chunk of KEY_CHUNK keys (a fixed depth), the chunks then added left to right."""
     B, T, H, D = q_B_T_H_D.shape
     S, G = k_B_S_G_D.shape[1], k_B_S_G_D.shape[2]
     pad = -(-S // KEY_CHUNK) * KEY_CHUNK - S
     keys_S = torch.arange(S + pad, device=q_B_T_H_D.device)
     set_B_S = keys_S < key_lens_B[:, None]
-    k_B_H_S_D = F.pad(k_B_S_G_D, (0, 0, 0, 0, 0, pad)).repeat_interleave(H // G, 2).transpose(1, 2)
+    k_B_S_G_D = F.pad(k_B_S_G_D, (0, 0, 0, 0, 0, pad))
     v_B_S_G_D = F.pad(v_B_S_G_D, (0, 0, 0, 0, 0, pad))
     v_B_S_G_D = torch.where(set_B_S[:, :, None, None], v_B_S_G_D, 0.0)  # unset slots: any bits
-    v_B_H_D_S = v_B_S_G_D.repeat_interleave(H // G, 2).permute(0, 2, 3, 1).contiguous()
-    q_B_H_T_D = q_B_T_H_D.transpose(1, 2)
-    products_B_H_T_S_D = (q_B_H_T_D[:, :, :, None] * k_B_H_S_D[:, :, None]).contiguous()
-    scores_B_H_T_S = products_B_H_T_S_D.sum(-1) * scaling
+    k_B_H_D_S = k_B_S_G_D.repeat_interleave(H // G, 2).permute(0, 2, 3, 1).contiguous()
+    q_B_H_T_D = q_B_T_H_D.transpose(1, 2).contiguous()
+    scores_B_H_T_S = rows_matmul(q_B_H_T_D, k_B_H_D_S) * scaling
     seen_B_T_S = keys_S <= q_positions_B_T[..., None]
     scores_B_H_T_S = scores_B_H_T_S.float().masked_fill(~seen_B_T_S[:, None], float("-inf"))
     top_B_H_T_1 = scores_B_H_T_S.amax(-1, keepdim=True)
     weights_B_H_T_S = pointwise(torch.exp, scores_B_H_T_S - top_B_H_T_1)
     probs_B_H_T_S = weights_B_H_T_S / chunked_sum(weights_B_H_T_S)[..., None]
-    probs_B_H_T_S = probs_B_H_T_S.to(v_B_H_D_S.dtype)
-    out_B_H_T_D = chunked_sum(probs_B_H_T_S[:, :, :, None] * v_B_H_D_S[:, :, None])
-    return out_B_H_T_D.transpose(1, 2)
+    # [B, H, chunks, T, KEY_CHUNK] @ [B, H, chunks, KEY_CHUNK, D], summed over the chunks
+    probs_B_H_C_T_K = probs_B_H_T_S.to(v_B_S_G_D.dtype).unflatten(-1, (-1, KEY_CHUNK))
+    probs_B_H_C_T_K = probs_B_H_C_T_K.transpose(2, 3).contiguous()
+    v_B_H_S_D = v_B_S_G_D.repeat_interleave(H // G, 2).transpose(1, 2)
+    v_B_H_C_K_D = v_B_H_S_D.unflatten(2, (-1, KEY_CHUNK)).contiguous()
+    out_B_H_C_T_D = rows_matmul(probs_B_H_C_T_K, v_B_H_C_K_D)
+    return _left_to_right(out_B_H_C_T_D.movedim(2, 0)).transpose(1, 2)

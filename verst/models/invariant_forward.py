@@ -16,8 +16,8 @@ import torch
 
 from verst.models import batch_invariant as bi
 
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-TRUE_ON_POLICY_FAMILIES = ("qwen3", "qwen2", "llama")  # the tiny families it reads
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+TRUE_ON_POLICY_FAMILIES = ("qwen3", "qwen2", "llama", "qwen3-moe")  # the tiny families it reads
 
 # (layer, new K [B, T, G, D], new V) -> (every key of each row [B, S, G, D], V, key counts [B])
 KeySource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
@@ -27,8 +27,8 @@ def covers(model: torch.nn.Module) -> str | None:
     """None when `InvariantDecoder` reads `model`; else why not (for the error message)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
-    if model_type not in DENSE_MODEL_TYPES:
-        return f"model type {model_type!r} (true on-policy covers {', '.join(DENSE_MODEL_TYPES)})"
+    if model_type not in MODEL_TYPES:
+        return f"model type {model_type!r} (true on-policy covers {', '.join(MODEL_TYPES)})"
     if getattr(config, "hidden_act", None) != "silu":
         return f"hidden_act {config.hidden_act!r} (needs silu)"
     rope = _rope(config)
@@ -42,7 +42,8 @@ def covers(model: torch.nn.Module) -> str | None:
     if type(head) is not torch.nn.Linear or getattr(config, "final_logit_softcapping", None):
         return "an output head other than a plain linear layer"
     for layer in model.get_decoder().layers:
-        projections = [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj]
+        projections = [layer.self_attn.q_proj, layer.self_attn.o_proj]
+        projections += [] if _is_moe(layer.mlp) else [layer.mlp.down_proj]
         if any(type(m) is not torch.nn.Linear for m in projections):
             return "projections other than plain nn.Linear (LoRA layers?)"
     return None
@@ -78,9 +79,9 @@ class InvariantDecoder:
             attn = self._attention(index, layer.self_attn, h_B_T_E, cos, sin, positions_B_T, keys)
             x_B_T_E = x_B_T_E + attn
             h_B_T_E = _norm(layer.post_attention_layernorm, x_B_T_E)
-            mlp = layer.mlp
-            act = bi.silu_mul(_linear(mlp.gate_proj, h_B_T_E), _linear(mlp.up_proj, h_B_T_E))
-            x_B_T_E = x_B_T_E + _linear(mlp.down_proj, act)
+            x_B_T_E = x_B_T_E + (
+                _moe(layer.mlp, h_B_T_E) if _is_moe(layer.mlp) else _mlp(layer.mlp, h_B_T_E)
+            )
         return _norm(decoder.norm, x_B_T_E)
 
     def logits(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
@@ -116,6 +117,36 @@ def own_keys(positions_B_T: torch.Tensor) -> KeySource:
         (positions_B_T.shape[0],), positions_B_T.shape[1], device=positions_B_T.device
     )
     return lambda layer, k_B_T_G_D, v_B_T_G_D: (k_B_T_G_D, v_B_T_G_D, lens_B)
+
+
+def _is_moe(mlp: torch.nn.Module) -> bool:
+    return hasattr(mlp, "experts")
+
+
+def _mlp(mlp: torch.nn.Module, h_B_T_E: torch.Tensor) -> torch.Tensor:
+    act = bi.silu_mul(_linear(mlp.gate_proj, h_B_T_E), _linear(mlp.up_proj, h_B_T_E))
+    return _linear(mlp.down_proj, act)
+
+
+def _moe(block: torch.nn.Module, h_B_T_E: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE's sparse block: its router's softmax top-k (renormalised), every expert run on
+    every token (a token's rows never depend on which others chose an expert) and the experts'
+    outputs added in expert order, the unchosen ones with weight exactly 0."""
+    router, experts = block.gate, block.experts
+    x_N_E = h_B_T_E.reshape(-1, h_B_T_E.shape[-1])
+    logits_N_X = bi.linear(x_N_E, router.weight).float()
+    weights_N_X = bi.pointwise(torch.exp, logits_N_X - logits_N_X.amax(-1, keepdim=True))
+    probs_N_X = weights_N_X / weights_N_X.sum(-1, keepdim=True)
+    top_N_K, ids_N_K = probs_N_X.topk(router.top_k, dim=-1)
+    if router.norm_topk_prob:
+        top_N_K = top_N_K / top_N_K.sum(-1, keepdim=True)
+    gates_N_X = torch.zeros_like(probs_N_X).scatter(1, ids_N_K, top_N_K).to(x_N_E.dtype)
+    out_N_E = torch.zeros_like(x_N_E)
+    for e in range(gates_N_X.shape[1]):
+        gate, up = bi.linear(x_N_E, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        y_N_E = bi.linear(bi.silu_mul(gate, up), experts.down_proj[e])
+        out_N_E = out_N_E + gates_N_X[:, e, None] * y_N_E
+    return out_N_E.view(h_B_T_E.shape)
 
 
 def _rope(config: object) -> dict:

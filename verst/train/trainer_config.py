@@ -50,7 +50,7 @@ class TrainerConfig(ConfigBase):
     true_on_policy: bool = Field(
         False,
         description="engine and trainer compute log-probs through one batch-invariant forward, "
-        "so train/train_rollout_logprob_abs_diff is exactly 0 (dense Llama-family models)",
+        "so train/train_rollout_logprob_abs_diff is exactly 0 (Llama family, Qwen3-MoE; CPU)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="training device; auto = CUDA when available"
