@@ -181,6 +181,23 @@ def test_verst_train_with_megatron(tmp_path) -> None:
     assert list_checkpoints(run_dir)
 
 
+def test_a_layout_that_does_not_fit_fails_through_the_cli_before_any_step(tmp_path, capsys) -> None:
+    from verst import exitcodes
+    from verst.cli import main
+
+    run_dir = tmp_path / "run"
+    args = [
+        "train", "trainer.backend=megatron", "trainer.device=cpu", "num_threads=1",
+        "trainer.megatron.tensor_parallel=3",
+        "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
+        "intermediate_size: 64, max_position_embeddings: 32}", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    assert main(args) == exitcodes.BAD_INPUT
+    err = capsys.readouterr().err
+    assert "trainer.megatron.tensor_parallel=3 does not divide the model's 2 heads" in err
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
 def test_megatron_rejects_what_it_does_not_train() -> None:
     from verst.config import RunConfig
 
