@@ -1,6 +1,7 @@
 """The megatron backend on CPU (gloo, TP = PP = EP = 1): its log-probs equal the HF model's
-(the FSDP2 backend's forward) in fp32, a GRPO step matches the FSDP2 step, and the exported
-weights are the HF tensors; the DP reduction of the loss normalisers against closed forms."""
+(the FSDP2 backend's forward) in fp32, a GRPO step matches the FSDP2 step, the exported
+weights are the HF tensors, and a checkpoint resumes bit for bit; the DP reduction of the loss
+normalisers against closed forms."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def _model(family: str):
     return build_tiny_model(shape, VOCAB, seed=0)
 
 
-def _items() -> list[TrainItem]:
-    gen = torch.Generator().manual_seed(0)
+def _items(seed: int = 0) -> list[TrainItem]:
+    gen = torch.Generator().manual_seed(seed)
     out = []
     for prompt_len, response_len, advantage in [(5, 4, 1.0), (5, 6, -1.0), (3, 2, 0.5)]:
         tokens = torch.randint(1, VOCAB, (prompt_len + response_len,), generator=gen).tolist()
@@ -53,8 +54,8 @@ def megatron_trainers():
     """One parallel state per process: a trainer per family, built in turn."""
     from verst.train.megatron.trainer import MegatronTrainer
 
-    def build(model):
-        cfg = TrainerConfig(backend="megatron", dtype="float32", device="cpu", lr=1e-3)
+    def build(model, **trainer):
+        cfg = TrainerConfig(backend="megatron", dtype="float32", device="cpu", lr=1e-3, **trainer)
         return MegatronTrainer(
             copy.deepcopy(model), cfg, LossConfig(), total_steps=4, pad_token_id=0,
             device=torch.device("cpu"),
@@ -95,6 +96,53 @@ def test_grpo_step_matches_fsdp2(megatron_trainers) -> None:
         assert torch.allclose(tensor, after_theirs[name], atol=1e-6), name
 
 
+def _adam_moments(trainer) -> dict[str, torch.Tensor]:
+    state = trainer.optimizer.state
+    return {
+        f"{name}.{key}": value
+        for name, param in trainer.trainable_parameters
+        for key, value in state[param].items()
+    }
+
+
+def test_resumed_trainer_continues_bit_for_bit(megatron_trainers, tmp_path) -> None:
+    """Two steps, a checkpoint on disk (HF safetensors + the state file, read back as `--resume`
+    reads them), a fresh trainer from the step-0 model loads it, and its third step equals an
+    uninterrupted run's exactly: CPU fp32 runs the same kernels on the same bits in the same
+    order, the weights' HF <-> Megatron mapping only copies and concatenates, and the Adam
+    moments, step counts and LR schedule are restored, so no tolerance is needed."""
+    from verst.train.checkpoint import STATE_FILE, load_checkpoint
+
+    model = _model("qwen3")
+    settings = dict(lr_warmup_steps=2, lr_schedule="cosine", grad_clip=0.05, weight_decay=0.1)
+    uninterrupted = megatron_trainers(model, **settings)
+    expected = [uninterrupted.step(_items(seed), step=seed) for seed in (1, 2, 3)]
+    want_weights, want_moments = uninterrupted.full_state_dict(), _adam_moments(uninterrupted)
+
+    first = megatron_trainers(model, **settings)
+    for seed in (1, 2):
+        assert first.step(_items(seed), step=seed)["train/loss"] == expected[seed - 1]["train/loss"]
+    model.save_pretrained(tmp_path, state_dict=first.full_state_dict(), safe_serialization=True)
+    torch.save({"trainer": first.optimizer_state()}, tmp_path / STATE_FILE)
+    del first
+
+    resumed = megatron_trainers(model, **settings)  # starts from the step-0 weights
+    weights, state = load_checkpoint(tmp_path)
+    resumed.load_state(weights, state["trainer"])
+    metrics = resumed.step(_items(3), step=3)
+    for key in ("train/loss", "train/grad_norm", "train/lr"):
+        assert metrics[key] == expected[2][key], key
+    assert expected[2]["train/grad_norm"] > 0.05  # the clip acted on the compared step
+    after = resumed.full_state_dict()
+    assert after.keys() == want_weights.keys()
+    for name, tensor in want_weights.items():
+        assert torch.equal(after[name], tensor), name
+    moments = _adam_moments(resumed)
+    assert moments.keys() == want_moments.keys()
+    for name, tensor in want_moments.items():
+        assert torch.equal(moments[name], tensor), name
+
+
 def test_normalisers_reduce_to_one_batch() -> None:
     """Σ over DP ranks of (Σ_rank x·mask / token_norm), ÷ DP = the whole batch's token mean;
     the same for the sequence mean."""
@@ -131,6 +179,23 @@ def test_verst_train_with_megatron(tmp_path) -> None:
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["sync/bytes"] > 0 for r in steps)  # no shared storage: the engine got copies
     assert list_checkpoints(run_dir)
+
+
+def test_a_layout_that_does_not_fit_fails_through_the_cli_before_any_step(tmp_path, capsys) -> None:
+    from verst import exitcodes
+    from verst.cli import main
+
+    run_dir = tmp_path / "run"
+    args = [
+        "train", "trainer.backend=megatron", "trainer.device=cpu", "num_threads=1",
+        "trainer.megatron.tensor_parallel=3",
+        "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
+        "intermediate_size: 64, max_position_embeddings: 32}", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    assert main(args) == exitcodes.BAD_INPUT
+    err = capsys.readouterr().err
+    assert "trainer.megatron.tensor_parallel=3 does not divide the model's 2 heads" in err
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_megatron_rejects_what_it_does_not_train() -> None:

@@ -15,10 +15,11 @@ from verst.train.megatron.mapping import WeightMap
 VOCAB = 37  # odd, so TP=2 pads the vocabulary
 
 
-def _model(family: str, tied: bool = False):
+def _model(family: str, tied: bool = False, intermediate_size: int = 48):
     shape = TinyModelConfig(
         family=family, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-        intermediate_size=48, tie_word_embeddings=tied, num_experts=4, experts_per_token=2,
+        intermediate_size=intermediate_size, tie_word_embeddings=tied, num_experts=4,
+        experts_per_token=2,
     )  # fmt: skip
     return build_tiny_model(shape, VOCAB, seed=0)
 
@@ -109,7 +110,9 @@ def test_fused_layouts_are_megatrons() -> None:
         (dict(tensor_parallel=3), 3, "tensor_parallel=3"),
         (dict(pipeline_parallel=3), 3, "pipeline_parallel=3"),
         (dict(expert_parallel=2), 2, "expert_parallel=2 needs an MoE"),
+        (dict(tensor_parallel=4), 4, "tensor_parallel=4 does not divide the model's 2 key/value"),
         (dict(tensor_parallel=2), 3, "does not divide the 3 ranks"),
+        (dict(pipeline_parallel=2), 3, "pipeline_parallel = 2 does not divide the 3 ranks"),
     ],
 )
 def test_bad_layouts_name_the_field(layout: dict, world: int, field: str) -> None:
@@ -122,3 +125,19 @@ def test_bad_expert_layout_and_family() -> None:
         check_layout(MegatronConfig(expert_parallel=3), _model("qwen3-moe").config, 3)
     with pytest.raises(ValueError, match="model family 'mistral' is not covered"):
         check_layout(MegatronConfig(), _model("mistral").config, 1)
+
+
+def test_bad_mlp_rope_and_expert_layouts_name_the_field() -> None:
+    narrow = _model("qwen3", intermediate_size=51)  # TP=2 divides its 4 heads and 2 kv heads
+    with pytest.raises(ValueError, match="tensor_parallel=2 does not divide the model's 51 MLP"):
+        check_layout(MegatronConfig(tensor_parallel=2), narrow.config, 2)
+    moe = _model("qwen3-moe").config
+    with pytest.raises(ValueError, match=r"expert_parallel=2 does not divide the 1 data-parallel"):
+        check_layout(MegatronConfig(tensor_parallel=2, expert_parallel=2), moe, 2)
+    moe.mlp_only_layers = [0]
+    with pytest.raises(ValueError, match="every layer must be an MoE layer"):
+        check_layout(MegatronConfig(), moe, 1)
+    scaled = _model("llama").config
+    scaled.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    with pytest.raises(ValueError, match="rope scaling 'linear' is not covered"):
+        check_layout(MegatronConfig(), scaled, 1)

@@ -1,6 +1,7 @@
-"""`placement.backend: ray`: bundles, the checks that refuse what a cluster cannot place, and
-one run through the public CLI on a local two-node Ray cluster (engine and trainer on different
-nodes, fully async) whose engine and then trainer rank are killed."""
+"""`placement.backend: ray`: bundles, the checks that refuse what a cluster cannot place, one
+run through the public CLI on a local two-node Ray cluster (engine and trainer on different
+nodes, fully async) whose engine and then trainer rank are killed, and one that joins a
+cluster started with `ray start` through `$RAY_ADDRESS` (and one whose address has none)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import importlib.util
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.faults import TrainProcess, complete_records
+from tests.ray_nodes import RayNodes
+from verst import exitcodes
+from verst.cli import main
 from verst.config import ConfigError, load_config
 from verst.data.source import load_rows
+from verst.fleet.launcher import free_port
 from verst.fleet.placement import PlacementConfig
 from verst.fleet.ray_cluster import bundles, check_resources
 from verst.rollout.ledger import LEDGER_FILE, check_exactly_once
@@ -73,6 +79,65 @@ def test_bad_backend_configs_fail_when_the_config_loads(monkeypatch: pytest.Monk
         load_config(None, ["placement.backend=ray"])
 
 
+def test_a_ray_address_with_no_cluster_fails_at_once_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("ray")
+    nothing = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", nothing)
+    began = time.monotonic()
+    code = main(["train", EXAMPLE, "--run-dir", str(tmp_path / "run")])
+    assert time.monotonic() - began < 30  # ray.init alone retries such an address for minutes
+    assert code == exitcodes.BAD_INPUT
+    assert f"$RAY_ADDRESS={nothing}: no Ray cluster answers there" in capsys.readouterr().err
+    monkeypatch.delenv("RAY_ADDRESS")
+    unreachable = f"placement.ray_address={nothing}"
+    code = main(["train", EXAMPLE, unreachable, "--run-dir", str(tmp_path / "run2")])
+    assert code == exitcodes.BAD_INPUT
+    assert f"{unreachable}: no Ray cluster answers" in capsys.readouterr().err
+    code = main(["train", EXAMPLE, "placement.ray_address=head", "--run-dir", str(tmp_path / "r3")])
+    assert code == exitcodes.BAD_INPUT
+    assert "a Ray cluster address is HOST:PORT" in capsys.readouterr().err
+
+
+TINY = [
+    "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
+    "intermediate_size: 64, max_position_embeddings: 64}",
+    "rollout.prompts_per_step=4",
+    "rollout.n_samples_per_prompt=4",
+    "warm_start.enabled=false",
+    "eval.interval_steps=0",
+]
+
+
+@pytest.mark.slow
+def test_ray_address_joins_a_cluster_started_with_ray_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example's run joins a two-node cluster of `ray start` nodes through $RAY_ADDRESS:
+    its trainer rank and engine land on that cluster's nodes, and the cluster outlives it."""
+    pytest.importorskip("ray")
+    cluster = RayNodes()
+    try:
+        cluster.start([(1, {"verst_trainer": 1}), (1, {"verst_engine": 1})])
+        by_role = {
+            next(k for k in n["resources"] if k.startswith("verst_")): n["id"]
+            for n in cluster.nodes()
+        }
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        run_dir = tmp_path / "run"
+        run = TrainProcess([EXAMPLE, "num_steps=3", "checkpoint.interval_steps=0", *TINY], run_dir)
+        assert run.start().finish(timeout_s=400) == 0, run.output()
+        assert [r["step"] for r in run.records()] == [0, 1, 2, 3]
+        assert f"Ray cluster at {cluster.address} ready" in run.output(lines=10_000)
+        (placed,) = [json.loads(line) for line in (run_dir / "placement.jsonl").open()]
+        assert placed["trainer_nodes"] == [by_role["verst_trainer"]], (placed, by_role)
+        assert placed["engine_nodes"] == [by_role["verst_engine"]], (placed, by_role)
+        assert len(cluster.nodes()) == 2  # a cluster the run joined stays up
+    finally:
+        cluster.stop()
+
+
 def _pids(*words: str) -> list[int]:
     """Processes whose command line holds every one of `words`."""
     found = []
@@ -92,12 +157,7 @@ def test_ray_fully_async_survives_an_engine_and_a_trainer_rank_killed(tmp_path: 
     run_dir = tmp_path / "run"
     overrides = [
         "num_steps=16",
-        "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
-        "intermediate_size: 64, max_position_embeddings: 64}",
-        "rollout.prompts_per_step=4",
-        "rollout.n_samples_per_prompt=4",
-        "warm_start.enabled=false",
-        "eval.interval_steps=0",
+        *TINY,
         "checkpoint.interval_steps=5",
         "fault_tolerance.interval_s=0.5",
         "fault_tolerance.timeout_s=5",

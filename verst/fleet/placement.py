@@ -60,6 +60,9 @@ class PlacementConfig(ConfigBase):
         description="Ray cluster to join (ray.init address, e.g. 10.0.0.1:6379); unset = "
         "$RAY_ADDRESS, else a local cluster of placement.ray_local_nodes",
     )
+    ray_connect_timeout_s: float = Field(
+        10.0, gt=0, description="seconds the Ray cluster's address may take to accept a connection"
+    )
     ray_local_nodes: list[RayNodeConfig] = Field(
         default_factory=list,
         description="nodes of the local Ray cluster verst starts when it joins none; empty = "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,8 @@ def connect(cfg: PlacementConfig) -> RayCluster:
     began = time.monotonic()
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
+        field = "placement.ray_address" if cfg.ray_address else "$RAY_ADDRESS"
+        check_reachable(address, field, cfg.ray_connect_timeout_s)
         ray.init(address=address, namespace=NAMESPACE)
         return RayCluster(ray.get_runtime_context().gcs_address, time.monotonic() - began)
     from ray.cluster_utils import Cluster
@@ -79,6 +82,24 @@ def connect(cfg: PlacementConfig) -> RayCluster:
         local.shutdown()
         raise
     return RayCluster(local.address, time.monotonic() - began, local)
+
+
+def check_reachable(address: str, field: str, timeout_s: float) -> None:
+    """Refuse a cluster address where nothing listens: `ray.init` would retry it for minutes
+    (it logs GCS time-outs and never gives up), so the run would hang instead of failing."""
+    if address in ("auto", "local"):
+        return  # Ray resolves these itself, and fails at once when no cluster runs here
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{field}={address!r}: a Ray cluster address is HOST:PORT (or 'auto')")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ValueError(
+            f"{field}={address}: no Ray cluster answers there ({error}); start one with "
+            "`ray start --head --port=PORT`, fix the address, or unset it (and "
+            "placement.ray_address) to start a local cluster"
+        ) from None
 
 
 def join_from_rank() -> Any:
