@@ -165,11 +165,16 @@ def run_penalties_ab(model, args, preset, dtype, device) -> list[dict]:
     return rows
 
 
-def new_scheduler(model, dtype, device, budget_bytes: int) -> Scheduler:
+def new_scheduler(
+    model, dtype, device, budget_bytes: int, eos_token_ids: tuple[int, ...] = (), tokenizer=None
+) -> Scheduler:
+    """`tokenizer` enables constrained decoding."""
     pool = KVPool.from_budget(
         model.config, budget_bytes=budget_bytes, page_size=16, dtype=dtype, device=device
     )
-    return Scheduler(model, pool, eos_token_ids=[], pad_token_id=0)
+    return Scheduler(
+        model, pool, eos_token_ids=list(eos_token_ids), pad_token_id=0, tokenizer=tokenizer
+    )
 
 
 def warm_scheduler(scheduler: Scheduler, prompts: list[list[int]], batch: int) -> None:

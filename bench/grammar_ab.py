@@ -31,13 +31,12 @@ import time
 from pathlib import Path
 
 import torch
-from engine_throughput import PRESETS, batch_prompts, build_model, timed
+from engine_throughput import PRESETS, batch_prompts, build_model, new_scheduler, timed
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from verst.engine import GenerateRequest, SamplingParams
 from verst.engine.grammar import Constraint
-from verst.engine.kv_pool import KVPool
 from verst.engine.scheduler import Scheduler
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +51,7 @@ CONSTRAINT = Constraint("json_schema", json.dumps(SCHEMA))
 CONFIGS = ("no_tokenizer", "off", "json_half", "json_all")
 
 
-def bench_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def char_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """One token per id: `<eos>`, the printable ASCII characters, then `w<id>` fillers."""
     chars = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
     pieces = ["<eos>", *chars]
@@ -60,13 +59,6 @@ def bench_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab={p: i for i, p in enumerate(pieces)}, unk_token="<eos>"))
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
-
-
-def new_scheduler(model, dtype, device, budget_bytes: int, tokenizer) -> Scheduler:
-    pool = KVPool.from_budget(
-        model.config, budget_bytes=budget_bytes, page_size=16, dtype=dtype, device=device
-    )
-    return Scheduler(model, pool, eos_token_ids=[EOS], pad_token_id=EOS, tokenizer=tokenizer)
 
 
 def constrained_requests(prompts, new: int, every: int) -> list[GenerateRequest]:
@@ -79,23 +71,23 @@ def constrained_requests(prompts, new: int, every: int) -> list[GenerateRequest]
     return out
 
 
-def generate(scheduler: Scheduler, prompts, new: int, every: int) -> int:
-    """Fresh requests on an empty prefix cache; the number of tokens generated. A constrained
-    output must start as the schema's JSON does (proof the grammar was applied)."""
+def generate(scheduler: Scheduler, prompts, new: int, every: int) -> list:
+    """Fresh requests on an empty prefix cache; their requests and outputs."""
     scheduler.flush_cache()
     requests = constrained_requests(prompts, new, every)
-    results = scheduler.generate(requests)
-    for request, result in zip(requests, results, strict=True):
-        if request.sampling_params.constraint is not None:
-            text = scheduler.grammars.tokenizer.decode(result.output_ids)
-            assert text.startswith('{"note"') or '{"note"'.startswith(text), text
-    return sum(len(r.output_ids) for r in results)
+    return list(zip(requests, scheduler.generate(requests), strict=True))
 
 
 def timed_generate(scheduler: Scheduler, prompts, new: int, every: int) -> tuple[float, int]:
-    made: list[int] = []
-    wall = timed(lambda: made.append(generate(scheduler, prompts, new, every)))
-    return wall, made[0]
+    """Wall seconds and tokens generated; after the clock stops, a constrained output must
+    start as the schema's JSON does (proof the grammar was applied)."""
+    done: list = []
+    wall = timed(lambda: done.extend(generate(scheduler, prompts, new, every)))
+    for request, result in done:
+        if request.sampling_params.constraint is not None:
+            text = scheduler.grammars.tokenizer.decode(result.output_ids)
+            assert text.startswith('{"note"') or '{"note"'.startswith(text), text
+    return wall, sum(len(result.output_ids) for _, result in done)
 
 
 def run_batch(model, args, preset, dtype, device, batch: int, tokenizer) -> dict:
@@ -103,8 +95,8 @@ def run_batch(model, args, preset, dtype, device, batch: int, tokenizer) -> dict
     new = preset["new_tokens"]
     budget = args.kv_budget_mb << 20
     schedulers = {
-        "no_tokenizer": new_scheduler(model, dtype, device, budget, None),
-        "with_tokenizer": new_scheduler(model, dtype, device, budget, tokenizer),
+        "no_tokenizer": new_scheduler(model, dtype, device, budget, (EOS,)),
+        "with_tokenizer": new_scheduler(model, dtype, device, budget, (EOS,), tokenizer),
     }
     plan = {  # config: (scheduler, every how many requests one is constrained)
         "no_tokenizer": ("no_tokenizer", 0),
@@ -165,7 +157,7 @@ def main() -> None:
     device = "cuda" if preset["dtype"] == "bfloat16" and torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, preset["dtype"])
     model = build_model(preset["model"], dtype, device)
-    tokenizer = bench_tokenizer(model.config.vocab_size)
+    tokenizer = char_tokenizer(model.config.vocab_size)
     rows = [
         run_batch(model, args, preset, dtype, device, batch, tokenizer) for batch in args.batches
     ]

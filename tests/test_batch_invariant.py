@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.test_trainer import TINY
 from verst.models import batch_invariant as bi
 from verst.models.invariant_forward import InvariantDecoder, covers, own_keys
 from verst.models.tiny import TinyModelConfig, build_tiny_model
@@ -83,15 +84,7 @@ def check_attention(dtype: torch.dtype, D: int, T: int, queries) -> None:
 
 
 def tiny(family: str, dtype: torch.dtype) -> torch.nn.Module:
-    cfg = TinyModelConfig(
-        family=family,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
+    cfg = TinyModelConfig(**TINY.model_dump(exclude={"family"}), family=family)
     return build_tiny_model(cfg, vocab_size=40, seed=0).to(dtype)
 
 

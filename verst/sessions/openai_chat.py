@@ -12,13 +12,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verst.models.moe import decode_routed_experts, encode_routed_experts
 from verst.sessions.assembly import TurnRecord
 from verst.sessions.store import SessionError
 from verst.sessions.templates import Message
 from verst.types import Sample
+
+if TYPE_CHECKING:
+    import torch
 
 # OpenAI request keys mapped onto SGLang's sampling_params; everything else OpenAI defines
 # that changes sampling is refused rather than silently ignored.
@@ -160,7 +163,7 @@ def turn_record(input_ids: list[int], result: dict[str, Any]) -> TurnRecord:
     return TurnRecord(list(input_ids), output_ids, logprobs, version, finish_type, routed)
 
 
-def _routed_experts(meta: dict[str, Any], rows: int) -> Any:
+def _routed_experts(meta: dict[str, Any], rows: int) -> torch.Tensor | None:
     """The answer's `meta_info.routed_experts` (present when asked for) as int32 rows."""
     text = meta.get("routed_experts")
     if text is None:
