@@ -83,7 +83,13 @@ def test_generate_streams_cumulative_chunks_as_tokens_decode(server: Server) -> 
         assert meta["input_token_logprobs"] == [[None, PROMPT[-1], None]]
     last = chunks[-1]
     assert last["text"] == whole["text"] and last["output_ids"] == whole["output_ids"]
-    assert last["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
+    streamed = last["meta_info"]["output_token_logprobs"]
+    assert [token for _, token, _ in streamed] == [
+        token for _, token, _ in whole["meta_info"]["output_token_logprobs"]
+    ]
+    assert [lp for lp, _, _ in streamed] == same_logprobs(
+        [lp for lp, _, _ in whole["meta_info"]["output_token_logprobs"]]
+    )
 
 
 def test_streamed_text_never_runs_past_a_stop_string(server: Server) -> None:
@@ -144,7 +150,9 @@ def test_openai_chat_stream_with_the_real_client(server: Server) -> None:
         if c.choices and c.choices[0].logprobs
         for t in c.choices[0].logprobs.content
     ]
-    assert [t.logprob for t in tokens] == [t.logprob for t in whole.choices[0].logprobs.content]
+    assert [t.logprob for t in tokens] == same_logprobs(
+        [t.logprob for t in whole.choices[0].logprobs.content]
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
     assert len({c.id for c in chunks}) == 1
 
@@ -159,9 +167,15 @@ def test_openai_completions_stream_n_and_logprobs(server: Server) -> None:
         assert "".join(c.text for c in mine) == whole.choices[index].text
         assert mine[-1].finish_reason == whole.choices[index].finish_reason
         tokens = [t for c in mine if c.logprobs for t in c.logprobs.token_logprobs]
-        assert tokens == whole.choices[index].logprobs.token_logprobs
+        assert tokens == same_logprobs(whole.choices[index].logprobs.token_logprobs)
         offsets = [o for c in mine if c.logprobs for o in c.logprobs.text_offset]
         assert offsets == whole.choices[index].logprobs.text_offset
+
+
+def same_logprobs(expected: list[float]) -> Any:
+    """The streamed request reuses the first one's cached prefix, so its prefill runs on other
+    matrix shapes: the log-probabilities agree to rounding, not bit for bit."""
+    return pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 @contextlib.contextmanager
