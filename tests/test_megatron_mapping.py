@@ -141,3 +141,22 @@ def test_bad_mlp_rope_and_expert_layouts_name_the_field() -> None:
     scaled.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
     with pytest.raises(ValueError, match="rope scaling 'linear' is not covered"):
         check_layout(MegatronConfig(), scaled, 1)
+
+
+def test_a_layout_that_cannot_fit_fails_before_the_weights_load(tmp_path, capsys) -> None:
+    """The layout is checked on the model's config alone: a directory whose weights file is
+    gone still fails on the layout, so a big model never loads only to be refused."""
+    from verst import exitcodes
+    from verst.cli import main
+    from verst.models.tiny import create_tiny
+
+    model_dir = tmp_path / "model"
+    create_tiny(model_dir, TinyModelConfig(num_heads=2, num_kv_heads=1, hidden_size=32))
+    for weights in model_dir.glob("*.safetensors"):
+        weights.unlink()
+    args = ["train", "trainer.backend=megatron", "trainer.megatron.tensor_parallel=3",
+            f"model.path={model_dir}", "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    assert main(args) == exitcodes.BAD_INPUT
+    assert "trainer.megatron.tensor_parallel=3 does not divide the model's 2 heads" in (
+        capsys.readouterr().err
+    )

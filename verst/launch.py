@@ -34,7 +34,7 @@ from verst.eval.evaluate import Evaluator, SetEvaluators
 from verst.eval.points import EvalPoints
 from verst.fleet.fleet import Fleet
 from verst.fleet.ranked import RankedFleet
-from verst.models.loading import eos_token_ids, load_model_and_tokenizer
+from verst.models.loading import eos_token_ids, load_model_and_tokenizer, load_model_config
 from verst.models.lora import POLICY_ADAPTER, apply_lora
 from verst.monitor.engine_stats import EngineSampler
 from verst.monitor.samples import SampleRecorder
@@ -54,6 +54,7 @@ from verst.sync.embedded import EmbeddedSync
 from verst.sync.fleet_sync import FleetSync
 from verst.train.batching import TrainItem
 from verst.train.checkpoint import Checkpointer
+from verst.train.megatron.config import check_layout
 from verst.train.policy import PolicyModels
 from verst.train.sft_data import load_examples
 from verst.train.trainer import Trainer, compute_dtype
@@ -102,6 +103,8 @@ def load_policy(
     distributed.init_distributed(device)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
+    if cfg.trainer.backend == "megatron":  # a layout that cannot fit fails before any weights load
+        check_layout(cfg.trainer.megatron, load_model_config(cfg.model), distributed.world_size())
     model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device)
     shell = copy.deepcopy(model)
     if cfg.model.lora.enabled:

@@ -13,15 +13,22 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field, model_validator
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from verst.configbase import ConfigBase
 from verst.models.lora import LoraConfig
-from verst.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from verst.models.tiny import (
+    TinyModelConfig,
+    build_char_tokenizer,
+    build_tiny_model,
+    tiny_model_config,
+)
 
 
 class ModelConfig(ConfigBase):
@@ -62,6 +69,22 @@ def load_model_and_tokenizer(
         tokenizer = build_char_tokenizer()
         model = build_tiny_model(cfg.tiny, vocab_size=len(tokenizer), seed=seed)
         return model.to(device=device, dtype=dtype), tokenizer
+    path = _model_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def load_model_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The HF config of the model `cfg` names, without building or loading any weights."""
+    if cfg.tiny is not None:
+        return tiny_model_config(cfg.tiny, vocab_size=len(build_char_tokenizer()))[0]
+    return AutoConfig.from_pretrained(_model_dir(cfg), local_files_only=True)
+
+
+def _model_dir(cfg: ModelConfig) -> Path:
     assert cfg.path is not None
     path = Path(cfg.path).expanduser()
     if not (path / "config.json").is_file():
@@ -70,11 +93,7 @@ def load_model_and_tokenizer(
             f"model directory {str(path)!r} {what}; make a tiny random one with "
             f"`verst model create-tiny {cfg.path}`, or set model.tiny to build one in-process"
         )
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
-    model.to(device)
-    model.eval()
-    return model, tokenizer
+    return path
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

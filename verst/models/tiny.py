@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from pydantic import Field, model_validator
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from verst.configbase import ConfigBase
 from verst.models.families import FAMILIES, FamilyName, family_config
@@ -102,8 +102,10 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
-    """A random fp32 causal LM; the same (cfg, vocab_size, seed) gives the same weights."""
+def tiny_model_config(
+    cfg: TinyModelConfig, vocab_size: int
+) -> tuple[PretrainedConfig, type[PreTrainedModel]]:
+    """The HF config of the tiny model `cfg` describes, and the causal-LM class that builds it."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -118,7 +120,12 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, seed: int) -> PreTra
         eos_token_id=SPECIAL_TOKENS.index(ENDOFTEXT),
         pad_token_id=SPECIAL_TOKENS.index(ENDOFTEXT),
     )
-    config, cls = family_config(cfg.family, common, cfg)
+    return family_config(cfg.family, common, cfg)
+
+
+def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
+    """A random fp32 causal LM; the same (cfg, vocab_size, seed) gives the same weights."""
+    config, cls = tiny_model_config(cfg, vocab_size)
     # fork_rng: building a model must not move the caller's global random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
