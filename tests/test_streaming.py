@@ -124,7 +124,9 @@ def test_stream_interval_and_n_with_index(server: Server) -> None:
         mine = [c for c in chunks if c["index"] == index]
         assert len(mine) <= 6  # the first token, then every 5, then the finish
         lengths = [len(c["output_ids"]) for c in mine if c["meta_info"]["finish_reason"] is None]
-        assert lengths and all(n == 1 or n % 5 == 0 or n - 1 >= 5 for n in lengths)
+        # a chunk goes out at the first token, then once 5 more have come (more when the
+        # steps outran the sender, as on a loaded machine)
+        assert lengths and all(b - a >= 5 for a, b in zip(lengths, lengths[1:], strict=False))
         assert len(mine[-1]["output_ids"]) == 20
 
 
