@@ -1,8 +1,7 @@
 """A verifiers taskset for `examples/verifiers_env.yaml`, written on verifiers' own classes
 (`verifiers.v1`): two-digit additions ("07+58=" → "65"), each task scored by an exact-match
-`@vf.reward`. Built from local data, so it runs offline:
-
-    load_taskset()                  # the Taskset; verst names it 'examples.verifiers_addition:load_taskset'
+`@vf.reward`. Built from local data, so it runs offline. verst names the taskset by the
+function that returns it: `taskset: "examples.verifiers_addition:load_taskset"`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from tests.test_loop import records  # noqa: E402
 from verst.cli import main  # noqa: E402
 from verst.data.tasks import make_task  # noqa: E402
 from verst.envs.runner import EnvConfig, EnvironmentAgent, EpisodeError  # noqa: E402
-from verst.envs.verifiers_connector import VerifiersEnvironment  # noqa: E402
+from verst.envs.verifiers_connector import VerifiersEnvironment, task_reward  # noqa: E402
 from verst.models.tiny import build_char_tokenizer  # noqa: E402
 from verst.rollout.agent import run_agent_groups  # noqa: E402
 from verst.types import Sample, Status  # noqa: E402
@@ -114,8 +114,10 @@ def test_a_taskset_package_loads_by_id(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     one_digit = rows("vf_sums_pkg", args={"digits": 1})
     assert len(one_digit) == 100
-    assert all(int(r["label"]) == sum(map(int, r["prompt"][0]["content"][:-1].split("+")))
-               for r in one_digit)
+    assert all(
+        int(r["label"]) == sum(map(int, r["prompt"][0]["content"][:-1].split("+")))
+        for r in one_digit
+    )
     with pytest.raises(ValueError, match="data.task_kwargs.taskset"):
         rows("vf_sums_pkg", args={"no_such_field": 1})
 
@@ -137,6 +139,19 @@ def test_scripted_answers_get_the_tasks_weighted_rewards() -> None:
     assert wrong.done and wrong.reward == 0.5 and wrong.info["vf_rewards"]["exact"] == 0.0
     _, [words], _ = play_row(cfg, train[2], [{"content": "fifteen"}])
     assert words.done and words.reward == 0.0
+
+
+def test_task_reward_scores_single_turn_samples_with_the_tasks_rewards() -> None:
+    train = rows(f"{HERE}:SumTaskset")
+
+    def score(row: dict[str, Any], text: str) -> float:
+        meta = {**{k: v for k, v in row.items() if k != "prompt"}, "response_text": text}
+        return asyncio.run(task_reward(Sample(prompt=row["prompt"], metadata=meta)))
+
+    assert score(train[0], "3") == 1.5 and score(train[1], "8") == 0.5
+    assert score(train[2], "") == 0.0
+    with pytest.raises(ValueError, match="no vf_taskset"):
+        asyncio.run(task_reward(Sample(prompt="1+2=", metadata={"response_text": "3"})))
 
 
 def test_rows_of_another_taskset_or_none_are_refused() -> None:
@@ -186,8 +201,9 @@ def test_episodes_through_the_session_server(sessions_url: str) -> None:  # noqa
         samples.append(
             Sample(prompt=row["prompt"], label=row["label"], tokens=tokens, index=i, metadata=meta)
         )
-    asyncio.run(run_agent_groups(sessions_url, [samples], agent, KWARGS, timeout_s=30,
-                                 max_concurrency=4))
+    asyncio.run(
+        run_agent_groups(sessions_url, [samples], agent, KWARGS, timeout_s=30, max_concurrency=4)
+    )
     for sample in samples:
         assert sample.status is not Status.ABORTED, sample.metadata
         meta = sample.metadata
@@ -218,6 +234,8 @@ def test_verifiers_example_trains_through_the_cli(tmp_path: Path) -> None:
     assert main(["train", "examples/verifiers_env.yaml", *QUICK, "--run-dir", str(run_dir)]) == 0
     records_ = records(run_dir)
     assert [r["step"] for r in records_] == [0, 1, 2]
+    # the warm start's greedy dev check scored with the tasks' rewards (task_reward), no error
+    assert 0.0 <= records_[0]["warm_start/dev_accuracy"] <= 1.0
     for row in records_[1:]:
         assert row["rollout/agent_aborted_ratio"] == 0.0
         assert row["rollout/num_samples"] == 8 and row["rollout/env_steps_mean"] == 1.0

@@ -19,7 +19,8 @@ prompt, its position `vf_task_idx` and identity `vf_task_key`); an episode takes
 shows the task's opening messages (its `system_prompt` as a system message, then its prompt, as
 verifiers' `null` harness does), and the model's answer goes through the session server like
 every model turn. The conversation then becomes a `vf.Trace`, the task's `score` runs its
-metrics and rewards on it, and the trace's weighted reward is the episode's.
+metrics and rewards on it, and the trace's weighted reward is the episode's. `task_reward` is the
+same scoring as a reward function, for single-turn runs and the warm start's dev check.
 
 Single-turn: a v1 `Task` has no per-turn hook (multi-turn play lives in a verifiers `Env.run`
 or a harness), so the episode ends after the first answer. The harness, the runtime and task
@@ -35,6 +36,7 @@ from typing import Any
 
 from verst.envs.base import Action, Environment, Message, StepResult
 from verst.plugins import load_object
+from verst.types import Sample
 
 _FINISH_REASONS = ("stop", "length", "tool_calls")
 
@@ -130,12 +132,18 @@ def verifiers_rows(
 ) -> list[dict[str, Any]]:
     """`data.task: verifiers`: the taskset's tasks as rows, in load order: test is the first
     `test_size`, dev the next `dev_size`, train the rest. Each row: `prompt` (the opening
-    messages), `vf_task_idx`, `vf_task_key`, and `label` when the task's data has an
-    `answer`."""
+    messages), `vf_task_idx`, `vf_task_key`, `vf_taskset` (these settings, for `task_reward`),
+    and `label` when the task's data has an `answer`."""
     tasks = load_tasks(taskset, args, size, where="data.task_kwargs")
+    settings = {"taskset": taskset, "args": args or {}, "size": size}
     rows = []
     for idx, task in enumerate(tasks):
-        row = {"prompt": opening_messages(task), "vf_task_idx": idx, "vf_task_key": task.key}
+        row = {
+            "prompt": opening_messages(task),
+            "vf_task_idx": idx,
+            "vf_task_key": task.key,
+            "vf_taskset": settings,
+        }
         answer = getattr(task.data, "answer", None)
         if answer is not None:
             row["label"] = str(answer)
@@ -183,41 +191,65 @@ def build_trace(task: Any, messages: list[Message], finish_reasons: dict[int, st
         trace.nodes.append(node)
         if i in finish_reasons:
             finish = finish_reasons[i] if finish_reasons[i] in _FINISH_REASONS else None
-            trace.calls.append(vf.ModelCall(node=i, endpoint="/chat/completions",
-                                            finish_reason=finish))
+            trace.calls.append(
+                vf.ModelCall(node=i, endpoint="/chat/completions", finish_reason=finish)
+            )
     trace.stop("agent_completed")
     return trace
+
+
+def task_of(metadata: dict[str, Any], settings: dict[str, Any], *, where: str) -> Any:
+    """The task a sample's row names (`vf_task_idx`, `vf_task_key`) in the taskset that
+    `settings` name (`taskset`, `args`, `size`: `where`, the config field); `ValueError` when
+    the row has no task, or names another taskset's."""
+    tasks = load_tasks(
+        settings.get("taskset"), settings.get("args"), settings.get("size"), where=where
+    )
+    idx, key = metadata.get("vf_task_idx"), metadata.get("vf_task_key")
+    if not isinstance(idx, int):
+        raise ValueError("verifiers: the sample has no vf_task_idx (use data.task: verifiers)")
+    if not 0 <= idx < len(tasks) or tasks[idx].key != key:
+        raise ValueError(
+            f"verifiers: the sample's task {idx} is not {where}.taskset's task {idx}: "
+            "do data.task_kwargs and it name the same taskset, args and size?"
+        )
+    return tasks[idx]
+
+
+async def score_answer(task: Any, answer: str, finish_reason: str = "stop") -> Any:
+    """The task's own metrics and rewards on its opening messages and one answer: the scored
+    `vf.Trace` (`trace.reward` is the weighted sum)."""
+    messages = [*opening_messages(task), {"role": "assistant", "content": answer}]
+    trace = build_trace(task, messages, {len(messages) - 1: finish_reason})
+    await task.score(trace)
+    return trace
+
+
+async def task_reward(sample: Sample) -> float:
+    """`rollout.reward` / `eval.reward` for single-turn runs on `data.task: verifiers` rows
+    (no session server): the sample's task scores its response with its own rewards."""
+    settings = sample.metadata.get("vf_taskset")
+    if not isinstance(settings, dict):
+        raise ValueError("verifiers: the sample has no vf_taskset (use data.task: verifiers)")
+    task = task_of(sample.metadata, settings, where="data.task_kwargs")
+    if (why := _unplayable(task)) is not None:
+        raise ValueError(f"verifiers: task {task.data.idx} cannot be scored here: {why}")
+    trace = await score_answer(task, str(sample.metadata.get("response_text", "")))
+    return float(trace.reward)
 
 
 class VerifiersEnvironment(Environment):
     """An episode of one verifiers task (see the module docstring for `env.options`)."""
 
     async def reset(self, prompt: str | list[Message], metadata: dict[str, Any]) -> list[Message]:
-        tasks = load_tasks(
-            self.options.get("taskset"),
-            self.options.get("args"),
-            self.options.get("size"),
-            where="env.options",
-        )
-        idx, key = metadata.get("vf_task_idx"), metadata.get("vf_task_key")
-        if not isinstance(idx, int):
-            raise ValueError("verifiers: the sample has no vf_task_idx (use data.task: verifiers)")
-        if not 0 <= idx < len(tasks) or tasks[idx].key != key:
-            raise ValueError(
-                f"verifiers: the sample's task {idx} is not env.options.taskset's task {idx}: "
-                "do data.task_kwargs and env.options name the same taskset, args and size?"
-            )
-        self.task = tasks[idx]
+        self.task = task_of(metadata, self.options, where="env.options")
         if (why := _unplayable(self.task)) is not None:
+            idx = self.task.data.idx
             raise ValueError(f"verifiers: task {idx} cannot be scored without its runtime: {why}")
-        self.messages = opening_messages(self.task)
-        return list(self.messages)
+        return opening_messages(self.task)
 
     async def step(self, action: Action) -> StepResult:
-        reply: Message = {"role": "assistant", "content": action.content}
-        messages = [*self.messages, reply]
-        trace = build_trace(self.task, messages, {len(messages) - 1: action.finish_reason})
-        await self.task.score(trace)
+        trace = await score_answer(self.task, action.content, action.finish_reason)
         info = {
             "answer": action.content.strip(),
             "vf_rewards": {k: r.score for k, r in trace.rewards.items() if r is not None},
