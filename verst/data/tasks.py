@@ -75,12 +75,25 @@ def reasoning_gym(split: str, seed: int, **kwargs: Any) -> list[dict]:
     return reasoning_gym_rows(seed * len(SPLITS) + SPLITS.index(split), **kwargs)
 
 
+def verifiers(split: str, seed: int, **kwargs: Any) -> list[dict]:
+    """A verifiers taskset's tasks as rows (`task_kwargs`: `taskset`, `args`, `size`,
+    `test_size`, `dev_size`; `verst.envs.verifiers_connector`), for `env.name: verifiers`: test
+    is the first `test_size` tasks, dev the next `dev_size`, train the rest (`seed` unused:
+    the order is the taskset's)."""
+    from verst.envs.verifiers_connector import verifiers_rows
+
+    if "taskset" not in kwargs:
+        raise ValueError("verifiers: task_kwargs needs 'taskset' (an import path or an id)")
+    return verifiers_rows(split, **kwargs)
+
+
 TASKS: dict[str, Callable[..., list[dict]]] = {
     "addition": addition,
     "subtraction": subtraction,
     "arithmetic": arithmetic,
     "terminal": terminal,
     "reasoning_gym": reasoning_gym,
+    "verifiers": verifiers,
 }
 
 

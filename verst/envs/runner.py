@@ -55,6 +55,7 @@ BUILTIN_ENVS = {
     "terminal": "verst.envs.terminal:TerminalEnv",
     "reasoning_gym": "verst.envs.reasoning_gym:ReasoningGymEnv",
     "openenv": "verst.envs.openenv_connector:OpenEnvEnvironment",
+    "verifiers": "verst.envs.verifiers_connector:VerifiersEnvironment",
 }
 
 
@@ -64,12 +65,13 @@ class EnvConfig(ConfigBase):
     name: str | None = Field(
         None,
         description="the environment: a built-in (math, openenv, python_code, python_tool, "
-        "reasoning_gym, terminal) or 'pkg.mod:Class', an "
+        "reasoning_gym, terminal, verifiers) or 'pkg.mod:Class', an "
         "Environment subclass; unset = no environment",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="settings the environment reads (env.options; e.g. openenv's url)",
+        description="settings the environment reads (env.options; e.g. openenv's url, "
+        "verifiers' taskset)",
     )
     max_turns: int = Field(4, ge=1, description="model turns per episode at most")
     on_error: Literal["observe", "abort"] = Field(

@@ -1,0 +1,258 @@
+"""The verifiers connector (`env.name: verifiers`): a `verifiers.v1` Taskset played as a verst
+environment, its tasks scored by their own `@vf.reward` functions (PyPI `verifiers`,
+`pip install 'verst[verifiers]'`).
+
+    data:
+      task: verifiers
+      task_kwargs: {taskset: "my_pkg.tasks:load_taskset", args: {}, test_size: 50}
+    env:
+      name: verifiers
+      options: {taskset: "my_pkg.tasks:load_taskset", args: {}}
+
+`taskset` is either an import path (`pkg.mod:obj`: a Taskset subclass, built with its own
+config type validated from `args`; a function called with `args` that returns a Taskset; or a
+Taskset instance) or, without a colon, a verifiers taskset id (an installed taskset package,
+or one of `verifiers.v1.tasksets`), loaded as verifiers loads it (`vf.load_taskset`).
+
+`data.task: verifiers` turns the taskset's tasks into rows (the task's opening messages as the
+prompt, its position `vf_task_idx` and identity `vf_task_key`); an episode takes its row's task,
+shows the task's opening messages (its `system_prompt` as a system message, then its prompt, as
+verifiers' `null` harness does), and the model's answer goes through the session server like
+every model turn. The conversation then becomes a `vf.Trace`, the task's `score` runs its
+metrics and rewards on it, and the trace's weighted reward is the episode's. `task_reward` is the
+same scoring as a reward function, for single-turn runs and the warm start's dev check.
+
+Single-turn: a v1 `Task` has no per-turn hook (multi-turn play lives in a verifiers `Env.run`
+or a harness), so the episode ends after the first answer. The harness, the runtime and task
+toolsets are not used; a task that needs them (`NEEDS_CONTAINER`, toolsets, a reward or metric
+that takes a `runtime`) is refused at reset rather than scored without them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from verst.envs.base import Action, Environment, Message, StepResult
+from verst.plugins import load_object
+from verst.types import Sample
+
+_FINISH_REASONS = ("stop", "length", "tool_calls")
+
+
+def _vf() -> Any:
+    try:
+        import verifiers.v1 as vf
+    except ImportError as error:
+        raise ImportError(
+            "env.name: verifiers needs verifiers: pip install 'verst[verifiers]'"
+        ) from error
+    return vf
+
+
+def _build_taskset(spec: str, args: dict[str, Any]) -> Any:
+    """The Taskset that `spec` names (see the module docstring), built with `args`."""
+    vf = _vf()
+    if ":" not in spec:
+        config = vf.taskset_config_type(spec).model_validate({"id": spec, **args})
+        return vf.load_taskset(config)
+    obj = load_object(spec)
+    if isinstance(obj, type) and issubclass(obj, vf.Taskset):
+        from verifiers.v1.utils.generic import concrete_type
+
+        config_type = concrete_type(obj, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
+        return obj(config_type.model_validate(args))
+    if isinstance(obj, vf.Taskset):
+        if args:
+            raise ValueError(f"taskset {spec!r} is a Taskset instance: it takes no args")
+        return obj
+    if callable(obj):
+        return obj(**args)
+    raise ValueError(f"taskset {spec!r} is neither a Taskset nor a function returning one")
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_tasks(spec: str, args_json: str, size: int | None) -> tuple[Any, ...]:
+    vf = _vf()
+    taskset = _build_taskset(spec, json.loads(args_json))
+    if not isinstance(taskset, vf.Taskset):
+        raise ValueError(f"taskset {spec!r} gave a {type(taskset).__name__}, not a vf.Taskset")
+    if size is not None:
+        taskset = taskset.take(size)
+    elif not taskset.bounded:
+        raise ValueError(f"taskset {spec!r} is infinite: set size (how many tasks to take)")
+    return tuple(taskset)
+
+
+def load_tasks(spec: Any, args: Any = None, size: Any = None, *, where: str) -> tuple[Any, ...]:
+    """The tasks of taskset `spec` built with `args` (the first `size` when set), in load
+    order, built once per process; `ValueError` naming `where` (the config field) when the
+    settings are not a taskset's."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"{where}.taskset: name a verifiers taskset ('pkg.mod:obj' or an id)")
+    if not isinstance(args or {}, dict):
+        raise ValueError(f"{where}.args: the taskset's settings must be a mapping")
+    if size is not None and (not isinstance(size, int) or size < 1):
+        raise ValueError(f"{where}.size: a number of tasks >= 1, got {size!r}")
+    try:
+        return _cached_tasks(spec, json.dumps(args or {}, sort_keys=True), size)
+    except (ImportError, ValueError, TypeError) as error:
+        raise ValueError(f"{where}.taskset: {error}") from error
+
+
+def opening_messages(task: Any) -> list[Message]:
+    """The task's opening messages as OpenAI chat messages: its system prompt, then its
+    prompt (text as one user message, or its messages), as verifiers' `null` harness sends."""
+    from verifiers.v1.dialects.chat import message_to_wire
+
+    data = task.data
+    if data.prompt is None:
+        raise ValueError(
+            f"verifiers: task {data.idx} has no prompt (the user opens the conversation): "
+            "it needs a user agent, which this connector does not play"
+        )
+    messages: list[Message] = []
+    if data.system_prompt is not None:
+        messages.append({"role": "system", "content": data.system_prompt})
+    if isinstance(data.prompt, str):
+        messages.append({"role": "user", "content": data.prompt})
+    else:
+        messages.extend(message_to_wire(m) for m in data.prompt)
+    return messages
+
+
+def verifiers_rows(
+    split: str,
+    taskset: str,
+    args: dict[str, Any] | None = None,
+    size: int | None = None,
+    test_size: int = 0,
+    dev_size: int = 0,
+) -> list[dict[str, Any]]:
+    """`data.task: verifiers`: the taskset's tasks as rows, in load order: test is the first
+    `test_size`, dev the next `dev_size`, train the rest. Each row: `prompt` (the opening
+    messages), `vf_task_idx`, `vf_task_key`, `vf_taskset` (these settings, for `task_reward`),
+    and `label` when the task's data has an `answer`."""
+    tasks = load_tasks(taskset, args, size, where="data.task_kwargs")
+    settings = {"taskset": taskset, "args": args or {}, "size": size}
+    rows = []
+    for idx, task in enumerate(tasks):
+        row = {
+            "prompt": opening_messages(task),
+            "vf_task_idx": idx,
+            "vf_task_key": task.key,
+            "vf_taskset": settings,
+        }
+        answer = getattr(task.data, "answer", None)
+        if answer is not None:
+            row["label"] = str(answer)
+        rows.append(row)
+    bounds = {"test": (0, test_size), "dev": (test_size, test_size + dev_size)}
+    start, end = bounds.get(split, (test_size + dev_size, len(rows)))
+    return rows[start:end]
+
+
+def _unplayable(task: Any) -> str | None:
+    """Why the task cannot be scored without a verifiers runtime, or None."""
+    import inspect
+
+    if task.NEEDS_CONTAINER:
+        return "it needs a container (NEEDS_CONTAINER)"
+    if task.toolsets(task.config):
+        return "it has toolsets (tool servers the harness's runtime launches)"
+    for kind in ("reward", "metric"):
+        for fn in task.hooks(kind):
+            param = inspect.signature(fn).parameters.get("runtime")
+            if param is not None and param.default is inspect.Parameter.empty:
+                return f"its {kind} {fn.__name__!r} takes a runtime"
+    return None
+
+
+def build_trace(task: Any, messages: list[Message], finish_reasons: dict[int, str]) -> Any:
+    """A `vf.Trace` of the conversation: one message node per message, each the child of the
+    one before; the model's turns (the indices in `finish_reasons`) sampled, with a model call
+    each. No token ids: verst keeps the sampled tokens itself."""
+    vf = _vf()
+    from verifiers.v1.dialects.chat import parse_message
+    from verifiers.v1.state import state_cls
+
+    trace = vf.Trace(
+        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        state=state_cls(type(task))(),
+        agent=vf.AgentInfo(config=vf.AgentConfig(), name="verst"),
+    )
+    for i, message in enumerate(messages):
+        node = vf.MessageNode(
+            parent=i - 1 if i else None,
+            message=parse_message(message),
+            sampled=i in finish_reasons,
+        )
+        trace.nodes.append(node)
+        if i in finish_reasons:
+            finish = finish_reasons[i] if finish_reasons[i] in _FINISH_REASONS else None
+            trace.calls.append(
+                vf.ModelCall(node=i, endpoint="/chat/completions", finish_reason=finish)
+            )
+    trace.stop("agent_completed")
+    return trace
+
+
+def task_of(metadata: dict[str, Any], settings: dict[str, Any], *, where: str) -> Any:
+    """The task a sample's row names (`vf_task_idx`, `vf_task_key`) in the taskset that
+    `settings` name (`taskset`, `args`, `size`: `where`, the config field); `ValueError` when
+    the row has no task, or names another taskset's."""
+    tasks = load_tasks(
+        settings.get("taskset"), settings.get("args"), settings.get("size"), where=where
+    )
+    idx, key = metadata.get("vf_task_idx"), metadata.get("vf_task_key")
+    if not isinstance(idx, int):
+        raise ValueError("verifiers: the sample has no vf_task_idx (use data.task: verifiers)")
+    if not 0 <= idx < len(tasks) or tasks[idx].key != key:
+        raise ValueError(
+            f"verifiers: the sample's task {idx} is not {where}.taskset's task {idx}: "
+            "do data.task_kwargs and it name the same taskset, args and size?"
+        )
+    return tasks[idx]
+
+
+async def score_answer(task: Any, answer: str, finish_reason: str = "stop") -> Any:
+    """The task's own metrics and rewards on its opening messages and one answer: the scored
+    `vf.Trace` (`trace.reward` is the weighted sum)."""
+    messages = [*opening_messages(task), {"role": "assistant", "content": answer}]
+    trace = build_trace(task, messages, {len(messages) - 1: finish_reason})
+    await task.score(trace)
+    return trace
+
+
+async def task_reward(sample: Sample) -> float:
+    """`rollout.reward` / `eval.reward` for single-turn runs on `data.task: verifiers` rows
+    (no session server): the sample's task scores its response with its own rewards."""
+    settings = sample.metadata.get("vf_taskset")
+    if not isinstance(settings, dict):
+        raise ValueError("verifiers: the sample has no vf_taskset (use data.task: verifiers)")
+    task = task_of(sample.metadata, settings, where="data.task_kwargs")
+    if (why := _unplayable(task)) is not None:
+        raise ValueError(f"verifiers: task {task.data.idx} cannot be scored here: {why}")
+    trace = await score_answer(task, str(sample.metadata.get("response_text", "")))
+    return float(trace.reward)
+
+
+class VerifiersEnvironment(Environment):
+    """An episode of one verifiers task (see the module docstring for `env.options`)."""
+
+    async def reset(self, prompt: str | list[Message], metadata: dict[str, Any]) -> list[Message]:
+        self.task = task_of(metadata, self.options, where="env.options")
+        if (why := _unplayable(self.task)) is not None:
+            idx = self.task.data.idx
+            raise ValueError(f"verifiers: task {idx} cannot be scored without its runtime: {why}")
+        return opening_messages(self.task)
+
+    async def step(self, action: Action) -> StepResult:
+        trace = await score_answer(self.task, action.content, action.finish_reason)
+        info = {
+            "answer": action.content.strip(),
+            "vf_rewards": {k: r.score for k, r in trace.rewards.items() if r is not None},
+            "vf_metrics": {k: v for k, v in trace.metrics.items() if v is not None},
+        }
+        return StepResult(reward=float(trace.reward), done=True, info=info)
