@@ -21,9 +21,13 @@ from verst.models.lora import LoraConfig
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's and a disk push's peft directory
 
 
-def adapt(model: torch.nn.Module, cfg: LoraConfig) -> None:
-    """Inject `cfg`'s adapters into `model` and freeze everything else."""
-    lora.apply_lora(model, cfg)
+def adapt(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> None:
+    """Inject `cfg`'s adapters into `model` and freeze everything else. peft draws A from
+    torch's global generator: seeded here (and restored after), so a run is a function of
+    its seed and a resumed run starts as the uninterrupted one did."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lora.apply_lora(model, cfg)
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

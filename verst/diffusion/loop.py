@@ -79,7 +79,7 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
     model, meta = tiny.load(cfg.model.path, device)
     lora = cfg.model.lora if cfg.model.lora.enabled else None
     if lora is not None:
-        adapters.adapt(model, lora)
+        adapters.adapt(model, lora, cfg.seed)
     reward = load_reward(cfg.diffusion.reward, cfg.diffusion.clip_path)
     trainer = DiffusionTrainer(model, cfg.diffusion, cfg.trainer, device, cfg.seed)
     size = meta["image_size"]
