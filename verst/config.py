@@ -264,14 +264,15 @@ DIFFUSION_TRANSPORT = {"in_process": "colocated", "http": "disk"}
 
 def check_diffusion_transport(cfg: RunConfig) -> None:
     """`diffusion.engine` places a diffusion run's engine and says how weights reach it (in
-    process, or through the disk): a `placement` or `sync` field set away from its default
-    would be ignored, so it is refused."""
+    process, or through the disk): a `placement`, `fault_tolerance` or `sync` field set away
+    from its default would be ignored, so it is refused."""
     engine = cfg.diffusion.engine
-    placed = cfg.placement.changed_fields()
+    placed = [f"placement.{name}" for name in cfg.placement.changed_fields()]
+    placed += [f"fault_tolerance.{name}" for name in cfg.fault_tolerance.changed_fields()]
     if placed:
         raise ValueError(
-            f"placement.{placed[0]}: a diffusion run does not use placement; diffusion.engine "
-            f"places the engine (in_process or http), so leave placement.{placed[0]} unset"
+            f"{placed[0]}: a diffusion run does not use placement or fault_tolerance; "
+            f"diffusion.engine places the engine (in_process or http), so leave {placed[0]} unset"
         )
     transport = cfg.sync.transport
     if transport not in ("auto", DIFFUSION_TRANSPORT[engine]):
@@ -324,9 +325,10 @@ def check_no_reward(cfg: RunConfig) -> None:
 
 def check_placement(cfg: RunConfig) -> None:
     """Refuse engine placement, transport, pause mode and loop mode that cannot work together."""
+    if cfg.model.kind == "diffusion":  # diffusion.engine places it: check_diffusion_transport
+        return
     placement, transport = cfg.placement, cfg.sync.resolve(cfg.placement)
-    # a diffusion engine's placement is diffusion.engine; fully async it keeps weights of its own
-    lm_async = cfg.mode == "fully_async" and cfg.model.kind != "diffusion"
+    lm_async = cfg.mode == "fully_async"
     if cfg.fault_tolerance.enabled and placement.engines != "processes":
         raise ValueError(
             f"fault_tolerance.enabled: engines placed {placement.engines} run in the trainer's "
