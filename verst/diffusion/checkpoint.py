@@ -4,9 +4,9 @@
 `scheduler/`, the metadata file) plus `trainer_state.pt` (optimizer, step, weight version and,
 fully asynchronous, the prompt source's state). With LoRA, `adapter/` (the adapters in peft's
 format) stands in place of `transformer/`, and `--resume` rebuilds the base from `model.path`.
-Writing, committing, keeping the newest
-`checkpoint.keep_last`, listing and removing what a crash left half-written are
-`verst.train.checkpoint`'s, so `--resume` picks the same checkpoint an LM run would.
+Writing, committing, keeping the newest `checkpoint.keep_last`, listing and removing what a
+crash left half-written are `verst.train.checkpoint`'s, so `--resume` picks the same checkpoint
+an LM run would.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch
 
 from verst.diffusion import adapters
 from verst.diffusion import model as tiny
-from verst.models import lora
-from verst.models.lora import LoraConfig
+from verst.models.lora import LoraConfig, has_lora, is_adapter_dir, load_adapter
 from verst.train import checkpoint as lm
 from verst.train.checkpoint import STATE_FILE
 
@@ -77,14 +76,14 @@ def load_weights(path: Path, model: torch.nn.Module) -> None:
     """Checkpoint `path`'s weights into `model`: its adapters when it holds some (the model
     must carry the same), else the whole transformer."""
     adapter_dir = path / adapters.ADAPTER_DIR
-    saved_lora, model_lora = lora.is_adapter_dir(adapter_dir), lora.has_lora(model)
+    saved_lora, model_lora = is_adapter_dir(adapter_dir), has_lora(model)
     if saved_lora != model_lora:
         held = "LoRA adapters" if saved_lora else "full weights"
         raise ValueError(
             f"--resume: {path} holds {held}; resume with the model.lora the run was started with"
         )
     if saved_lora:
-        adapters.load_into(model, lora.load_adapter(adapter_dir), field="--resume")
+        adapters.load_into(model, load_adapter(adapter_dir), field="--resume")
         return
     weights = tiny.read_weights(path / "transformer", field="--resume")
     with torch.no_grad():

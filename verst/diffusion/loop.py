@@ -4,13 +4,13 @@ Each step draws `rollout.prompts_per_step` captions, samples `rollout.n_samples_
 trajectories of each (seeds differ per sample), scores them, normalises rewards within each
 group, and trains the chosen steps. The engine shares the trainer's model, so a sync is a
 weight-version bump. With `model.lora` the trainer trains adapters on the frozen transformer
-(`verst.diffusion.adapters`) and every sync carries the adapters alone.
-Fully asynchronous (`mode: fully_async`), the engine keeps weights of its
-own and never stops generating (`verst.diffusion.async_rollout`: the LM's rollout worker and data
-buffer); each step takes one batch of finished groups (`perf/wait_time_s`), trains, and copies
-the new weights into the engine. Evaluation samples every caption with held-out noise seeds by
-the ODE and logs `eval/reward_mean`; `samples_step{N}.png` holds those samples (one row per
-caption). Checkpoints are `verst.diffusion.checkpoint`'s; `--resume` continues from the newest.
+(`verst.diffusion.adapters`) and every sync carries the adapters alone. Fully asynchronous
+(`mode: fully_async`), the engine keeps weights of its own and never stops generating
+(`verst.diffusion.async_rollout`: the LM's rollout worker and data buffer); each step takes one
+batch of finished groups (`perf/wait_time_s`), trains, and copies the new weights into the
+engine. Evaluation samples every caption with held-out noise seeds by the ODE and logs
+`eval/reward_mean`; `samples_step{N}.png` holds those samples (one row per caption). Checkpoints
+are `verst.diffusion.checkpoint`'s; `--resume` continues from the newest.
 """
 
 from __future__ import annotations
