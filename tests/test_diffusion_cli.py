@@ -7,11 +7,15 @@ import pytest
 pytest.importorskip("diffusers")
 
 from verst.cli import main  # noqa: E402
+from verst.diffusion import model as tiny  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("algorithm", "engine"), [("flow_grpo", "http"), ("nft", "in_process")])
-def test_cli_trains_a_tiny_diffusion_model(tmp_path, algorithm, engine):
+@pytest.mark.parametrize(
+    ("algorithm", "engine", "lora_rank"),
+    [("flow_grpo", "http", 0), ("nft", "in_process", 0), ("flow_grpo", "http", 4)],
+)
+def test_cli_trains_a_tiny_diffusion_model(tmp_path, algorithm, engine, lora_rank):
     model_dir = tmp_path / "tiny"
     argv = [
         "model",
@@ -38,6 +42,7 @@ def test_cli_trains_a_tiny_diffusion_model(tmp_path, algorithm, engine):
         "diffusion.eval_seeds_per_prompt=1",
         "diffusion.sde_window_range=[0,3]",
         f"diffusion.engine={engine}",
+        f"model.lora.rank={lora_rank}",
     ]
     assert main(["train", example, *overrides, "--run-dir", str(run_dir)]) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -47,7 +52,12 @@ def test_cli_trains_a_tiny_diffusion_model(tmp_path, algorithm, engine):
     if algorithm == "flow_grpo":
         assert all(r["train/log_prob_mean_abs_diff"] < 1e-5 for r in steps)
     assert (run_dir / "samples_step0.png").is_file() and (run_dir / "samples_step2.png").is_file()
-    assert (run_dir / "checkpoints" / "step_000002" / "transformer").is_dir()
+    saved = "adapter" if lora_rank else "transformer"  # with LoRA the adapters alone
+    assert (run_dir / "checkpoints" / "step_000002" / saved).is_dir()
+    if lora_rank and engine == "http":  # the served engine got the adapters through the disk
+        full_bytes = sum(p.numel() * 4 for p in tiny.load(model_dir)[0].parameters())
+        assert 0 < steps[-1]["sync/bytes"] < full_bytes / 4
+        assert sorted(p.name for p in (run_dir / "sync").iterdir()) == ["adapter"]
 
 
 def test_cli_refuses_a_missing_model_dir(tmp_path, capsys):

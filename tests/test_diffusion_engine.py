@@ -183,3 +183,31 @@ def test_config_errors_name_the_field(tmp_path):
         )
     with pytest.raises(FileNotFoundError, match="create-tiny-diffusion"):
         tiny.load(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "placement.engines=processes",
+            "placement.engines: a diffusion run does not use placement",
+        ),
+        ("placement.num_engines=2", "diffusion.engine places the engine"),
+        ("fault_tolerance.enabled=true", "fault_tolerance.enabled: a diffusion run does not"),
+        ("sync.transport=broadcast", "broadcast transport is not used by diffusion runs"),
+        ("sync.transport=disk", "sync.transport=disk: with diffusion.engine=in_process"),
+        ("sync.bucket_mb=8", "sync.bucket_mb: a diffusion run pushes whole weights"),
+        ("model.lora.dropout=0.1", "model.lora.dropout: the diffusion trainer runs the model"),
+    ],
+)
+def test_fields_a_diffusion_run_would_ignore_are_refused(tmp_path, override, message):
+    base = ["model.kind=diffusion", f"model.path={tmp_path}", "model.lora.rank=4"]
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*base, override])
+
+
+def test_transport_named_as_diffusion_engine_does_it_is_accepted(tmp_path):
+    base = ["model.kind=diffusion", f"model.path={tmp_path}"]
+    cfg = load_config(None, [*base, "diffusion.engine=http", "sync.transport=disk"])
+    assert cfg.sync.transport == "disk"
+    assert load_config(None, [*base, "sync.transport=colocated"]).diffusion.engine == "in_process"

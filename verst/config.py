@@ -248,8 +248,46 @@ def check_diffusion(cfg: RunConfig) -> None:
             "mode=fully_async with diffusion.algorithm=sft: SFT has no rollout to run ahead; "
             "use mode=sync"
         )
-    if cfg.model.lora.enabled:
-        raise ValueError("model.lora: diffusion trains full weights (LoRA not yet)")
+    lora = cfg.model.lora
+    if lora.enabled and lora.adapters:
+        raise ValueError("model.lora.adapters: a diffusion run trains one adapter (not yet)")
+    if lora.enabled and lora.dropout > 0:
+        raise ValueError(
+            "model.lora.dropout: the diffusion trainer runs the model without dropout (train "
+            "and rollout run the same forward); set it to 0"
+        )
+    check_diffusion_transport(cfg)
+
+
+DIFFUSION_TRANSPORT = {"in_process": "colocated", "http": "disk"}
+
+
+def check_diffusion_transport(cfg: RunConfig) -> None:
+    """`diffusion.engine` places a diffusion run's engine and says how weights reach it (in
+    process, or through the disk): a `placement`, `fault_tolerance` or `sync` field set away
+    from its default would be ignored, so it is refused."""
+    engine = cfg.diffusion.engine
+    placed = [f"placement.{name}" for name in cfg.placement.changed_fields()]
+    placed += [f"fault_tolerance.{name}" for name in cfg.fault_tolerance.changed_fields()]
+    if placed:
+        raise ValueError(
+            f"{placed[0]}: a diffusion run does not use placement or fault_tolerance; "
+            f"diffusion.engine places the engine (in_process or http), so leave {placed[0]} unset"
+        )
+    transport = cfg.sync.transport
+    if transport not in ("auto", DIFFUSION_TRANSPORT[engine]):
+        raise ValueError(
+            f"sync.transport={transport}: with diffusion.engine={engine} the weights go "
+            f"{'in process' if engine == 'in_process' else 'through the disk'} (sync.transport="
+            f"{DIFFUSION_TRANSPORT[engine]} or auto); the broadcast transport is not used by "
+            "diffusion runs yet"
+        )
+    tuned = [name for name in cfg.sync.changed_fields() if name != "transport"]
+    if tuned:
+        raise ValueError(
+            f"sync.{tuned[0]}: a diffusion run pushes whole weights (or whole adapters) in one "
+            f"piece, as diffusion.engine says; leave sync.{tuned[0]} unset"
+        )
 
 
 def check_eval(cfg: RunConfig) -> None:
@@ -287,9 +325,10 @@ def check_no_reward(cfg: RunConfig) -> None:
 
 def check_placement(cfg: RunConfig) -> None:
     """Refuse engine placement, transport, pause mode and loop mode that cannot work together."""
+    if cfg.model.kind == "diffusion":  # diffusion.engine places it: check_diffusion_transport
+        return
     placement, transport = cfg.placement, cfg.sync.resolve(cfg.placement)
-    # a diffusion engine's placement is diffusion.engine; fully async it keeps weights of its own
-    lm_async = cfg.mode == "fully_async" and cfg.model.kind != "diffusion"
+    lm_async = cfg.mode == "fully_async"
     if cfg.fault_tolerance.enabled and placement.engines != "processes":
         raise ValueError(
             f"fault_tolerance.enabled: engines placed {placement.engines} run in the trainer's "

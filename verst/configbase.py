@@ -14,3 +14,12 @@ class ConfigBase(BaseModel):
     """Unknown keys are errors, assignments are validated, and nothing heavy is stored."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    def changed_fields(self) -> list[str]:
+        """The names of the fields whose value differs from the section's defaults."""
+        default = type(self)()
+        return [
+            name
+            for name in type(self).model_fields
+            if getattr(self, name) != getattr(default, name)
+        ]

@@ -9,17 +9,19 @@ replays the model's forward, so the trainer recomputes exactly the same transiti
 
 The engine holds the trainer's model object when they share a process and take turns (a weight
 update is a version bump), or its own copy: fully asynchronous (`update_weights` copies the
-trainer's weights in between two batches) or behind `verst serve-diffusion`.
+trainer's weights in between two batches) or behind `verst serve-diffusion`. With LoRA the
+update carries the adapters alone (`verst.diffusion.adapters`), applied on the engine's base.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from verst.diffusion import sde, shapes
+from verst.diffusion import adapters, sde, shapes
 from verst.diffusion.model import velocity
 
 
@@ -81,9 +83,17 @@ class DiffusionEngine:
         self.weight_version = version
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Copy `state` into the engine's own model once the batch in flight has finished."""
+        """Copy `state` (the whole model's, or with LoRA its adapters alone) into the engine's
+        own model once the batch in flight has finished."""
         with self._lock, torch.no_grad():
-            self.model.load_state_dict(state)
+            adapters.load_into(self.model, state, field="update_weights")
+            self.weight_version = version
+
+    def load_adapter(self, directory: Path, version: int) -> None:
+        """Apply the peft directory `directory` to the engine's model (injecting the adapters
+        into its base the first time) once the batch in flight has finished."""
+        with self._lock:
+            adapters.apply_dir(self.model, directory, field="lora_path")
             self.weight_version = version
 
     @torch.no_grad()

@@ -3,12 +3,14 @@
 Each step draws `rollout.prompts_per_step` captions, samples `rollout.n_samples_per_prompt`
 trajectories of each (seeds differ per sample), scores them, normalises rewards within each
 group, and trains the chosen steps. The engine shares the trainer's model, so a sync is a
-weight-version bump. Fully asynchronous (`mode: fully_async`), the engine keeps weights of its
-own and never stops generating (`verst.diffusion.async_rollout`: the LM's rollout worker and data
-buffer); each step takes one batch of finished groups (`perf/wait_time_s`), trains, and copies
-the new weights into the engine. Evaluation samples every caption with held-out noise seeds by
-the ODE and logs `eval/reward_mean`; `samples_step{N}.png` holds those samples (one row per
-caption). Checkpoints are `verst.diffusion.checkpoint`'s; `--resume` continues from the newest.
+weight-version bump. With `model.lora` the trainer trains adapters on the frozen transformer
+(`verst.diffusion.adapters`) and every sync carries the adapters alone. Fully asynchronous
+(`mode: fully_async`), the engine keeps weights of its own and never stops generating
+(`verst.diffusion.async_rollout`: the LM's rollout worker and data buffer); each step takes one
+batch of finished groups (`perf/wait_time_s`), trains, and copies the new weights into the
+engine. Evaluation samples every caption with held-out noise seeds by the ODE and logs
+`eval/reward_mean`; `samples_step{N}.png` holds those samples (one row per caption). Checkpoints
+are `verst.diffusion.checkpoint`'s; `--resume` continues from the newest.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 
 from verst.config import RunConfig, dump_config
-from verst.diffusion import checkpoint, objectives, remote, shapes
+from verst.diffusion import adapters, checkpoint, objectives, remote, shapes
 from verst.diffusion import model as tiny
 from verst.diffusion.async_rollout import TRAIN_STEPS, TRAJECTORY, AsyncDiffusionRollout
 from verst.diffusion.engine import DiffusionEngine, DiffusionRequest, Trajectory
@@ -30,6 +32,7 @@ from verst.diffusion.rewards import ImageReward, load_reward
 from verst.diffusion.server import DiffusionClient
 from verst.diffusion.trainer import DiffusionTrainer
 from verst.fleet.launcher import LocalEngine
+from verst.models.lora import LoraConfig
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
 from verst.rundir import check_writable
@@ -48,17 +51,22 @@ class DiffusionRun:
     image_size: int
     server: LocalEngine | None = None  # the served engine's process, for engine=http
     rollout: AsyncDiffusionRollout | None = None  # mode=fully_async
+    lora: LoraConfig | None = None  # model.lora, when the trainer trains adapters
 
-    def sync(self, version: int | None = None) -> None:
-        """The trainer's weights to the engine as `version` (default: the next): a bump when
-        they share the model, a copy into the engine's own, or a disk push over HTTP."""
+    def sync(self, version: int | None = None) -> int:
+        """The trainer's weights (with LoRA, its adapters alone) to the engine as `version`
+        (default: the next): a bump when they share the model, a copy into the engine's own,
+        or a disk push over HTTP. Returns the bytes sent."""
         version = self.engine.weight_version + 1 if version is None else version
+        model = self.trainer.model
         if isinstance(self.engine, DiffusionClient):
-            remote.push(self.trainer.model, self.engine, self.run_dir, version)
-        elif self.engine.model is self.trainer.model:
+            return remote.push(model, self.engine, self.run_dir, version, self.lora)
+        if self.engine.model is model:
             self.engine.set_weight_version(version)
-        else:
-            self.engine.update_weights(self.trainer.model.state_dict(), version)
+            return 0
+        state = adapters.adapter_state(model) if self.lora else model.state_dict()
+        self.engine.update_weights(state, version)
+        return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
@@ -69,18 +77,23 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
         torch.set_num_threads(cfg.num_threads)
     assert cfg.model.path is not None  # RunConfig requires it for model.kind=diffusion
     model, meta = tiny.load(cfg.model.path, device)
+    lora = cfg.model.lora if cfg.model.lora.enabled else None
+    if lora is not None:
+        adapters.adapt(model, lora, cfg.seed)
     reward = load_reward(cfg.diffusion.reward, cfg.diffusion.clip_path)
     trainer = DiffusionTrainer(model, cfg.diffusion, cfg.trainer, device, cfg.seed)
     size = meta["image_size"]
     if cfg.diffusion.engine == "http":
         server, client = remote.launch(cfg.model.path, run_dir, device)
         return DiffusionRun(
-            cfg, client, trainer, reward, Path(cfg.model.path), run_dir, size, server
+            cfg, client, trainer, reward, Path(cfg.model.path), run_dir, size, server, lora=lora
         )
     # fully asynchronous, the engine samples while the trainer updates: weights of its own
     own = copy.deepcopy(model) if cfg.mode == "fully_async" else model
     engine = DiffusionEngine(own, size, device)
-    return DiffusionRun(cfg, engine, trainer, reward, Path(cfg.model.path), run_dir, size)
+    return DiffusionRun(
+        cfg, engine, trainer, reward, Path(cfg.model.path), run_dir, size, lora=lora
+    )
 
 
 def score(run: DiffusionRun, trajectories: list[Trajectory]) -> torch.Tensor:
@@ -147,7 +160,7 @@ def rl_step(run: DiffusionRun, step: int) -> dict[str, float]:
     with timer("train"):
         metrics |= run.trainer.step(trajectories, advantages, chosen, step=step)
     with timer("sync"):
-        run.sync()
+        metrics["sync/bytes"] = float(run.sync())
     metrics |= {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()),
@@ -171,7 +184,7 @@ def sft_step(
     )
     with timer("train"):
         metrics = run.trainer.sft_step(images[idx] * 2 - 1, labels[idx], step)
-    run.sync()
+    metrics["sync/bytes"] = float(run.sync())
     return metrics | timer.metrics(step_phases=("train",))
 
 
@@ -186,7 +199,7 @@ def save_checkpoint(run: DiffusionRun, step: int) -> Path:
         state["source"] = run.rollout.source_state()
     keep = run.cfg.checkpoint.keep_last
     return checkpoint.save(
-        run.run_dir, step, run.trainer.model, run.model_dir, state, keep_last=keep
+        run.run_dir, step, run.trainer.model, run.model_dir, state, keep_last=keep, lora=run.lora
     )
 
 

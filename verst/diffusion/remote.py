@@ -1,7 +1,9 @@
 """A `verst serve-diffusion` subprocess for `diffusion.engine: http`, and the disk weight push.
 
 The trainer writes its weights with `save_pretrained` into `RUN_DIR/sync/transformer`, then the
-engine loads them through `/update_weights_from_disk` and stamps the new weight version.
+engine loads them through `/update_weights_from_disk` and stamps the new weight version. With
+LoRA it writes the adapters alone in peft's format to `RUN_DIR/sync/adapter`, which the engine
+applies to its frozen base through `/load_lora_adapter` (as the adapter `policy`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from verst.diffusion import adapters
 from verst.diffusion.server import DiffusionClient
 from verst.fleet.launcher import LocalEngine, free_port, wait_healthy
+from verst.models.lora import POLICY_ADAPTER, LoraConfig
 
 START_TIMEOUT_S = 300.0
 
@@ -49,8 +53,20 @@ def launch(
     return engine, DiffusionClient(engine.url)
 
 
-def push(model: torch.nn.Module, client: DiffusionClient, run_dir: Path, version: int) -> None:
-    """Full weights to the served engine through the disk."""
+def push(
+    model: torch.nn.Module,
+    client: DiffusionClient,
+    run_dir: Path,
+    version: int,
+    lora: LoraConfig | None = None,
+) -> int:
+    """The weights to the served engine through the disk: the full transformer, or with
+    `lora` the adapters alone (a peft directory). Returns the bytes written."""
     target = run_dir / "sync"
+    if lora is not None:
+        written = adapters.save(target / adapters.ADAPTER_DIR, model, lora)
+        client.load_lora_adapter(target / adapters.ADAPTER_DIR, version, name=POLICY_ADAPTER)
+        return written
     model.save_pretrained(target / "transformer")
     client.update_weights_from_disk(target, version)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -4,7 +4,9 @@ Routes: `POST /rollout/generate` with `{"requests": [DiffusionRequest fields...]
 `{"trajectories": [...]}`, each with the latents, the recorded steps, their log-probs (tensors
 as base64 float32 with a shape, so the trainer's replay sees the engine's exact bits), the
 image, the class ids of the conditioning and the weight version; `POST /update_weights_from_disk`
-(`{"model_path": DIR, "weight_version": v}`, DIR holding `transformer/`); `GET
+(`{"model_path": DIR, "weight_version": v}`, DIR holding `transformer/`); `POST
+/load_lora_adapter` (SGLang's `{"lora_name", "lora_path"}` plus `weight_version`: a peft
+directory applied to the served base, the adapters injected on the first load); `GET
 /get_weight_version`; `GET /health`. Bad requests answer 400 with the field in the message.
 """
 
@@ -113,6 +115,22 @@ def make_app(engine: DiffusionEngine):  # -> aiohttp.web.Application
             engine.set_weight_version(int(body.get("weight_version", engine.weight_version + 1)))
         return web.json_response({"success": True, "weight_version": engine.weight_version})
 
+    held: list[str] = []  # the one adapter's name, once loaded
+
+    async def load_lora_adapter(request: web.Request) -> web.Response:
+        body = await request.json()
+        name, path = str(body.get("lora_name", "")), Path(str(body.get("lora_path", "")))
+        if held and name != held[0]:
+            return bad(ValueError(f"lora_name: this engine holds one adapter, {held[0]!r}"))
+        async with lock:
+            version = int(body.get("weight_version", engine.weight_version + 1))
+            try:
+                await asyncio.to_thread(engine.load_adapter, path, version)
+            except ValueError as error:
+                return bad(error)
+        held[:] = [name]
+        return web.json_response({"success": True, "weight_version": engine.weight_version})
+
     async def weight_version(_: web.Request) -> web.Response:
         return web.json_response({"weight_version": engine.weight_version})
 
@@ -122,6 +140,7 @@ def make_app(engine: DiffusionEngine):  # -> aiohttp.web.Application
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/rollout/generate", generate)
     app.router.add_post("/update_weights_from_disk", update_from_disk)
+    app.router.add_post("/load_lora_adapter", load_lora_adapter)
     app.router.add_get("/get_weight_version", weight_version)
     app.router.add_get("/health", health)
     return app
@@ -166,5 +185,12 @@ class DiffusionClient:
     def update_weights_from_disk(self, model_path: Path, version: int) -> None:
         self._post(
             "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": version}
+        )
+        self.weight_version = version
+
+    def load_lora_adapter(self, lora_path: Path, version: int, *, name: str) -> None:
+        self._post(
+            "/load_lora_adapter",
+            {"lora_name": name, "lora_path": str(lora_path), "weight_version": version},
         )
         self.weight_version = version

@@ -37,7 +37,7 @@ class DiffusionTrainer:
             seed,
         )
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],  # with LoRA, the adapters
             lr=trainer.lr,
             betas=(trainer.adam_beta1, trainer.adam_beta2),
             eps=trainer.adam_eps,

@@ -1,0 +1,91 @@
+"""LoRA on the diffusion transformer (`model.lora` with `model.kind: diffusion`).
+
+The LM's adapters (`verst.models.lora`): peft's LoRA layers injected in place into the
+transformer's linear layers, the base frozen. The trainer steps the adapters alone and a weight
+sync carries them alone: an in-process engine copy gets them with `load_into`, a served engine
+gets a peft directory (`save`) that it applies to its own frozen base (`apply_dir`); nothing is
+merged. `merged` is the plain transformer's state dict (W + scale * B @ A), what a model without
+adapters loads to sample as the adapted one does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from verst.models import lora
+from verst.models.lora import LoraConfig
+
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's and a disk push's peft directory
+
+
+def adapt(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> None:
+    """Inject `cfg`'s adapters into `model` and freeze everything else. peft draws A from
+    torch's global generator: seeded here (and restored after), so a run is a function of
+    its seed and a resumed run starts as the uninterrupted one did."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lora.apply_lora(model, cfg)
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors of an adapted model (the model's own tensors, detached)."""
+    return {n: p.detach() for n, p in model.named_parameters() if lora.is_adapter(n)}
+
+
+def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], *, field: str) -> None:
+    """Copy `state` into `model`: every adapter tensor when `state` holds adapters only, else
+    the whole state dict. ValueError naming `field` when the names do not match the model's."""
+    if not state or not all(lora.is_adapter(n) for n in state):
+        model.load_state_dict(state)
+        return
+    own = adapter_state(model)
+    if set(own) != set(state):
+        missing, unknown = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        raise ValueError(
+            f"{field}: the adapter does not fit the model's (missing {missing[:3]}, unknown "
+            f"{unknown[:3]}); was it trained with other model.lora.target_modules?"
+        )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if own[name].shape != tensor.shape:
+                raise ValueError(
+                    f"{field}: adapter tensor {name} has shape {tuple(tensor.shape)}, the "
+                    f"model's {tuple(own[name].shape)} (another model.lora.rank?)"
+                )
+            own[name].copy_(tensor)
+
+
+def save(directory: Path, model: torch.nn.Module, cfg: LoraConfig) -> int:
+    """The model's adapters in peft's format in `directory`; returns their bytes."""
+    state = adapter_state(model)
+    lora.save_adapter(directory, state, cfg)
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def config_of(directory: Path) -> LoraConfig:
+    """The adapter shape a peft directory was saved with."""
+    config = json.loads((directory / lora.ADAPTER_CONFIG_FILE).read_text())
+    return LoraConfig(
+        rank=config["r"], alpha=config["lora_alpha"], target_modules=config["target_modules"]
+    )
+
+
+def apply_dir(model: torch.nn.Module, directory: Path, *, field: str) -> None:
+    """Load the peft directory `directory` into `model`, injecting its adapters first when the
+    model carries none (a served engine starts from the frozen base)."""
+    if not lora.is_adapter_dir(directory):
+        raise ValueError(
+            f"{field}: {directory} is no peft adapter directory (it needs "
+            f"{lora.ADAPTER_CONFIG_FILE} and {lora.ADAPTER_WEIGHTS_FILE})"
+        )
+    if not lora.has_lora(model):
+        adapt(model, config_of(directory))
+    load_into(model, lora.load_adapter(directory), field=field)
+
+
+def merged(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain transformer's state dict of an adapted model, adapters merged."""
+    return lora.merged_weights(model.state_dict(), lora.scalings(model))
