@@ -88,10 +88,18 @@ def main() -> int:
     parser.add_argument("--run-dir", type=Path, default=None)
     parser.add_argument("--window", type=int, default=5, help="steps averaged at each end")
     parser.add_argument("--out", type=Path, default=Path("bench/results/env_recipes_cpu.json"))
+    parser.add_argument(
+        "--summarise-only",
+        action="store_true",
+        help="record the metrics of --run-dir as they are (a run stopped early), running nothing",
+    )
     args = parser.parse_args()
     run_dir = args.run_dir or Path("/tmp/verst-bench-env") / Path(args.recipe).stem
     argv = ["verst", "train", args.recipe, *args.overrides, "--run-dir", str(run_dir)]
-    wall, cpu, loads, code = run_recipe([*argv, "--overwrite"])
+    if args.summarise_only:
+        wall, cpu, loads, code = None, None, [os.getloadavg()[0]], None
+    else:
+        wall, cpu, loads, code = run_recipe([*argv, "--overwrite"])
     record = {
         "recipe": args.recipe,
         "command": " ".join(["python", *sys.argv]),
