@@ -8,7 +8,8 @@ machine is shared.
     python bench/env_recipes.py examples/terminal_agent.yaml --out bench/results/x.json
     python bench/env_recipes.py examples/math_env.yaml --window 20 -- num_threads=1
 
-Each run is appended to the JSON file's "runs" list, with its command and commit.
+Each run is appended to the JSON file's "runs" list, with its command and commit; the run's own
+output goes to RUN_DIR.log.
 """
 
 from __future__ import annotations
@@ -37,15 +38,18 @@ def _sample_load(stop: threading.Event, loads: list[float], every_s: float = 5.0
         loads.append(os.getloadavg()[0])
 
 
-def run_recipe(argv: list[str]) -> tuple[float, float, list[float], int]:
-    """Run `verst train ...`; (wall s, child CPU s, 1-min load averages seen, exit code)."""
+def run_recipe(argv: list[str], log: Path) -> tuple[float, float, list[float], int]:
+    """Run `verst train ...` with its output in `log`; (wall s, child CPU s, 1-min load
+    averages seen, exit code)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     loads: list[float] = [os.getloadavg()[0]]
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_load, args=(stop, loads), daemon=True)
     sampler.start()
     started = time.perf_counter()
-    code = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - started
     stop.set()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -99,7 +103,7 @@ def main() -> int:
     if args.summarise_only:
         wall, cpu, loads, code = None, None, [os.getloadavg()[0]], None
     else:
-        wall, cpu, loads, code = run_recipe([*argv, "--overwrite"])
+        wall, cpu, loads, code = run_recipe([*argv, "--overwrite"], run_dir.with_suffix(".log"))
     record = {
         "recipe": args.recipe,
         "command": " ".join(["python", *sys.argv]),
