@@ -233,3 +233,41 @@ def test_sft_recipe_runs_its_first_steps(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["sft/tokens"] > 128 and rows[-1]["eval/num_examples"] == 8
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_000002"]
+
+
+def _warm_start_run(accuracies: list[float], keep_nearest: bool) -> tuple[dict, dict, dict]:
+    """A real warm start on a tiny trainer whose dev checks read `accuracies` in turn, with a
+    copy of the weights taken at each check; (result, weights by check step, final weights)."""
+    from tests.test_trainer import items, make_trainer, tiny_model, weights
+    from verst.train.sft import WarmStartConfig, warm_start
+
+    trainer = make_trainer(tiny_model())
+    cfg = WarmStartConfig(
+        enabled=True, batch_size=2, lr=1e-2, max_steps=20, target_accuracy=0.3,
+        check_interval_steps=2, keep_nearest=keep_nearest,
+    )  # fmt: skip
+    seen: dict[int, dict] = {}
+    left = list(accuracies)
+
+    def dev_accuracy() -> float:
+        seen[2 * (len(seen) + 1)] = weights(trainer)
+        return left.pop(0)
+
+    result = warm_start(cfg, trainer, items(), dev_accuracy, lambda _: None, seed=0)
+    return result, seen, weights(trainer)
+
+
+def test_warm_start_that_overshoots_goes_back_to_the_check_nearer_the_target() -> None:
+    result, seen, final = _warm_start_run([0.0, 0.18, 0.74], keep_nearest=True)
+    assert result["warm_start/steps"] == 4 and result["warm_start/dev_accuracy"] == 0.18
+    assert all(torch.equal(final[k], seen[4][k]) for k in final)
+    assert not all(torch.equal(final[k], seen[6][k]) for k in final)
+
+
+def test_warm_start_keeps_the_check_that_reached_the_target_when_it_is_nearer() -> None:
+    result, seen, final = _warm_start_run([0.0, 0.1, 0.35], keep_nearest=True)
+    assert result["warm_start/steps"] == 6 and result["warm_start/dev_accuracy"] == 0.35
+    assert all(torch.equal(final[k], seen[6][k]) for k in final)
+    result, seen, final = _warm_start_run([0.0, 0.18, 0.74], keep_nearest=False)
+    assert result["warm_start/steps"] == 6 and result["warm_start/dev_accuracy"] == 0.74
+    assert all(torch.equal(final[k], seen[6][k]) for k in final)

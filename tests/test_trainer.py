@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -106,6 +107,20 @@ def test_step_moves_weights_and_reports_metrics() -> None:
         "train/lr",
     ):
         assert key in metrics
+
+
+def test_a_batch_without_signal_leaves_the_weights_where_they_are() -> None:
+    # after a real step Adam holds momentum; a batch whose advantages are all 0 has a zero
+    # gradient, and stepping on it would still move every weight
+    trainer = make_trainer(tiny_model())
+    assert trainer.step(items(), step=1)["train/update_skipped"] == 0.0
+    before, scheduled = weights(trainer), trainer.scheduler.last_epoch
+    silent = [dataclasses.replace(item, advantage=0.0) for item in items(1)]
+    metrics = trainer.step(silent, step=2)
+    assert metrics["train/grad_norm"] == 0.0 and metrics["train/update_skipped"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in weights(trainer).items())
+    assert trainer.scheduler.last_epoch == scheduled + 1  # the schedule still counts steps
+    assert trainer.step(items(2), step=3)["train/update_skipped"] == 0.0
 
 
 def test_non_finite_loss_raises_before_the_update() -> None:

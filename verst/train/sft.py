@@ -4,13 +4,17 @@ Both train on `TrainItem`s from `verst.train.sft_data` (the loss on what the mod
 write) with `Trainer.sft_step`, batches served by `SFTBatches`. The SFT mode's loop is
 `verst.sft_loop`. The warm start is a short use of the same path: prompt/label pairs, stopped as
 soon as greedy dev accuracy on the rollout engine reaches `target_accuracy` (checked every
-`check_interval_steps`), so RL starts from a model that is right sometimes, not always.
+`check_interval_steps`), so RL starts from a model that is right sometimes, not always. Accuracy
+can jump past the target between two checks; with `keep_nearest` the warm start then goes back to
+the previous check's weights when their accuracy is nearer the target.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import torch
 from pydantic import Field, model_validator
 
 from verst import distributed
@@ -71,6 +75,12 @@ class WarmStartConfig(ConfigBase):
         0.3, gt=0, le=1, description="stop once greedy dev accuracy reaches this"
     )
     check_interval_steps: int = Field(5, ge=1, description="measure dev accuracy every N steps")
+    keep_nearest: bool = Field(
+        True,
+        description="when the check that reaches the target overshoots it, go back to the "
+        "previous check's weights if their accuracy is nearer the target (a copy of the "
+        "weights is kept at every check)",
+    )
 
     @property
     def format(self) -> SFTFormatConfig:
@@ -101,18 +111,43 @@ def warm_start(
         shuffle=cfg.data.shuffle,
         seed=seed,
     )
-    accuracy = 0.0
-    loss = float("nan")
-    step = 0
+    accuracy, loss, step = 0.0, float("nan"), 0
+    previous: _Check | None = None  # the last check below the target
     for step in range(1, cfg.max_steps + 1):
         loss = trainer.sft_step(rank_share(items, batches.next()), optimizer, step=step)["loss"]
         if step % cfg.check_interval_steps == 0 or step == cfg.max_steps:
             accuracy = dev_accuracy()
             log(f"warm start step {step}: sft loss {loss:.4f}, dev accuracy {accuracy:.3f}")
             if accuracy >= cfg.target_accuracy:
+                if previous is not None and previous.nearer(accuracy, cfg.target_accuracy):
+                    trainer.load_state(previous.weights, None)
+                    step, accuracy, loss = previous.step, previous.accuracy, previous.loss
+                    log(f"warm start: back to step {step}, whose accuracy is nearer the target")
                 break
+            if cfg.keep_nearest:
+                previous = _Check(step, accuracy, loss, _policy_weights(trainer))
     return {
         "warm_start/steps": float(step),
         "warm_start/dev_accuracy": accuracy,
         "warm_start/loss": loss,
     }
+
+
+@dataclass
+class _Check:
+    step: int
+    accuracy: float
+    loss: float
+    weights: dict[str, torch.Tensor]
+
+    def nearer(self, accuracy: float, target: float) -> bool:
+        """Whether this check's accuracy is nearer `target` than `accuracy` is."""
+        return abs(self.accuracy - target) < abs(accuracy - target)
+
+
+def _policy_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """A copy of what `Trainer.load_state` takes back: the adapters with LoRA, else the whole
+    model (a collective: every rank calls it)."""
+    weights = trainer.adapter_state_dict() if trainer.lora else trainer.full_state_dict()
+    # on the CPU a world of one's full state dict may alias the live parameters
+    return {name: tensor.clone() for name, tensor in weights.items()}

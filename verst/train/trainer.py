@@ -400,7 +400,11 @@ class Trainer:
             metrics["train/critic_grad_norm"] = self._clip_and_check(
                 self.critic, self.critic_optimizer, sums["value_loss"], step
             )
-        optimizer.step()
+        # a batch with no signal (every advantage 0) has a gradient of exactly 0; Adam would
+        # still move every weight on its momentum, by about lr a step, for tens of steps
+        if grad_norm > 0.0:
+            optimizer.step()
+        metrics["train/update_skipped"] = float(grad_norm == 0.0)
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         if self.critic is not None:
