@@ -110,34 +110,30 @@ def _check_survived(run: TrainProcess, rc: int, *, kills: int, sync: bool) -> li
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "signals"),
     # sync, with shared memory and broadcast; fully async (with broadcast) runs in
     # test_an_engine_then_the_trainer_killed_lose_no_prompt, the disk transport's restart in
     # test_an_engine_with_the_wrong_weight_version_is_restarted
     [
         # the only engine dies: the run waits for its restart
-        ["sync.transport=colocated", "placement.num_engines=1"],
-        # the other engine serves meanwhile: enough steps that the last restart ends in the run
-        ["sync.transport=broadcast", "num_steps=300"],
+        (["sync.transport=colocated", "placement.num_engines=1"], [signal.SIGKILL] * 3),
+        # the other engine serves meanwhile: enough steps that the last restart ends in the
+        # run; the second engine hangs (SIGSTOP) rather than dies, and is found by its probe
+        (
+            ["sync.transport=broadcast", "num_steps=300"],
+            [signal.SIGKILL, signal.SIGSTOP, signal.SIGKILL],
+        ),
     ],
-    ids=["shared_memory_one_engine", "broadcast"],
+    ids=["shared_memory_one_engine", "broadcast_killed_and_hung"],
 )
-def test_engines_killed_at_random_points_are_restarted(
-    tmp_path: Path, overrides: list[str]
+def test_engines_killed_or_hung_at_random_points_are_restarted(
+    tmp_path: Path, overrides: list[str], signals: list[int]
 ) -> None:
     rng = random.Random(hash(tuple(overrides)) & 0xFFFF)
     run = TrainProcess([*ENGINES, *overrides], tmp_path / "run").start()
-    for step in (2, 30, 60):
-        run.kill_engine(step, rng)
+    for step, sig in zip((2, 30, 60), signals, strict=True):
+        run.kill_engine(step, rng, sig=sig)
     _check_survived(run, run.finish(), kills=3, sync="mode=fully_async" not in overrides)
-
-
-@pytest.mark.slow
-def test_a_hung_engine_is_killed_and_restarted(tmp_path: Path) -> None:
-    run = TrainProcess([*ENGINES, "sync.transport=broadcast"], tmp_path / "run").start()
-    run.kill_engine(3, random.Random(0), sig=signal.SIGSTOP)
-    rows = _check_survived(run, run.finish(), kills=1, sync=True)
-    assert rows[-1]["fault/engine_restarts"] == 1
 
 
 @pytest.mark.slow
