@@ -104,14 +104,6 @@ def _left_to_right(parts: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def rows_matmul(a_X_M_K: torch.Tensor, b_X_K_N: torch.Tensor) -> torch.Tensor:
-    """Batched `a @ b` with at least ROW_TILE rows a GEMM (the row-invariant kernel)."""
-    M = a_X_M_K.shape[-2]
-    if M >= ROW_TILE:
-        return torch.matmul(a_X_M_K, b_X_K_N)
-    return torch.matmul(F.pad(a_X_M_K, (0, 0, 0, ROW_TILE - M)), b_X_K_N)[..., :M, :]
-
-
 def attention(
     q_B_T_H_D: torch.Tensor,
     k_B_S_G_D: torch.Tensor,
@@ -123,28 +115,47 @@ def attention(
     """Causal attention [B, T, H, D]: the query at position p of row b sees that row's keys at
     positions 0..p (key s sits at position s; keys at or past `key_lens_B[b]` are unset).
 
-    Scores are GEMMs over the head dimension (a fixed depth); the weighted sum of values is a
-    GEMM per chunk of KEY_CHUNK keys (a fixed depth), the chunks then added left to right."""
+    The R = H / G query heads that share a KV head are rows of one GEMM with that head's keys
+    (no copy of K or V per query head). Scores are GEMMs over the head dimension (a fixed
+    depth); the weighted sum of values is a GEMM per chunk of KEY_CHUNK keys (a fixed depth),
+    the chunks then added left to right. Chunks of keys past every query (zero weights, exact
+    zero sums) are left out: the chunks that remain add in the same order."""
     B, T, H, D = q_B_T_H_D.shape
-    S, G = k_B_S_G_D.shape[1], k_B_S_G_D.shape[2]
-    pad = -(-S // KEY_CHUNK) * KEY_CHUNK - S
-    keys_S = torch.arange(S + pad, device=q_B_T_H_D.device)
-    set_B_S = keys_S < key_lens_B[:, None]
-    k_B_S_G_D = F.pad(k_B_S_G_D, (0, 0, 0, 0, 0, pad))
-    v_B_S_G_D = F.pad(v_B_S_G_D, (0, 0, 0, 0, 0, pad))
-    v_B_S_G_D = torch.where(set_B_S[:, :, None, None], v_B_S_G_D, 0.0)  # unset slots: any bits
-    k_B_H_D_S = k_B_S_G_D.repeat_interleave(H // G, 2).permute(0, 2, 3, 1).contiguous()
-    q_B_H_T_D = q_B_T_H_D.transpose(1, 2).contiguous()
-    scores_B_H_T_S = rows_matmul(q_B_H_T_D, k_B_H_D_S) * scaling
-    seen_B_T_S = keys_S <= q_positions_B_T[..., None]
-    scores_B_H_T_S = scores_B_H_T_S.float().masked_fill(~seen_B_T_S[:, None], float("-inf"))
-    top_B_H_T_1 = scores_B_H_T_S.amax(-1, keepdim=True)
-    weights_B_H_T_S = pointwise(torch.exp, scores_B_H_T_S - top_B_H_T_1)
-    probs_B_H_T_S = weights_B_H_T_S / chunked_sum(weights_B_H_T_S)[..., None]
-    # [B, H, chunks, T, KEY_CHUNK] @ [B, H, chunks, KEY_CHUNK, D], summed over the chunks
-    probs_B_H_C_T_K = probs_B_H_T_S.to(v_B_S_G_D.dtype).unflatten(-1, (-1, KEY_CHUNK))
-    probs_B_H_C_T_K = probs_B_H_C_T_K.transpose(2, 3).contiguous()
-    v_B_H_S_D = v_B_S_G_D.repeat_interleave(H // G, 2).transpose(1, 2)
-    v_B_H_C_K_D = v_B_H_S_D.unflatten(2, (-1, KEY_CHUNK)).contiguous()
-    out_B_H_C_T_D = rows_matmul(probs_B_H_C_T_K, v_B_H_C_K_D)
-    return _left_to_right(out_B_H_C_T_D.movedim(2, 0)).transpose(1, 2)
+    G = k_B_S_G_D.shape[2]
+    R, M = H // G, H // G * T
+    S = min(k_B_S_G_D.shape[1], int(q_positions_B_T.max()) + 1)
+    chunks = -(-S // KEY_CHUNK)
+    k_B_G_S_D = _heads_first(k_B_S_G_D[:, :S], chunks * KEY_CHUNK)
+    v_B_G_S_D = _heads_first(v_B_S_G_D[:, :S], chunks * KEY_CHUNK)
+    keys_S = torch.arange(chunks * KEY_CHUNK, device=q_B_T_H_D.device)
+    unset_B_S = keys_S >= key_lens_B[:, None]
+    v_B_G_S_D.masked_fill_(unset_B_S[:, None, :, None], 0.0)  # unset slots: any bits
+    # rows (r, t) of query head g·R + r at token t, at least ROW_TILE of them
+    q_B_G_M_D = q_B_T_H_D.new_zeros(B, G, max(M, ROW_TILE), D)
+    q_B_G_M_D[:, :, :M].view(B, G, R, T, D).copy_(
+        q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4)
+    )
+    scores_B_G_M_S = torch.matmul(q_B_G_M_D, k_B_G_S_D.transpose(-1, -2)) * scaling
+    positions_B_M = q_positions_B_T.repeat(1, R)
+    if M < ROW_TILE:  # the padding rows see key 0 (set in every row): finite, discarded
+        positions_B_M = F.pad(positions_B_M, (0, ROW_TILE - M))
+    seen_B_M_S = keys_S <= positions_B_M[..., None]
+    scores_B_G_M_S = scores_B_G_M_S.float().masked_fill(~seen_B_M_S[:, None], float("-inf"))
+    top_B_G_M_1 = scores_B_G_M_S.amax(-1, keepdim=True)
+    weights_B_G_M_S = pointwise(torch.exp, scores_B_G_M_S - top_B_G_M_1)
+    probs_B_G_M_S = weights_B_G_M_S / chunked_sum(weights_B_G_M_S)[..., None]
+    probs_B_G_M_S = probs_B_G_M_S.to(v_B_G_S_D.dtype)
+    parts = (
+        torch.matmul(probs_B_G_M_S[..., s : s + KEY_CHUNK], v_B_G_S_D[:, :, s : s + KEY_CHUNK])
+        for s in range(0, chunks * KEY_CHUNK, KEY_CHUNK)
+    )
+    out_B_G_M_D = _left_to_right(list(parts))[:, :, :M]
+    return out_B_G_M_D.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _heads_first(x_B_S_G_D: torch.Tensor, width: int) -> torch.Tensor:
+    """x as [B, G, width, D], contiguous, zero past its S keys."""
+    B, S, G, D = x_B_S_G_D.shape
+    out_B_G_S_D = x_B_S_G_D.new_zeros(B, G, width, D)
+    out_B_G_S_D[:, :, :S].copy_(x_B_S_G_D.transpose(1, 2))
+    return out_B_G_S_D
