@@ -124,38 +124,39 @@ def attention(
     G = k_B_S_G_D.shape[2]
     R, M = H // G, H // G * T
     S = min(k_B_S_G_D.shape[1], int(q_positions_B_T.max()) + 1)
-    chunks = -(-S // KEY_CHUNK)
-    k_B_G_S_D = _heads_first(k_B_S_G_D[:, :S], chunks * KEY_CHUNK)
-    v_B_G_S_D = _heads_first(v_B_S_G_D[:, :S], chunks * KEY_CHUNK)
-    keys_S = torch.arange(chunks * KEY_CHUNK, device=q_B_T_H_D.device)
-    unset_B_S = keys_S >= key_lens_B[:, None]
-    v_B_G_S_D.masked_fill_(unset_B_S[:, None, :, None], 0.0)  # unset slots: any bits
-    # rows (r, t) of query head g·R + r at token t, at least ROW_TILE of them
-    q_B_G_M_D = q_B_T_H_D.new_zeros(B, G, max(M, ROW_TILE), D)
-    q_B_G_M_D[:, :, :M].view(B, G, R, T, D).copy_(
-        q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4)
-    )
-    scores_B_G_M_S = torch.matmul(q_B_G_M_D, k_B_G_S_D.transpose(-1, -2)) * scaling
-    positions_B_M = q_positions_B_T.repeat(1, R)
-    if M < ROW_TILE:  # the padding rows see key 0 (set in every row): finite, discarded
-        positions_B_M = F.pad(positions_B_M, (0, ROW_TILE - M))
-    seen_B_M_S = keys_S <= positions_B_M[..., None]
+    width = -(-S // KEY_CHUNK) * KEY_CHUNK
+    keys_S = torch.arange(width, device=q_B_T_H_D.device)
+    k_B_G_S_D = _heads_first(k_B_S_G_D[:, :S], width)  # slots past S: any bits, scores masked
+    v_B_G_S_D = _heads_first(v_B_S_G_D[:, :S], width)
+    unset_B_S = keys_S >= key_lens_B.clamp(max=S)[:, None]
+    v_B_G_S_D.masked_fill_(unset_B_S[:, None, :, None], 0.0)  # any bits there: NaN · 0 is NaN
+    # rows (r, t) of query head g·R + r at token t
+    q_B_G_M_D = q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B, G, M, D)
+    scores_B_G_M_S = torch.matmul(_pad_rows(q_B_G_M_D), k_B_G_S_D.transpose(-1, -2))
+    scores_B_G_M_S = scores_B_G_M_S[:, :, :M] * scaling
+    seen_B_M_S = keys_S <= q_positions_B_T.repeat(1, R)[..., None]
     scores_B_G_M_S = scores_B_G_M_S.float().masked_fill(~seen_B_M_S[:, None], float("-inf"))
     top_B_G_M_1 = scores_B_G_M_S.amax(-1, keepdim=True)
     weights_B_G_M_S = pointwise(torch.exp, scores_B_G_M_S - top_B_G_M_1)
     probs_B_G_M_S = weights_B_G_M_S / chunked_sum(weights_B_G_M_S)[..., None]
-    probs_B_G_M_S = probs_B_G_M_S.to(v_B_G_S_D.dtype)
-    parts = (
-        torch.matmul(probs_B_G_M_S[..., s : s + KEY_CHUNK], v_B_G_S_D[:, :, s : s + KEY_CHUNK])
-        for s in range(0, chunks * KEY_CHUNK, KEY_CHUNK)
-    )
-    out_B_G_M_D = _left_to_right(list(parts))[:, :, :M]
+    probs_B_G_M_S = _pad_rows(probs_B_G_M_S.to(v_B_G_S_D.dtype))
+    # [B, G, C, M, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks
+    probs_B_G_C_M_K = probs_B_G_M_S.unflatten(-1, (-1, KEY_CHUNK)).transpose(2, 3).contiguous()
+    v_B_G_C_K_D = v_B_G_S_D.unflatten(2, (-1, KEY_CHUNK))
+    out_B_G_C_M_D = torch.matmul(probs_B_G_C_M_K, v_B_G_C_K_D)
+    out_B_G_M_D = _left_to_right(out_B_G_C_M_D.unbind(2))[:, :, :M]
     return out_B_G_M_D.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
 def _heads_first(x_B_S_G_D: torch.Tensor, width: int) -> torch.Tensor:
-    """x as [B, G, width, D], contiguous, zero past its S keys."""
+    """x as [B, G, width, D], contiguous; the slots past its S keys are left unset."""
     B, S, G, D = x_B_S_G_D.shape
-    out_B_G_S_D = x_B_S_G_D.new_zeros(B, G, width, D)
+    out_B_G_S_D = x_B_S_G_D.new_empty(B, G, width, D)
     out_B_G_S_D[:, :, :S].copy_(x_B_S_G_D.transpose(1, 2))
     return out_B_G_S_D
+
+
+def _pad_rows(x_X_M_K: torch.Tensor) -> torch.Tensor:
+    """x with zero rows appended up to ROW_TILE: a GEMM of fewer rows runs another kernel."""
+    M = x_X_M_K.shape[-2]
+    return F.pad(x_X_M_K, (0, 0, 0, ROW_TILE - M)) if M < ROW_TILE else x_X_M_K
