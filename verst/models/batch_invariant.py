@@ -46,16 +46,17 @@ def linear(x_N_I: torch.Tensor, weight_O_I: torch.Tensor, bias_O: torch.Tensor |
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` for an elementwise `fn`, every element through its vectorised path."""
+    """`fn(x)` for an elementwise `fn`, every element through its vectorised path: calls of at
+    most POINTWISE_CHUNK elements, each a multiple of 64 (only the last call is shorter)."""
     flat = x.reshape(-1)
     n = flat.numel()
-    step = POINTWISE_CHUNK if n > POINTWISE_CHUNK else 64
-    pad = -(-n // step) * step - n
+    pad = -n % 64
     flat = F.pad(flat, (0, pad)) if pad else flat
-    if step != POINTWISE_CHUNK:  # one call below the grain size: no split, no concatenation
-        return fn(flat)[:n].view(x.shape)
-    out = torch.cat([fn(chunk) for chunk in flat.split(POINTWISE_CHUNK)])
-    return out[:n].view(x.shape)
+    if n <= POINTWISE_CHUNK:  # one call below the grain size: no split, no concatenation
+        out = fn(flat)
+    else:
+        out = torch.cat([fn(chunk) for chunk in flat.split(POINTWISE_CHUNK)])
+    return (out[:n] if pad else out).view(x.shape)
 
 
 def rms_norm(x_N_E: torch.Tensor, weight_E: torch.Tensor, eps: float) -> torch.Tensor:
