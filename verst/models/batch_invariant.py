@@ -8,18 +8,22 @@ ops, so both compute bit-identical log-probs. What breaks invariance on the CPU,
   another summation order: `linear` pads its rows up to `ROW_TILE`;
 - a pointwise op's vectorised loop handles a tensor's tail (and each thread's share) with the
   scalar function, which for fp32 SiLU (and bf16 rsqrt) rounds differently from the vector
-  one: `pointwise` feeds the op chunks of `POINTWISE_CHUNK` elements, a multiple of every
-  vector width and below ATen's grain size, so every element takes the vector path;
+  one: `pointwise` feeds the op calls of at most `POINTWISE_CHUNK` elements (below ATen's
+  grain size), each a multiple of 64 (of every vector width), so every element takes the
+  vector path;
 - a softmax or weighted sum over a row of keys reduces in an order set by the row's length:
   `attention` reduces in fixed chunks of `KEY_CHUNK` keys (its value sum a GEMM of that fixed
   depth per chunk) and adds the chunks' sums left to right, so keys past a query (-inf
-  scores, zero weights) add exact zeros;
+  scores, zero weights) add exact zeros, and chunks past every query can be left out;
 - a reduction over a strided dimension sums in an order set by the other dimensions: every
   reduction here runs over a contiguous last dimension.
 
 Reductions over a fixed-length last dimension (a norm's mean, a chunk's sum), GEMMs of 16+
-rows of a fixed depth (whatever their column count) and `torch.log_softmax` per row were
-measured invariant to the number of rows (tests/test_batch_invariant.py).
+rows of a fixed depth (whatever their 16+ columns, batch count or operand strides) and
+`torch.log_softmax` per row were measured invariant to the number of rows
+(tests/test_batch_invariant.py). A batched fp32 GEMM of 4 or 8 rows matched too, but 3 rows
+never did and 5 rows not with one matrix on 2 threads: attention pads to 16 rows as well. A
+GEMM's column count matters below 16 in fp32, so attention's rows are queries, not keys.
 """
 
 from __future__ import annotations
