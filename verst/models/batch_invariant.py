@@ -131,7 +131,7 @@ def attention(
     S = min(k_B_S_G_D.shape[1], int(q_positions_B_T.max()) + 1)
     width = -(-S // KEY_CHUNK) * KEY_CHUNK
     keys_S = torch.arange(width, device=q_B_T_H_D.device)
-    k_B_G_S_D = _heads_first(k_B_S_G_D[:, :S], width)  # slots past S: any bits, scores masked
+    k_B_G_S_D = _heads_first(k_B_S_G_D[:, :S], width)
     v_B_G_S_D = _heads_first(v_B_S_G_D[:, :S], width)
     unset_B_S = keys_S >= key_lens_B.clamp(max=S)[:, None]
     v_B_G_S_D.masked_fill_(unset_B_S[:, None, :, None], 0.0)  # any bits there: NaN · 0 is NaN
@@ -154,10 +154,12 @@ def attention(
 
 
 def _heads_first(x_B_S_G_D: torch.Tensor, width: int) -> torch.Tensor:
-    """x as [B, G, width, D], contiguous; the slots past its S keys are left unset."""
+    """x as [B, G, width, D], contiguous, zero past its S keys (masked scores still pass a
+    zero gradient through them: garbage there would make it NaN)."""
     B, S, G, D = x_B_S_G_D.shape
     out_B_G_S_D = x_B_S_G_D.new_empty(B, G, width, D)
     out_B_G_S_D[:, :, :S].copy_(x_B_S_G_D.transpose(1, 2))
+    out_B_G_S_D[:, :, S:].zero_()
     return out_B_G_S_D
 
 
