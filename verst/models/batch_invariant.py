@@ -8,18 +8,22 @@ ops, so both compute bit-identical log-probs. What breaks invariance on the CPU,
   another summation order: `linear` pads its rows up to `ROW_TILE`;
 - a pointwise op's vectorised loop handles a tensor's tail (and each thread's share) with the
   scalar function, which for fp32 SiLU (and bf16 rsqrt) rounds differently from the vector
-  one: `pointwise` feeds the op chunks of `POINTWISE_CHUNK` elements, a multiple of every
-  vector width and below ATen's grain size, so every element takes the vector path;
+  one: `pointwise` feeds the op calls of at most `POINTWISE_CHUNK` elements (below ATen's
+  grain size), each a multiple of 64 (of every vector width), so every element takes the
+  vector path;
 - a softmax or weighted sum over a row of keys reduces in an order set by the row's length:
   `attention` reduces in fixed chunks of `KEY_CHUNK` keys (its value sum a GEMM of that fixed
   depth per chunk) and adds the chunks' sums left to right, so keys past a query (-inf
-  scores, zero weights) add exact zeros;
+  scores, zero weights) add exact zeros, and chunks past every query can be left out;
 - a reduction over a strided dimension sums in an order set by the other dimensions: every
   reduction here runs over a contiguous last dimension.
 
 Reductions over a fixed-length last dimension (a norm's mean, a chunk's sum), GEMMs of 16+
-rows of a fixed depth (whatever their column count) and `torch.log_softmax` per row were
-measured invariant to the number of rows (tests/test_batch_invariant.py).
+rows of a fixed depth (whatever their 16+ columns, batch count or operand strides) and
+`torch.log_softmax` per row were measured invariant to the number of rows
+(tests/test_batch_invariant.py). A batched fp32 GEMM of 4 or 8 rows matched too, but 3 rows
+never did and 5 rows not with one matrix on 2 threads: attention pads to 16 rows as well. A
+GEMM's column count matters below 16 in fp32, so attention's rows are queries, not keys.
 """
 
 from __future__ import annotations
@@ -46,16 +50,17 @@ def linear(x_N_I: torch.Tensor, weight_O_I: torch.Tensor, bias_O: torch.Tensor |
 
 
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` for an elementwise `fn`, every element through its vectorised path."""
+    """`fn(x)` for an elementwise `fn`, every element through its vectorised path: calls of at
+    most POINTWISE_CHUNK elements, each a multiple of 64 (only the last call is shorter)."""
     flat = x.reshape(-1)
     n = flat.numel()
-    step = POINTWISE_CHUNK if n > POINTWISE_CHUNK else 64
-    pad = -(-n // step) * step - n
+    pad = -n % 64
     flat = F.pad(flat, (0, pad)) if pad else flat
-    if step != POINTWISE_CHUNK:  # one call below the grain size: no split, no concatenation
-        return fn(flat)[:n].view(x.shape)
-    out = torch.cat([fn(chunk) for chunk in flat.split(POINTWISE_CHUNK)])
-    return out[:n].view(x.shape)
+    if n <= POINTWISE_CHUNK:  # one call below the grain size: no split, no concatenation
+        out = fn(flat)
+    else:
+        out = torch.cat([fn(chunk) for chunk in flat.split(POINTWISE_CHUNK)])
+    return (out[:n] if pad else out).view(x.shape)
 
 
 def rms_norm(x_N_E: torch.Tensor, weight_E: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,14 +109,6 @@ def _left_to_right(parts: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def rows_matmul(a_X_M_K: torch.Tensor, b_X_K_N: torch.Tensor) -> torch.Tensor:
-    """Batched `a @ b` with at least ROW_TILE rows a GEMM (the row-invariant kernel)."""
-    M = a_X_M_K.shape[-2]
-    if M >= ROW_TILE:
-        return torch.matmul(a_X_M_K, b_X_K_N)
-    return torch.matmul(F.pad(a_X_M_K, (0, 0, 0, ROW_TILE - M)), b_X_K_N)[..., :M, :]
-
-
 def attention(
     q_B_T_H_D: torch.Tensor,
     k_B_S_G_D: torch.Tensor,
@@ -123,28 +120,50 @@ def attention(
     """Causal attention [B, T, H, D]: the query at position p of row b sees that row's keys at
     positions 0..p (key s sits at position s; keys at or past `key_lens_B[b]` are unset).
 
-    Scores are GEMMs over the head dimension (a fixed depth); the weighted sum of values is a
-    GEMM per chunk of KEY_CHUNK keys (a fixed depth), the chunks then added left to right."""
+    The R = H / G query heads that share a KV head are rows of one GEMM with that head's keys
+    (no copy of K or V per query head). Scores are GEMMs over the head dimension (a fixed
+    depth); the weighted sum of values is a GEMM per chunk of KEY_CHUNK keys (a fixed depth),
+    the chunks then added left to right. Chunks of keys past every query (zero weights, exact
+    zero sums) are left out: the chunks that remain add in the same order."""
     B, T, H, D = q_B_T_H_D.shape
-    S, G = k_B_S_G_D.shape[1], k_B_S_G_D.shape[2]
-    pad = -(-S // KEY_CHUNK) * KEY_CHUNK - S
-    keys_S = torch.arange(S + pad, device=q_B_T_H_D.device)
-    set_B_S = keys_S < key_lens_B[:, None]
-    k_B_S_G_D = F.pad(k_B_S_G_D, (0, 0, 0, 0, 0, pad))
-    v_B_S_G_D = F.pad(v_B_S_G_D, (0, 0, 0, 0, 0, pad))
-    v_B_S_G_D = torch.where(set_B_S[:, :, None, None], v_B_S_G_D, 0.0)  # unset slots: any bits
-    k_B_H_D_S = k_B_S_G_D.repeat_interleave(H // G, 2).permute(0, 2, 3, 1).contiguous()
-    q_B_H_T_D = q_B_T_H_D.transpose(1, 2).contiguous()
-    scores_B_H_T_S = rows_matmul(q_B_H_T_D, k_B_H_D_S) * scaling
-    seen_B_T_S = keys_S <= q_positions_B_T[..., None]
-    scores_B_H_T_S = scores_B_H_T_S.float().masked_fill(~seen_B_T_S[:, None], float("-inf"))
-    top_B_H_T_1 = scores_B_H_T_S.amax(-1, keepdim=True)
-    weights_B_H_T_S = pointwise(torch.exp, scores_B_H_T_S - top_B_H_T_1)
-    probs_B_H_T_S = weights_B_H_T_S / chunked_sum(weights_B_H_T_S)[..., None]
-    # [B, H, chunks, T, KEY_CHUNK] @ [B, H, chunks, KEY_CHUNK, D], summed over the chunks
-    probs_B_H_C_T_K = probs_B_H_T_S.to(v_B_S_G_D.dtype).unflatten(-1, (-1, KEY_CHUNK))
-    probs_B_H_C_T_K = probs_B_H_C_T_K.transpose(2, 3).contiguous()
-    v_B_H_S_D = v_B_S_G_D.repeat_interleave(H // G, 2).transpose(1, 2)
-    v_B_H_C_K_D = v_B_H_S_D.unflatten(2, (-1, KEY_CHUNK)).contiguous()
-    out_B_H_C_T_D = rows_matmul(probs_B_H_C_T_K, v_B_H_C_K_D)
-    return _left_to_right(out_B_H_C_T_D.movedim(2, 0)).transpose(1, 2)
+    G = k_B_S_G_D.shape[2]
+    R, M = H // G, H // G * T
+    S = min(k_B_S_G_D.shape[1], int(q_positions_B_T.max()) + 1)
+    width = -(-S // KEY_CHUNK) * KEY_CHUNK
+    keys_S = torch.arange(width, device=q_B_T_H_D.device)
+    k_B_G_S_D = _heads_first(k_B_S_G_D[:, :S], width)
+    v_B_G_S_D = _heads_first(v_B_S_G_D[:, :S], width)
+    unset_B_S = keys_S >= key_lens_B.clamp(max=S)[:, None]
+    v_B_G_S_D.masked_fill_(unset_B_S[:, None, :, None], 0.0)  # any bits there: NaN · 0 is NaN
+    # rows (r, t) of query head g·R + r at token t
+    q_B_G_M_D = q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B, G, M, D)
+    scores_B_G_M_S = torch.matmul(_pad_rows(q_B_G_M_D), k_B_G_S_D.transpose(-1, -2))
+    scores_B_G_M_S = scores_B_G_M_S[:, :, :M] * scaling
+    seen_B_M_S = keys_S <= q_positions_B_T.repeat(1, R)[..., None]
+    scores_B_G_M_S = scores_B_G_M_S.float().masked_fill(~seen_B_M_S[:, None], float("-inf"))
+    top_B_G_M_1 = scores_B_G_M_S.amax(-1, keepdim=True)
+    weights_B_G_M_S = pointwise(torch.exp, scores_B_G_M_S - top_B_G_M_1)
+    probs_B_G_M_S = weights_B_G_M_S / chunked_sum(weights_B_G_M_S)[..., None]
+    probs_B_G_M_S = _pad_rows(probs_B_G_M_S.to(v_B_G_S_D.dtype))
+    # [B, G, C, M, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks
+    probs_B_G_C_M_K = probs_B_G_M_S.unflatten(-1, (-1, KEY_CHUNK)).transpose(2, 3).contiguous()
+    v_B_G_C_K_D = v_B_G_S_D.unflatten(2, (-1, KEY_CHUNK))
+    out_B_G_C_M_D = torch.matmul(probs_B_G_C_M_K, v_B_G_C_K_D)
+    out_B_G_M_D = _left_to_right(out_B_G_C_M_D.unbind(2))[:, :, :M]
+    return out_B_G_M_D.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _heads_first(x_B_S_G_D: torch.Tensor, width: int) -> torch.Tensor:
+    """x as [B, G, width, D], contiguous, zero past its S keys (masked scores still pass a
+    zero gradient through them: garbage there would make it NaN)."""
+    B, S, G, D = x_B_S_G_D.shape
+    out_B_G_S_D = x_B_S_G_D.new_empty(B, G, width, D)
+    out_B_G_S_D[:, :, :S].copy_(x_B_S_G_D.transpose(1, 2))
+    out_B_G_S_D[:, :, S:].zero_()
+    return out_B_G_S_D
+
+
+def _pad_rows(x_X_M_K: torch.Tensor) -> torch.Tensor:
+    """x with zero rows appended up to ROW_TILE: a GEMM of fewer rows runs another kernel."""
+    M = x_X_M_K.shape[-2]
+    return F.pad(x_X_M_K, (0, 0, 0, ROW_TILE - M)) if M < ROW_TILE else x_X_M_K
