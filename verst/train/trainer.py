@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -406,7 +407,9 @@ class Trainer:
             optimizer.step()
         metrics["train/update_skipped"] = float(grad_norm == 0.0)
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        with warnings.catch_warnings():  # the schedule counts a skipped step: no misuse here
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            scheduler.step()
         if self.critic is not None:
             self.critic_optimizer.step()
             self.critic_optimizer.zero_grad(set_to_none=True)
