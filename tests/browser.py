@@ -7,8 +7,10 @@ import asyncio
 import base64
 import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -32,13 +34,14 @@ class Browser:
 
     async def __aenter__(self) -> Browser:
         assert CHROMIUM, "no chromium on PATH"
-        self._profile = tempfile.TemporaryDirectory()
+        self._profile = Path(tempfile.mkdtemp(prefix="verst-chromium-"))
         width, height = self.size
         self._process = subprocess.Popen(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--disable-dev-shm-usage", f"--window-size={width},{height}",
-             "--remote-debugging-port=0", f"--user-data-dir={self._profile.name}", "about:blank"],
+             "--remote-debugging-port=0", f"--user-data-dir={self._profile}", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,  # its helper processes share its group: killed with it
         )  # fmt: skip
         browser_url = await asyncio.to_thread(self._devtools_url)
         http = browser_url.split("/devtools/")[0].replace("ws://", "http://")
@@ -66,9 +69,16 @@ class Browser:
         self._reader.cancel()
         await self._ws.close()
         await self._session.close()
-        self._process.kill()
+        os.killpg(self._process.pid, signal.SIGKILL)
         self._process.wait()
-        self._profile.cleanup()
+        for attempt in range(20):  # a helper may still be dying with a file open in the profile
+            try:
+                shutil.rmtree(self._profile)
+                break
+            except OSError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.1)
 
     async def _read(self) -> None:
         async for message in self._ws:
