@@ -1,7 +1,7 @@
-"""`placement.backend: ray`: bundles, the checks that refuse what a cluster cannot place, one
-run through the public CLI on a local two-node Ray cluster (engine and trainer on different
-nodes, fully async) whose engine and then trainer rank are killed, and one that joins a
-cluster started with `ray start` through `$RAY_ADDRESS` (and one whose address has none)."""
+"""`placement.backend: ray`: bundles, the checks that refuse what a cluster cannot place, and
+one run through the public CLI that joins a two-node cluster started with `ray start` through
+`$RAY_ADDRESS` (engine and trainer on different nodes, fully async) and survives its engine
+and then its trainer rank killed (and one whose address has no cluster)."""
 
 from __future__ import annotations
 
@@ -110,34 +110,6 @@ TINY = [
 ]
 
 
-@pytest.mark.slow
-def test_ray_address_joins_a_cluster_started_with_ray_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The example's run joins a two-node cluster of `ray start` nodes through $RAY_ADDRESS:
-    its trainer rank and engine land on that cluster's nodes, and the cluster outlives it."""
-    pytest.importorskip("ray")
-    cluster = RayNodes()
-    try:
-        cluster.start([(1, {"verst_trainer": 1}), (1, {"verst_engine": 1})])
-        by_role = {
-            next(k for k in n["resources"] if k.startswith("verst_")): n["id"]
-            for n in cluster.nodes()
-        }
-        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-        run_dir = tmp_path / "run"
-        run = TrainProcess([EXAMPLE, "num_steps=3", "checkpoint.interval_steps=0", *TINY], run_dir)
-        assert run.start().finish(timeout_s=400) == 0, run.output()
-        assert [r["step"] for r in run.records()] == [0, 1, 2, 3]
-        assert f"Ray cluster at {cluster.address} ready" in run.output(lines=10_000)
-        (placed,) = [json.loads(line) for line in (run_dir / "placement.jsonl").open()]
-        assert placed["trainer_nodes"] == [by_role["verst_trainer"]], (placed, by_role)
-        assert placed["engine_nodes"] == [by_role["verst_engine"]], (placed, by_role)
-        assert len(cluster.nodes()) == 2  # a cluster the run joined stays up
-    finally:
-        cluster.stop()
-
-
 def _pids(*words: str) -> list[int]:
     """Processes whose command line holds every one of `words`."""
     found = []
@@ -152,9 +124,37 @@ def _pids(*words: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_ray_fully_async_survives_an_engine_and_a_trainer_rank_killed(tmp_path: Path) -> None:
+def test_ray_fully_async_on_a_ray_start_cluster_survives_an_engine_and_a_trainer_rank_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example's run joins a two-node cluster of `ray start` nodes through $RAY_ADDRESS
+    (its trainer rank and engine on that cluster's nodes, by their resources); its engine and
+    then its trainer rank are killed; it ends with every step once and the ledger exact, and
+    the cluster outlives it."""
     pytest.importorskip("ray")
-    run_dir = tmp_path / "run"
+    cluster = RayNodes()
+    try:
+        cluster.start([(1, {"verst_trainer": 1}), (1, {"verst_engine": 1})])
+        by_role = {
+            next(k for k in n["resources"] if k.startswith("verst_")): n["id"]
+            for n in cluster.nodes()
+        }
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        run_dir = tmp_path / "run"
+        _kill_an_engine_then_a_trainer_rank(run_dir)
+        assert (
+            f"Ray cluster at {cluster.address} ready" in (run_dir.with_suffix(".log")).read_text()
+        )
+        placements = [json.loads(line) for line in (run_dir / "placement.jsonl").open()]
+        for placed in placements:  # the first run's and the restarted one's
+            assert placed["trainer_nodes"] == [by_role["verst_trainer"]], (placed, by_role)
+            assert placed["engine_nodes"] == [by_role["verst_engine"]], (placed, by_role)
+        assert len(cluster.nodes()) == 2  # a cluster the run joined stays up
+    finally:
+        cluster.stop()
+
+
+def _kill_an_engine_then_a_trainer_rank(run_dir: Path) -> None:
     overrides = [
         "num_steps=16",
         *TINY,
@@ -179,6 +179,3 @@ def test_ray_fully_async_survives_an_engine_and_a_trainer_rank_killed(tmp_path: 
     assert report.ok, report.summary()
     (restart,) = complete_records(run_dir / "restarts.jsonl")
     assert restart["resumed_from"] is not None  # resumed from step 5's checkpoint
-    placements = [json.loads(line) for line in (run_dir / "placement.jsonl").open()]
-    (trainer_node,), (engine_node,) = placements[0]["trainer_nodes"], placements[0]["engine_nodes"]
-    assert trainer_node != engine_node, placements
