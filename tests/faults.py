@@ -104,11 +104,18 @@ class TrainProcess:
     def kill_engine(
         self, step: int, rng: random.Random, sig: int = signal.SIGKILL, within_s: float = 0.5
     ) -> int:
-        """Once `step` is logged and no engine is down (the last kill's restart has rejoined),
-        wait a random moment (up to `within_s`), then signal one of the trainer's engine
-        processes, chosen at random; returns its pid."""
+        """Once `step` is logged and every earlier kill's engine has been restarted and has
+        rejoined (a hung one is down only once its probe has failed, so the restart count, not
+        the engines down, says when), wait a random moment (up to `within_s`), then signal one
+        of the trainer's engine processes, chosen at random; returns its pid."""
         self.wait_for_step(step)
-        self.wait_until(lambda row: row.get("fault/engines_down", 0) == 0, "engines back")
+        self.wait_until(
+            lambda row: (
+                row.get("fault/engine_restarts", 0) >= len(self.kills)
+                and row.get("fault/engines_down", 0) == 0
+            ),
+            "engines back",
+        )
         time.sleep(rng.uniform(0.0, within_s))
         deadline = time.monotonic() + 60
         while not (pids := engine_pids(self.engines_parent())):  # all restarting: wait for one
