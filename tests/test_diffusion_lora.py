@@ -12,6 +12,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from tests.servers import LoopThread, start_app  # noqa: E402
+from tests.test_diffusion_loop import overrides  # noqa: E402
 from verst.cli import main  # noqa: E402
 from verst.diffusion import adapters, remote, shapes  # noqa: E402
 from verst.diffusion import model as tiny  # noqa: E402
@@ -120,16 +121,7 @@ def train(model_dir: Path, run_dir: Path, *extra: str, resume: bool = False) -> 
     argv = [
         "train",
         "examples/diffusion_flow_grpo.yaml",
-        f"model.path={model_dir}",
-        "model.lora.rank=4",
-        "trainer.lr=1e-2",
-        "rollout.prompts_per_step=2",
-        "rollout.n_samples_per_prompt=2",
-        "diffusion.num_inference_steps=4",
-        "diffusion.eval_seeds_per_prompt=1",
-        "diffusion.eval_interval_steps=0",
-        "diffusion.sde_window_range=[0,3]",
-        *extra,
+        *overrides(model_dir, "model.lora.rank=4", "trainer.lr=1e-2", *extra),
         "--run-dir",
         str(run_dir),
         *(["--resume"] if resume else []),

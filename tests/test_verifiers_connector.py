@@ -17,6 +17,7 @@ import pytest
 vf = pytest.importorskip("verifiers.v1")
 pytest.importorskip("aiohttp")
 
+from tests.test_agent_train import QUICK  # noqa: E402
 from tests.test_builtin_envs import scripted  # noqa: E402
 from tests.test_envs import KWARGS, sessions_url  # noqa: E402, F401
 from tests.test_loop import records  # noqa: E402
@@ -212,21 +213,6 @@ def test_episodes_through_the_session_server(sessions_url: str) -> None:  # noqa
         expected = float(answer == sample.label) + 0.5 * float(answer.isdigit())
         assert meta["env_reward"] == expected and meta["answer"] == answer
         assert meta["messages"][0] == {"role": "system", "content": "add"}
-
-
-QUICK = [
-    "num_steps=2",
-    "num_threads=1",
-    "trainer.device=cpu",
-    "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
-    "intermediate_size: 64, max_position_embeddings: 128}",
-    "rollout.prompts_per_step=2",
-    "rollout.n_samples_per_prompt=4",
-    "warm_start.max_steps=2",
-    "warm_start.batch_size=8",
-    "warm_start.check_interval_steps=1",
-    "warm_start.dev_data.max_prompts=4",
-]
 
 
 def test_verifiers_example_trains_through_the_cli(tmp_path: Path) -> None:
