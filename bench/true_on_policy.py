@@ -7,12 +7,13 @@ checkpoints off, `loss.entropy_coef` on so the weights change every step even wh
 reward is 0 (a random tiny model): one with `trainer.true_on_policy=false`, one with it true.
 
     python bench/true_on_policy.py --steps 8 --dtype float32
+    python bench/true_on_policy.py --steps 8 --dtype bfloat16 --device cuda --prompts 32
 
 Prints per run the mean (and max) `train/train_rollout_logprob_abs_diff`, the engine's
 generation tokens/s and `perf/train_time_s` (means over steps after the first, which pays
 warm-up; medians over `--repeats` alternated pairs of runs, since a shared CPU's load moves
 them), the slowdowns of true on-policy (the issue's goal: each <= 1.5), and writes
-bench/results/true_on_policy_cpu_<dtype>.json.
+bench/results/true_on_policy_<device>_<dtype>.json.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def run(on: bool, args: argparse.Namespace, root: Path) -> dict[str, float]:
         f"num_steps={args.steps}",
         f"num_threads={args.threads}",
         f"seed={args.seed}",
-        "trainer.device=cpu",
+        f"trainer.device={args.device}",
         f"trainer.dtype={args.dtype}",
         f"trainer.true_on_policy={str(on).lower()}",
         f"model.tiny.family={args.family}",
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="alternated runs per mode")
     parser.add_argument("--dtype", default="float32", help="trainer.dtype: float32 | bfloat16")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="trainer.device")
     parser.add_argument("--family", default="qwen3", help="model.tiny.family (qwen3-moe too)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
@@ -96,7 +98,9 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     result = {
         "bench": "true_on_policy",
-        "machine": f"{platform.machine()} CPU, {args.threads} threads",
+        "machine": torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"{platform.machine()} CPU, {args.threads} threads",
         "torch": torch.__version__,
         "commit": commit.stdout.strip(),
         "args": vars(args),
@@ -108,7 +112,7 @@ def main() -> None:
         print(name, {k: round(v, 9) for k, v in summary.items()})
     print("slowdown of true on-policy (medians):", {k: round(v, 3) for k, v in ratios.items()})
     suffix = "" if args.family == "qwen3" else f"_{args.family}"
-    out = Path(args.out) / f"true_on_policy_cpu_{args.dtype}{suffix}.json"
+    out = Path(args.out) / f"true_on_policy_{args.device}_{args.dtype}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -196,8 +196,8 @@ def check_routing_replay(cfg: RunConfig) -> None:
 
 def check_true_on_policy(cfg: RunConfig) -> None:
     """`trainer.true_on_policy` needs verst's own engines running the batch-invariant forward
-    on the trainer's kind of device (the CPU, the one verified), on a model it reads; a model
-    loaded from a path is checked when the engine and trainer are built."""
+    on the trainer's kind of device, on a model it reads; a model loaded from a path (and the
+    devices `auto` picks) are checked when the engine and trainer are built."""
     if not cfg.trainer.true_on_policy:
         return
     tiny = cfg.model.tiny
@@ -216,13 +216,13 @@ def check_true_on_policy(cfg: RunConfig) -> None:
         f"{', '.join(TRUE_ON_POLICY_FAMILIES)})": (
             tiny is not None and tiny.family not in TRUE_ON_POLICY_FAMILIES
         ),
-        "trainer.device=cuda (verified on the CPU only)": cfg.trainer.device == "cuda",
         "placement.backend=ray (engines on other hosts may run other kernels)": (
             cfg.placement.backend == "ray"
         ),
-        "placement.engine_devices other than cpu (the trainer's log-probs are the CPU's)": any(
-            not device.startswith("cpu") for device in cfg.placement.engine_devices
-        ),
+        "placement.engine_devices of another kind than trainer.device (other kernels)": any(
+            not device.startswith(cfg.trainer.device) for device in cfg.placement.engine_devices
+        )
+        and cfg.trainer.device != "auto",
         "model.kind=diffusion": cfg.model.kind == "diffusion",
     }
     for field, on in refusals.items():

@@ -159,6 +159,8 @@ class Fleet:
                 )
                 return cls(loop, clients, tokenizer=tokenizer, runners=runners, api_keys=keys)
             devices = _devices(cfg, trainer_device)
+            if true_on_policy:
+                _same_kind_as_trainer(devices, trainer_device)
             processes = _engine_processes(
                 cfg, model_dir, devices, dtype, seed, keys, true_on_policy
             )
@@ -468,6 +470,17 @@ async def _serve_app(app: Any) -> tuple[Any, str]:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
+
+
+def _same_kind_as_trainer(devices: list[str], trainer_device: torch.device) -> None:
+    """True on-policy engines run the trainer's kernels: on its kind of device."""
+    others = [d for d in devices if torch.device(d).type != trainer_device.type]
+    if others:
+        raise ValueError(
+            f"trainer.true_on_policy cannot be guaranteed with engines on {others}: the trainer "
+            f"runs on {trainer_device.type}, and another kind of device runs other kernels "
+            "(set placement.engine_devices to that kind)"
+        )
 
 
 async def _start_in_process(

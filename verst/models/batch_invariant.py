@@ -24,6 +24,12 @@ rows of a fixed depth (whatever their 16+ columns, batch count or operand stride
 (tests/test_batch_invariant.py). A batched fp32 GEMM of 4 or 8 rows matched too, but 3 rows
 never did and 5 rows not with one matrix on 2 threads: attention pads to 16 rows as well. A
 GEMM's column count matters below 16 in fp32, so attention's rows are queries, not keys.
+
+On CUDA, cuBLAS's GEMMs and PyTorch's reductions pick their kernels (and summation orders)
+from the shapes, so every GEMM and every sum over a last dimension runs through
+`invariant_cuda`'s fixed-tile Triton kernel instead; its order over a depth ignores trailing
+zeros, so attention needs no chunking there. CUDA's elementwise kernels compute each element
+alike wherever it sits, so `pointwise` calls them once.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from verst.models import invariant_cuda
 
 ROW_TILE = 16  # fewest rows a linear runs with (the GEMM kernel of 16+ rows is row-invariant)
 POINTWISE_CHUNK = 16384  # elements a pointwise call sees: a multiple of 64, below ATen's grain
@@ -42,6 +50,10 @@ def linear(x_N_I: torch.Tensor, weight_O_I: torch.Tensor, bias_O: torch.Tensor |
     """`F.linear` over the last dimension, each row computed as in a call of 16+ rows."""
     rows_N_I = x_N_I.reshape(-1, x_N_I.shape[-1])
     n = rows_N_I.shape[0]
+    if x_N_I.is_cuda:
+        out_N_O = invariant_cuda.matmul(rows_N_I, weight_O_I.t())
+        out_N_O = out_N_O if bias_O is None else out_N_O + bias_O
+        return out_N_O.reshape(*x_N_I.shape[:-1], out_N_O.shape[-1])
     if n >= ROW_TILE:
         return F.linear(x_N_I, weight_O_I, bias_O)
     rows_N_I = F.pad(rows_N_I, (0, 0, 0, ROW_TILE - n))
@@ -52,6 +64,8 @@ def linear(x_N_I: torch.Tensor, weight_O_I: torch.Tensor, bias_O: torch.Tensor |
 def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """`fn(x)` for an elementwise `fn`, every element through its vectorised path: calls of at
     most POINTWISE_CHUNK elements, each a multiple of 64 (only the last call is shorter)."""
+    if x.is_cuda:
+        return fn(x)
     flat = x.reshape(-1)
     n = flat.numel()
     pad = -n % 64
@@ -66,9 +80,18 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
 def rms_norm(x_N_E: torch.Tensor, weight_E: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's Llama / Qwen RMSNorm: in fp32, rounded to the input's dtype, times the weight."""
     xf_N_E = x_N_E.float().contiguous()
-    variance_N_1 = (xf_N_E * xf_N_E).mean(-1, keepdim=True)
+    variance_N_1 = row_mean(xf_N_E * xf_N_E)[..., None]
     normed_N_E = xf_N_E * pointwise(torch.rsqrt, variance_N_1 + eps)
     return weight_E * normed_N_E.to(x_N_E.dtype)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the (contiguous) last dimension."""
+    return invariant_cuda.row_sum(x) if x.is_cuda else x.sum(-1)
+
+
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    return row_sum(x) / x.shape[-1] if x.is_cuda else x.mean(-1)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -98,7 +121,10 @@ def chunked_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     added left to right, so trailing chunks of zeros change nothing."""
     # contiguous: a product of permuted operands may be laid out with this dimension outer,
     # and a reduction over a strided dimension sums in an order set by the other dimensions
-    parts = x.movedim(dim, -1).contiguous().unflatten(-1, (-1, KEY_CHUNK)).sum(-1)
+    x = x.movedim(dim, -1).contiguous()
+    if x.is_cuda:
+        return row_sum(x)
+    parts = x.unflatten(-1, (-1, KEY_CHUNK)).sum(-1)
     return _left_to_right(parts.movedim(-1, 0))
 
 
@@ -137,20 +163,30 @@ def attention(
     v_B_G_S_D.masked_fill_(unset_B_S[:, None, :, None], 0.0)  # any bits there: NaN · 0 is NaN
     # rows (r, t) of query head g·R + r at token t
     q_B_G_M_D = q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B, G, M, D)
-    scores_B_G_M_S = torch.matmul(_pad_rows(q_B_G_M_D), k_B_G_S_D.transpose(-1, -2))
+    scores_B_G_M_S = _matmul(_pad_rows(q_B_G_M_D), k_B_G_S_D.transpose(-1, -2))
     scores_B_G_M_S = scores_B_G_M_S[:, :, :M] * scaling
     seen_B_M_S = keys_S <= q_positions_B_T.repeat(1, R)[..., None]
     scores_B_G_M_S = scores_B_G_M_S.float().masked_fill(~seen_B_M_S[:, None], float("-inf"))
     top_B_G_M_1 = scores_B_G_M_S.amax(-1, keepdim=True)
     weights_B_G_M_S = pointwise(torch.exp, scores_B_G_M_S - top_B_G_M_1)
     probs_B_G_M_S = weights_B_G_M_S / chunked_sum(weights_B_G_M_S)[..., None]
-    probs_B_G_M_S = _pad_rows(probs_B_G_M_S.to(v_B_G_S_D.dtype))
+    out_B_G_M_D = _value_sum(_pad_rows(probs_B_G_M_S.to(v_B_G_S_D.dtype)), v_B_G_S_D)[:, :, :M]
+    return out_B_G_M_D.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _value_sum(probs_B_G_M_S: torch.Tensor, v_B_G_S_D: torch.Tensor) -> torch.Tensor:
+    """probs @ v [B, G, M, D]: on the CPU a GEMM per chunk of KEY_CHUNK keys, all in one call,
+    then the chunks added left to right; on CUDA one invariant GEMM over every key."""
+    if probs_B_G_M_S.is_cuda:
+        return invariant_cuda.matmul(probs_B_G_M_S.contiguous(), v_B_G_S_D)
     # [B, G, C, M, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks
     probs_B_G_C_M_K = probs_B_G_M_S.unflatten(-1, (-1, KEY_CHUNK)).transpose(2, 3).contiguous()
     v_B_G_C_K_D = v_B_G_S_D.unflatten(2, (-1, KEY_CHUNK))
-    out_B_G_C_M_D = torch.matmul(probs_B_G_C_M_K, v_B_G_C_K_D)
-    out_B_G_M_D = _left_to_right(out_B_G_C_M_D.unbind(2))[:, :, :M]
-    return out_B_G_M_D.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    return _left_to_right(torch.matmul(probs_B_G_C_M_K, v_B_G_C_K_D).unbind(2))
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return invariant_cuda.matmul(a, b) if a.is_cuda else torch.matmul(a, b)
 
 
 def _heads_first(x_B_S_G_D: torch.Tensor, width: int) -> torch.Tensor:

@@ -136,10 +136,10 @@ def _moe(block: torch.nn.Module, h_B_T_E: torch.Tensor) -> torch.Tensor:
     x_N_E = h_B_T_E.reshape(-1, h_B_T_E.shape[-1])
     logits_N_X = bi.linear(x_N_E, router.weight).float()
     weights_N_X = bi.pointwise(torch.exp, logits_N_X - logits_N_X.amax(-1, keepdim=True))
-    probs_N_X = weights_N_X / weights_N_X.sum(-1, keepdim=True)
+    probs_N_X = weights_N_X / bi.row_sum(weights_N_X)[:, None]
     top_N_K, ids_N_K = probs_N_X.topk(router.top_k, dim=-1)
     if router.norm_topk_prob:
-        top_N_K = top_N_K / top_N_K.sum(-1, keepdim=True)
+        top_N_K = top_N_K / bi.row_sum(top_N_K)[:, None]
     gates_N_X = torch.zeros_like(probs_N_X).scatter(1, ids_N_K, top_N_K).to(x_N_E.dtype)
     out_N_E = torch.zeros_like(x_N_E)
     for e in range(gates_N_X.shape[1]):
