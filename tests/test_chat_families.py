@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tests.chat_tokenizers import char_tokenizer, qwen_vocab_tokenizer
 from verst.chat import FAMILIES, detect_family, load_template
+from verst.models.tiny import build_char_tokenizer
 from verst.sessions.assembly import TurnRecord
 from verst.sessions.openai_chat import answer_message, sampling_params
 from verst.sessions.store import SessionError, SessionStore, parse_answer
@@ -257,3 +258,36 @@ def test_a_tool_call_turn_is_the_published_format(family: str) -> None:
     content, calls = parse_answer(ct, text, output, TOOLS)
     assert [c["function"] for c in calls] == [{"name": "add", "arguments": '{"a": 2, "b": 3}'}]
     assert content in (None, "<think>\n\n</think>", "<think></think>")
+
+
+def test_a_template_that_prints_no_tool_calls_counts_them_as_assistant_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The tiny char tokenizer's ChatML template (the env recipes') prints only `content`: a
+    turn whose tool call the store parsed out re-renders as an empty assistant turn. The
+    assembled ids are still exactly what the model sampled; the difference lies inside the
+    assistant's turn, so it is `assistant_text`, and no "TITO bug" warning is logged."""
+    ct = ChatTokenizer(build_char_tokenizer())
+    store = SessionStore(ct)
+    session = store.create()
+    tools = [TOOLS[0]]
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    answers = ['<tool_call>{"name":"add","arguments":{"a":2,"b":3}}</tool_call>', "5"]
+    for text, after in zip(answers, [[{"role": "tool", "content": "5"}], []], strict=True):
+        plan = store.plan_turn(session, messages, tools)
+        output = ct.encode(text) + [ct.format.end_of_turn_id]
+        record = TurnRecord(plan.input_ids, output, [-0.5] * len(output), 0, "stop")
+        content, calls = parse_answer(ct, text, output, tools)
+        store.commit(session, plan, record, answer_message(content, calls), 0)
+        messages = session.messages + after
+    assert not session.messages[1]["content"] and len(session.messages[1]["tool_calls"]) == 1
+    with caplog.at_level("WARNING", logger="verst.sessions.store"):
+        sample = store.assemble(session.session_id)
+    assert ct.tokenizer.decode(sample.tokens).count(answers[0]) == 1
+    assert sample.metadata["mismatch"] == {
+        "special_token_count": 0,
+        "special_token_type": 0,
+        "non_assistant_text": 0,
+        "assistant_text": 1,
+    }
+    assert "differs from a re-render" not in caplog.text

@@ -31,6 +31,14 @@ QUICK = [
 ]
 
 
+def assert_no_tito_bug(row: dict) -> None:
+    """Every trajectory was measured against a re-render, and none differs but in assistant
+    text (the char tokenizer's template prints no tool calls, so those turns do)."""
+    assert row["tito/mismatch_measured"] == row["rollout/num_samples"]
+    for kind in ("special_token_count", "special_token_type", "non_assistant_text"):
+        assert row[f"tito/mismatch_{kind}"] == 0.0, kind
+
+
 def test_python_tool_example_trains_through_the_cli(tmp_path: Path) -> None:
     if (problem := bubblewrap_problem()) is not None:
         pytest.skip(f"bwrap fails its probe here: {problem}")
@@ -44,6 +52,7 @@ def test_python_tool_example_trains_through_the_cli(tmp_path: Path) -> None:
         assert row["rollout/num_samples"] == 8 and row["rollout/response_len_mean"] > 0
         assert row["rollout/env_steps_mean"] >= 1.0 and 0.0 <= row["rollout/env_done_ratio"]
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-4
+        assert_no_tito_bug(row)
     # the sandboxes the pool still held were closed at the end of the run
     assert set(Path(tempfile.gettempdir()).glob("verst-sbx-*")) - before == set()
 
@@ -77,6 +86,7 @@ def test_terminal_agent_example_trains_through_the_cli(tmp_path: Path) -> None:
         assert row["rollout/agent_aborted_ratio"] == 0.0
         assert row["rollout/env_steps_mean"] == 1.0  # one command, then the checker
         assert 0.0 <= row["rollout/reward_mean"] <= 1.0
+        assert_no_tito_bug(row)
 
 
 @pytest.mark.slow

@@ -369,7 +369,11 @@ class ChatTokenizer:
 
     def _assistant_flags(self, segments: list[tuple[bool, list[int]]]) -> list[bool]:
         """Whether each ordinary run overlaps an assistant turn's content: from an opener (the
-        header, or a family's other opener) to the first string that ends a turn after it."""
+        header, or a family's other opener) to the first string that ends a turn after it.
+
+        An empty content (a turn the template renders as its header and close alone, e.g. a
+        tool-calling turn in a template that prints only `content`) still belongs to the run
+        that touches it: the header's run, where the other side has the model's text."""
         openers, stops = self.format.openers, self.format.stops
         if not openers:
             return [False] * len(segments)
@@ -387,6 +391,9 @@ class ChatTokenizer:
         flags, offset = [], 0
         for (special, _), text in zip(segments, texts, strict=True):
             lo, hi = offset, offset + len(text)
-            flags.append(not special and any(lo < e and s < hi for s, e in regions))
+            flags.append(
+                not special
+                and any((lo < e and s < hi) or (s == e and lo <= s <= hi) for s, e in regions)
+            )
             offset = hi
         return flags
