@@ -41,7 +41,6 @@ from verst.engine.paged_attention import (
     paged_decode_triton,
     triton,
 )
-from verst.models import invariant_cuda
 from verst.models.invariant_forward import InvariantDecoder, KeySource
 from verst.models.moe import hook_routers, routing_shape, use_grouped_experts
 
@@ -97,8 +96,6 @@ class ModelRunner:
         self.invariant = InvariantDecoder(model) if true_on_policy else None
         if true_on_policy:
             lean = fused_kernels = cuda_graphs = False
-            if on_cuda and not invariant_cuda.available():
-                raise ValueError("true on-policy mode on CUDA needs Triton (its invariant GEMM)")
         self.use_triton = on_cuda and triton is not None and not true_on_policy
         self.cuda_graphs = (
             self.use_triton if cuda_graphs is None else (cuda_graphs and self.use_triton)

@@ -200,6 +200,9 @@ def _heads_first(x_B_S_G_D: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _pad_rows(x_X_M_K: torch.Tensor) -> torch.Tensor:
-    """x with zero rows appended up to ROW_TILE: a GEMM of fewer rows runs another kernel."""
+    """x with zero rows appended up to ROW_TILE: a CPU GEMM of fewer rows runs another kernel
+    (CUDA's invariant GEMM does not)."""
     M = x_X_M_K.shape[-2]
-    return F.pad(x_X_M_K, (0, 0, 0, ROW_TILE - M)) if M < ROW_TILE else x_X_M_K
+    if M >= ROW_TILE or x_X_M_K.is_cuda:
+        return x_X_M_K
+    return F.pad(x_X_M_K, (0, 0, 0, ROW_TILE - M))

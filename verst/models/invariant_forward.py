@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from verst.models import batch_invariant as bi
+from verst.models import invariant_cuda
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 TRUE_ON_POLICY_FAMILIES = ("qwen3", "qwen2", "llama", "qwen3-moe")  # the tiny families it reads
@@ -23,8 +24,12 @@ TRUE_ON_POLICY_FAMILIES = ("qwen3", "qwen2", "llama", "qwen3-moe")  # the tiny f
 KeySource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 
 
-def covers(model: torch.nn.Module) -> str | None:
-    """None when `InvariantDecoder` reads `model`; else why not (for the error message)."""
+def covers(model: torch.nn.Module, device: torch.device | None = None) -> str | None:
+    """None when `InvariantDecoder` reads `model` on `device` (default: where its weights
+    are); else why not (for the error message)."""
+    device = device or next(model.parameters()).device
+    if device.type == "cuda" and not invariant_cuda.available():
+        return "a CUDA device without Triton (its invariant GEMM is a Triton kernel)"
     config = model.config
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:

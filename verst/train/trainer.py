@@ -27,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from verst import distributed
-from verst.models import invariant_cuda, lora
+from verst.models import lora
 from verst.models.invariant_forward import covers
 from verst.models.moe import routing_shape
 from verst.monitor.mfu import mfu_metrics
@@ -107,9 +107,7 @@ class Trainer:
         self.total_steps = total_steps
         distributed.init_distributed(device)
         if cfg.true_on_policy:
-            reason = covers(model)
-            if device.type == "cuda" and not invariant_cuda.available():
-                reason = "a CUDA device without Triton (its invariant GEMM is a Triton kernel)"
+            reason = covers(model, device)
             if reason is not None:
                 raise ValueError(f"trainer.true_on_policy cannot be guaranteed with {reason}")
         # MoE: routing recorded at rollout is replayed (loss.routing_replay) or compared with
