@@ -42,6 +42,10 @@ def test_bundles_per_rank_and_engine_cpu_and_gpu_clusters() -> None:
     assert bundles(cfg, cluster_gpus=0) == [trainer, trainer, engine, engine]
     gpu = bundles(cfg.model_copy(update={"ray_engine_gpus": 2}), cluster_gpus=8)
     assert gpu == [{"CPU": 1.0, "GPU": 1}] * 2 + [{"CPU": 1.0, "GPU": 2, "verst_engine": 1}] * 2
+    halves = cfg.model_copy(update={"ray_trainer_gpus": 0.5, "ray_engine_gpus": 0.5})
+    assert [b["GPU"] for b in bundles(halves, cluster_gpus=1)] == [0.5] * 4  # two per GPU
+    with pytest.raises(ValueError, match="placement.ray_engine_gpus=1.5: Ray places a fraction"):
+        PlacementConfig(backend="ray", ray_engine_gpus=1.5)
 
 
 def test_bundles_the_cluster_cannot_hold_are_refused_naming_the_fields() -> None:

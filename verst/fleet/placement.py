@@ -76,13 +76,17 @@ class PlacementConfig(ConfigBase):
     )
     ray_trainer_cpus: float = Field(1.0, gt=0, description="CPUs in each trainer rank's bundle")
     ray_engine_cpus: float = Field(1.0, gt=0, description="CPUs in each engine's bundle")
-    ray_trainer_gpus: int | None = Field(
+    ray_trainer_gpus: float | None = Field(
         None,
         ge=0,
-        description="GPUs in each trainer rank's bundle; null = 1 on a GPU cluster, else 0",
+        description="GPUs in each trainer rank's bundle (a fraction < 1 shares a GPU, e.g. 0.5 "
+        "with an engine of 0.5); null = 1 on a GPU cluster, else 0",
     )
-    ray_engine_gpus: int | None = Field(
-        None, ge=0, description="GPUs in each engine's bundle; null = 1 on a GPU cluster, else 0"
+    ray_engine_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs in each engine's bundle (a fraction < 1 shares a GPU); null = 1 on a "
+        "GPU cluster, else 0",
     )
     ray_trainer_resources: dict[str, float] = Field(
         default_factory=dict,
@@ -100,6 +104,13 @@ class PlacementConfig(ConfigBase):
 
     @model_validator(mode="after")
     def _check_backend(self) -> PlacementConfig:
+        for role in ("trainer", "engine"):
+            gpus = getattr(self, f"ray_{role}_gpus")
+            if gpus is not None and gpus > 1 and gpus != int(gpus):
+                raise ValueError(
+                    f"placement.ray_{role}_gpus={gpus}: Ray places a fraction of one GPU or "
+                    "whole GPUs, not a fraction above 1"
+                )
         if self.backend == "local":
             if self.trainer_ranks != 1:
                 raise ValueError(

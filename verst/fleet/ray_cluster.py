@@ -114,9 +114,9 @@ def join_from_rank() -> Any:
     return get_placement_group(os.environ[PLACEMENT_GROUP_ENV])
 
 
-def _gpus(setting: int | None, cluster_gpus: float) -> int:
+def _gpus(setting: float | None, cluster_gpus: float) -> float:
     if setting is not None:
-        return setting
+        return int(setting) if setting == int(setting) else setting
     return 1 if cluster_gpus > 0 else 0
 
 
