@@ -67,10 +67,28 @@ def save(directory: Path, model: torch.nn.Module, cfg: LoraConfig) -> int:
 
 def config_of(directory: Path) -> LoraConfig:
     """The adapter shape a peft directory was saved with."""
-    config = json.loads((directory / lora.ADAPTER_CONFIG_FILE).read_text())
+    return config_from_wire(json.loads((directory / lora.ADAPTER_CONFIG_FILE).read_text()))
+
+
+def config_from_wire(config: dict, *, field: str = "adapter_config.json") -> LoraConfig:
+    """The adapter shape from peft's keys (`LoraConfig.wire_config`); ValueError naming
+    `field` when a key is missing."""
+    missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in config]
+    if missing:
+        raise ValueError(f"{field}: the adapter config lacks {missing}")
     return LoraConfig(
         rank=config["r"], alpha=config["lora_alpha"], target_modules=config["target_modules"]
     )
+
+
+def apply_wire(
+    model: torch.nn.Module, config: dict, tensors: dict[str, torch.Tensor], *, field: str
+) -> None:
+    """Load adapter tensors named as engines take them (`verst.plugins.AdapterUpdate`) into
+    `model`, injecting adapters of shape `config` (peft's keys) first when it carries none."""
+    if not lora.has_lora(model):
+        adapt(model, config_from_wire(config, field=field))
+    load_into(model, {lora.from_wire_name(n): t for n, t in tensors.items()}, field=field)
 
 
 def apply_dir(model: torch.nn.Module, directory: Path, *, field: str) -> None:

@@ -50,7 +50,8 @@ class DiffusionConfig(ConfigBase):
     engine: Literal["in_process", "http"] = Field(
         "in_process",
         description="in_process = the trainer's own model (a sync is a version bump); http = a "
-        "`verst serve-diffusion` subprocess updated from disk",
+        "`verst serve-diffusion` subprocess updated through the disk or, with "
+        "sync.transport=broadcast, a torch.distributed group",
     )
     eval_interval_steps: int = Field(5, ge=0, description="evaluate every N steps; 0 = start/end")
     eval_seeds_per_prompt: int = Field(
