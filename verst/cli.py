@@ -126,9 +126,9 @@ def _model_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     diffusion.add_argument("--seed", type=int, default=0)
     merge = commands.add_parser(
-        "merge-lora", help="merge a LoRA adapter (peft format) into BASE and write an HF OUT"
+        "merge-lora", help="merge a LoRA adapter (peft format) into BASE and write the model OUT"
     )
-    merge.add_argument("base", type=Path, help="HF model directory the adapter was trained on")
+    merge.add_argument("base", type=Path, help="HF or diffusion model directory it trained on")
     merge.add_argument("adapter", type=Path, help="adapter directory, e.g. a LoRA checkpoint")
     merge.add_argument("out", type=Path, help="directory to write the merged model to")
 
@@ -421,9 +421,9 @@ def _create_tiny_diffusion(args: argparse.Namespace) -> int:
 
 
 def _merge_lora(args: argparse.Namespace) -> int:
-    from verst.models.lora import merge_adapter_dir
+    from verst.diffusion.adapters import merge_lora  # an LM's BASE goes to verst.models.lora
 
-    merge_adapter_dir(args.base, args.adapter, args.out)
+    merge_lora(args.base, args.adapter, args.out)
     print(f"wrote {args.base} with the adapter of {args.adapter} merged to {args.out}")
     return 0
 
