@@ -257,6 +257,13 @@ def check_diffusion(cfg: RunConfig) -> None:
             "and rollout run the same forward); set it to 0"
         )
     check_diffusion_transport(cfg)
+    evals = cfg.eval.changed_fields()
+    if evals:
+        raise ValueError(
+            f"eval.{evals[0]}: a diffusion run evaluates every caption on its own engine "
+            "(diffusion.eval_interval_steps, diffusion.eval_seeds_per_prompt); `verst eval "
+            f"CHECKPOINT CONFIG` scores a saved checkpoint; leave eval.{evals[0]} unset"
+        )
 
 
 DIFFUSION_TRANSPORTS = {"in_process": ("colocated",), "http": ("disk", "broadcast")}

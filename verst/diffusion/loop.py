@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 
 from verst.config import RunConfig, dump_config
-from verst.diffusion import adapters, checkpoint, objectives, remote, shapes
+from verst.diffusion import adapters, checkpoint, evaluation, objectives, remote, shapes
 from verst.diffusion import model as tiny
 from verst.diffusion.async_rollout import TRAIN_STEPS, TRAJECTORY, AsyncDiffusionRollout
-from verst.diffusion.engine import DiffusionEngine, DiffusionRequest, Trajectory
-from verst.diffusion.grid import save_grid
+from verst.diffusion.engine import DiffusionEngine, Trajectory
 from verst.diffusion.requests import requests_for, train_steps
 from verst.diffusion.rewards import ImageReward, load_reward
 from verst.diffusion.server import DiffusionClient
@@ -38,8 +37,6 @@ from verst.models.lora import LoraConfig
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
 from verst.rundir import check_writable
-
-EVAL_SEED_BASE = 10**9  # evaluation seeds never meet the training seeds below it
 
 
 @dataclass
@@ -114,42 +111,13 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
 
 
 def score(run: DiffusionRun, trajectories: list[Trajectory]) -> torch.Tensor:
-    images = torch.stack([t.image for t in trajectories])
-    rewards = run.reward(images, [t.request.prompt for t in trajectories])
-    if len(rewards) != len(trajectories):
-        raise ValueError(
-            f"diffusion.reward returned {len(rewards)} scores for {len(trajectories)} images"
-        )
-    for t, value in zip(trajectories, rewards, strict=True):
-        t.reward = float(value)
-    return torch.tensor(rewards, dtype=torch.float32)
+    return evaluation.score(run.reward, trajectories)
 
 
 def evaluate(run: DiffusionRun, step: int) -> dict[str, float]:
     """Mean reward of every caption under held-out seeds (ODE sampling); saves the grid."""
-    d = run.cfg.diffusion
-    requests = [
-        DiffusionRequest(
-            c,
-            d.negative_prompt,
-            d.num_inference_steps,
-            d.guidance_scale,
-            seed=EVAL_SEED_BASE + s,
-            sde_type="ode",
-            noise_level=0.0,
-            record_steps=[],
-        )
-        for c in shapes.CAPTIONS
-        for s in range(d.eval_seeds_per_prompt)
-    ]
-    trajectories = run.engine.generate(requests)
-    rewards = score(run, trajectories)
-    save_grid(
-        torch.stack([t.image for t in trajectories]),
-        len(shapes.CAPTIONS),
-        run.run_dir / f"samples_step{step}.png",
-    )
-    return {"eval/reward_mean": float(rewards.mean()), "eval/reward_std": float(rewards.std())}
+    grid = run.run_dir / f"samples_step{step}.png"
+    return evaluation.evaluate(run.engine, run.reward, run.cfg.diffusion, grid)
 
 
 def collect(run: DiffusionRun, step: int) -> tuple[list[Trajectory], list[list[int]], dict]:
