@@ -146,3 +146,8 @@ def test_cli_trains_through_a_broadcast_group(model_dir, tmp_path, lora_rank):
         sent = sum(p.numel() * 4 for p in model.parameters())
     assert [r["sync/bytes"] for r in steps] == [sent] * 3
     assert not (tmp_path / "run" / "sync").exists()  # nothing went through the disk
+    # the served engine sampled what the trainer's own model samples in process
+    argv = [f"model.lora.rank={lora_rank}", "trainer.lr=1e-2", "diffusion.engine=in_process"]
+    in_process = train(model_dir, tmp_path / "in_process", *argv, "sync.transport=auto")
+    for key in ("rollout/reward_mean", "train/loss"):
+        assert [r[key] for r in steps] == pytest.approx([r[key] for r in in_process], abs=1e-5)
