@@ -151,3 +151,11 @@ def test_cli_trains_through_a_broadcast_group(model_dir, tmp_path, lora_rank):
     in_process = train(model_dir, tmp_path / "in_process", *argv, "sync.transport=auto")
     for key in ("rollout/reward_mean", "train/loss"):
         assert [r[key] for r in steps] == pytest.approx([r[key] for r in in_process], abs=1e-5)
+
+
+def test_the_group_is_nccl_between_two_gpus_only():
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda"), torch.device("cuda:1")
+    assert remote.group_backend(cpu, cpu) == "gloo"
+    assert remote.group_backend(gpu0, torch.device("cuda:0")) == "gloo"  # one GPU: no NCCL
+    assert remote.group_backend(gpu0, gpu1) == "nccl"
+    assert remote.group_backend(gpu1, cpu) == "gloo"

@@ -198,6 +198,7 @@ def test_config_errors_name_the_field(tmp_path):
         ("sync.transport=disk", "sync.transport=disk: with diffusion.engine=in_process"),
         ("sync.bucket_mb=8", "sync.bucket_mb: a diffusion run pushes whole weights"),
         ("model.lora.dropout=0.1", "model.lora.dropout: the diffusion trainer runs the model"),
+        ("diffusion.engine_device=cuda:1", "diffusion.engine_device places a served engine"),
     ],
 )
 def test_fields_a_diffusion_run_would_ignore_are_refused(tmp_path, override, message):

@@ -17,7 +17,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    import torch
+
     from verst.diffusion.server import run_diffusion_server
 
+    if args.device.startswith("cuda:"):  # a broadcast group's NCCL ranks use the current GPU
+        torch.cuda.set_device(torch.device(args.device))
     run_diffusion_server(args.model, host=args.host, port=args.port, device=args.device)
     return 0

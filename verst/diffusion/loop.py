@@ -86,7 +86,8 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
     trainer = DiffusionTrainer(model, cfg.diffusion, cfg.trainer, device, cfg.seed)
     size = meta["image_size"]
     if cfg.diffusion.engine == "http":
-        server, client = remote.launch(cfg.model.path, run_dir, device)
+        engine_device = torch.device(cfg.diffusion.engine_device or device)
+        server, client = remote.launch(cfg.model.path, run_dir, engine_device)
         run = DiffusionRun(
             cfg, client, trainer, reward, Path(cfg.model.path), run_dir, size, server, lora=lora
         )
@@ -96,6 +97,7 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
                     client,
                     bucket_bytes=cfg.sync.bucket_mb << 20,
                     max_resends=cfg.sync.max_resends,
+                    backend=remote.group_backend(device, engine_device),
                     lora=lora,
                 )
             except BaseException:

@@ -85,11 +85,15 @@ def push(
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-class BroadcastPush:
-    """The trainer's side of `sync.transport: broadcast` for one served diffusion engine.
+def group_backend(trainer: torch.device, engine: torch.device) -> str:
+    """NCCL between two GPUs; gloo otherwise: NCCL cannot join two ranks on one GPU, and gloo
+    carries CUDA tensors through the host."""
+    on_gpus = trainer.type == engine.type == "cuda"
+    return "nccl" if on_gpus and (trainer.index or 0) != (engine.index or 0) else "gloo"
 
-    The group is gloo: the served engine runs on the trainer's device, and NCCL cannot join
-    two ranks on one GPU (gloo carries CUDA tensors through the host)."""
+
+class BroadcastPush:
+    """The trainer's side of `sync.transport: broadcast` for one served diffusion engine."""
 
     def __init__(
         self,
@@ -97,13 +101,14 @@ class BroadcastPush:
         *,
         bucket_bytes: int,
         max_resends: int,
+        backend: str = "gloo",
         lora: LoraConfig | None = None,
     ) -> None:
         self.client, self.lora = client, lora
         self.loop = LoopThread("verst-diffusion-sync")  # aiohttp's session belongs to one loop
         self.engine = HttpEngineClient(client.base_url)
         self.transport = BroadcastTransport(
-            master_port=free_port(), bucket_bytes=bucket_bytes, backend="gloo"
+            master_port=free_port(), bucket_bytes=bucket_bytes, backend=backend
         )
         self.protocol = WeightSync(
             [self.engine], self.transport, pause_mode="in_place", max_resends=max_resends
