@@ -17,9 +17,14 @@ same arithmetic. Then the trainer's transitions per second, one `DiffusionTraine
 optimizer update) on a batch of `--train-batch` flow_sde trajectories with `--window` trained
 steps each, for Flow-GRPO and DiffusionNFT, against the bare limit: one flow-matching step
 (forward, backward, AdamW) on as many transitions. Each figure is the median of `--repeats`
-timed runs after one warm-up (the min is saved too).
+timed runs after one warm-up (the min is saved too; on CUDA each run ends synchronised).
 
     python bench/diffusion.py [--batches 1 8 32] [--steps 10] [--threads 1]
+    python bench/diffusion.py --preset h200      # one GPU, a larger DiT: diffusion_h200.json
+
+`--preset h200` is CUDA, a 64x64 DiT of hidden 512, 8 layers, 8 heads (patch 2: 1024 tokens),
+batches 32 and 64, a trainer step on 64 trajectories in micro-batches of 64 transitions; any
+flag given with it overrides the preset's value.
 """
 
 from __future__ import annotations
@@ -47,13 +52,35 @@ from verst.train.trainer import TrainerConfig
 REPO = Path(__file__).resolve().parent.parent
 
 
-def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """(median, min) seconds of `repeats` calls after one warm-up."""
+PRESETS = {
+    "h200": {
+        "device": "cuda",
+        "image_size": 64,
+        "hidden_size": 512,
+        "num_layers": 8,
+        "num_heads": 8,
+        "batches": [32, 64],
+        "train_batch": 64,
+        "micro_batch": 64,
+        "out": str(REPO / "bench/results/diffusion_h200.json"),
+    },
+}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple[float, float]:
+    """(median, min) seconds of `repeats` calls after one warm-up, each run synchronised."""
     fn()
+    synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), min(times)
 
@@ -78,15 +105,17 @@ def requests(batch: int, steps: int, guidance: float, sde_type: str, window: int
 @torch.no_grad()
 def diffusers_loop(model, scheduler, batch: int, steps: int, guidance: float, size: int):
     """What a diffusers pipeline's `__call__` does for a class-conditioned flow model."""
-    scheduler.set_timesteps(sigmas=sde.time_grid(steps)[:-1].tolist())
+    device = next(model.parameters()).device
+    scheduler.set_timesteps(sigmas=sde.time_grid(steps)[:-1].tolist(), device=device)
     x = torch.stack(
         [
             torch.randn((3, size, size), generator=torch.Generator().manual_seed(j))
             for j in range(batch)
         ]
-    )
+    ).to(device)
     labels = torch.tensor(
-        [shapes.caption_class(shapes.CAPTIONS[j % len(shapes.CAPTIONS)]) for j in range(batch)]
+        [shapes.caption_class(shapes.CAPTIONS[j % len(shapes.CAPTIONS)]) for j in range(batch)],
+        device=device,
     )
     null = torch.full_like(labels, shapes.NULL_CLASS)
     for t in scheduler.timesteps:
@@ -126,13 +155,13 @@ def sampling(model, scheduler, engine, args) -> list[dict]:
         variants = loops(model, scheduler, engine, batch, args)
         peer = variants["diffusers"]
         for name, fn in variants.items():
-            median, low = timed(fn, args.repeats)
+            median, low = timed(fn, args.repeats, engine.device)
             row[f"{name}_traj_per_s"] = batch / median
             row[f"{name}_traj_per_s_best"] = batch / low
         ours = torch.stack(
             [t.latents[-1] for t in variants["verst_ode"]()]  # type: ignore[union-attr]
         )
-        row["max_abs_diff_ode_vs_diffusers"] = float((ours - peer()).abs().max())
+        row["max_abs_diff_ode_vs_diffusers"] = float((ours - peer().cpu()).abs().max())
         for name in ("verst_ode", "verst_flow_sde"):
             row[f"{name}_vs_diffusers"] = row[f"{name}_traj_per_s"] / row["diffusers_traj_per_s"]
         print(
@@ -156,26 +185,27 @@ def training(model_dir: Path, engine: DiffusionEngine, args) -> dict:
     chosen = list(range(args.window))
     transitions = len(trajectories) * len(chosen)
     out: dict = {"transitions_per_step": transitions}
+    device = engine.device
     for algorithm in ("flow_grpo", "nft"):
-        model, _ = tiny.load(model_dir)
+        model, _ = tiny.load(model_dir, device)
         cfg = DiffusionConfig(
             algorithm=algorithm,
             num_inference_steps=args.steps,
             guidance_scale=args.guidance,
-            micro_batch=transitions,
+            micro_batch=args.micro_batch or transitions,
             sde_window_range=(0, args.steps),
         )
-        trainer = DiffusionTrainer(model, cfg, TrainerConfig(), torch.device("cpu"), 0)
+        trainer = DiffusionTrainer(model, cfg, TrainerConfig(), device, 0)
         per_trajectory = [chosen] * len(trajectories)
         step = lambda: trainer.step(trajectories, advantages, per_trajectory, step=1)  # noqa: B023,E731
-        median, low = timed(step, args.repeats)
+        median, low = timed(step, args.repeats, device)
         out[f"{algorithm}_transitions_per_s"] = transitions / median
         out[f"{algorithm}_transitions_per_s_best"] = transitions / low
-    model, _ = tiny.load(model_dir)
-    bare = DiffusionTrainer(model, DiffusionConfig(), TrainerConfig(), torch.device("cpu"), 0)
+    model, _ = tiny.load(model_dir, device)
+    bare = DiffusionTrainer(model, DiffusionConfig(), TrainerConfig(), device, 0)
     x0 = torch.stack([t.latents[-1] for t in trajectories]).repeat(len(chosen), 1, 1, 1)
     labels = torch.tensor([t.label for t in trajectories]).repeat(len(chosen))
-    median, low = timed(lambda: bare.sft_step(x0, labels, 1), args.repeats)
+    median, low = timed(lambda: bare.sft_step(x0, labels, 1), args.repeats, device)
     out["bare_fwd_bwd_transitions_per_s"] = transitions / median
     out["bare_fwd_bwd_transitions_per_s_best"] = transitions / low
     for algorithm in ("flow_grpo", "nft"):
@@ -194,33 +224,58 @@ def model_directory(args, scratch: Path) -> Path:
     if args.model_dir is not None:
         return Path(args.model_dir)
     directory = scratch / "tiny-diffusion"
-    # the weights do not change the arithmetic: no pre-training, the default shape
-    tiny.create_tiny_diffusion(
-        directory, tiny.TinyDiffusionSpec(), pretrain_steps=0, seed=0, log=lambda _: None
+    # the weights do not change the arithmetic: no pre-training
+    spec = tiny.TinyDiffusionSpec(
+        image_size=args.image_size,
+        patch_size=args.patch_size,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
     )
+    tiny.create_tiny_diffusion(directory, spec, pretrain_steps=0, seed=0, log=lambda _: None)
     return directory
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    default = tiny.TinyDiffusionSpec()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", default=None, help="default: a fresh tiny model")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a machine's defaults")
+    parser.add_argument("--model-dir", default=None, help="default: a fresh model of the spec")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--image-size", type=int, default=default.image_size)
+    parser.add_argument("--patch-size", type=int, default=default.patch_size)
+    parser.add_argument("--hidden-size", type=int, default=default.hidden_size)
+    parser.add_argument("--num-layers", type=int, default=default.num_layers)
+    parser.add_argument("--num-heads", type=int, default=default.num_heads)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=10, help="denoising steps")
     parser.add_argument("--guidance", type=float, default=1.0, help="CFG scale (1 = off)")
     parser.add_argument("--window", type=int, default=3, help="recorded / trained steps")
     parser.add_argument("--train-batch", type=int, default=24, help="trajectories per step")
+    parser.add_argument(
+        "--micro-batch", type=int, default=0, help="transitions per forward (0 = all at once)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(REPO / "bench/results/diffusion_cpu.json"))
-    args = parser.parse_args()
+    preset = parser.parse_known_args()[0].preset
+    if preset is not None:
+        parser.set_defaults(**PRESETS[preset])
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = model_directory(args, Path(scratch))
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        model, meta = tiny.load(model_dir)
+        model, meta = tiny.load(model_dir, device)
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler")
-        engine = DiffusionEngine(model, meta["image_size"])
+        engine = DiffusionEngine(model, meta["image_size"], device)
         rows = sampling(model, scheduler, engine, args)
         train = training(model_dir, engine, args)
     commit = subprocess.run(
@@ -228,18 +283,22 @@ def main() -> None:
     ).stdout.strip()
     result = {
         "config": {k: v for k, v in vars(args).items() if k != "out"}
-        | {"image_size": meta["image_size"], "dtype": "float32", "device": "cpu"},
+        | {"image_size": meta["image_size"], "dtype": "float32"},
+        "parameters": sum(p.numel() for p in model.parameters()),
         "sampling": rows,
         "training": train,
+        "wall_time_s": time.perf_counter() - started,
         "commit": commit,
         "platform": platform.platform(),
         "processor": platform.processor(),
         "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "load_average": os.getloadavg(),
         "torch": torch.__version__,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"saved {args.out}")
+    print(f"saved {args.out} ({result['wall_time_s']:.0f} s)")
 
 
 if __name__ == "__main__":

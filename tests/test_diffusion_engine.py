@@ -194,10 +194,11 @@ def test_config_errors_name_the_field(tmp_path):
         ),
         ("placement.num_engines=2", "diffusion.engine places the engine"),
         ("fault_tolerance.enabled=true", "fault_tolerance.enabled: a diffusion run does not"),
-        ("sync.transport=broadcast", "broadcast transport is not used by diffusion runs"),
+        ("sync.transport=broadcast", "broadcast needs a served engine: diffusion.engine=http"),
         ("sync.transport=disk", "sync.transport=disk: with diffusion.engine=in_process"),
         ("sync.bucket_mb=8", "sync.bucket_mb: a diffusion run pushes whole weights"),
         ("model.lora.dropout=0.1", "model.lora.dropout: the diffusion trainer runs the model"),
+        ("diffusion.engine_device=cuda:1", "diffusion.engine_device places a served engine"),
     ],
 )
 def test_fields_a_diffusion_run_would_ignore_are_refused(tmp_path, override, message):
@@ -211,3 +212,7 @@ def test_transport_named_as_diffusion_engine_does_it_is_accepted(tmp_path):
     cfg = load_config(None, [*base, "diffusion.engine=http", "sync.transport=disk"])
     assert cfg.sync.transport == "disk"
     assert load_config(None, [*base, "sync.transport=colocated"]).diffusion.engine == "in_process"
+    served = [*base, "diffusion.engine=http", "sync.transport=broadcast", "sync.bucket_mb=8"]
+    assert load_config(None, served).sync.bucket_mb == 8
+    with pytest.raises(ConfigError, match="sync.disk_mode: a diffusion run pushes whole weights"):
+        load_config(None, [*served, "sync.disk_mode=full"])

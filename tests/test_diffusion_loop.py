@@ -11,6 +11,7 @@ pytest.importorskip("diffusers")
 from verst.cli import main  # noqa: E402
 from verst.config import load_config  # noqa: E402
 from verst.diffusion import model as tiny  # noqa: E402
+from verst.diffusion import shapes  # noqa: E402
 
 SPEC = tiny.TinyDiffusionSpec(image_size=8, hidden_size=32, num_layers=1)
 
@@ -82,4 +83,29 @@ def test_fully_async_sft_is_refused(model_dir):
         load_config(
             "examples/diffusion_flow_grpo.yaml",
             overrides(model_dir, "mode=fully_async", "diffusion.algorithm=sft"),
+        )
+
+
+def evaluated(checkpoint: Path, model_dir: Path, capsys) -> dict[str, float]:
+    """`verst eval CHECKPOINT CONFIG` on a diffusion checkpoint: its table, row by row."""
+    argv = ["eval", str(checkpoint), "examples/diffusion_flow_grpo.yaml", *overrides(model_dir)]
+    capsys.readouterr()
+    assert main(argv) == 0
+    header, *rows = capsys.readouterr().out.strip().splitlines()
+    assert header.split() == ["caption", "reward_mean"]
+    return {row.rsplit(None, 1)[0]: float(row.rsplit(None, 1)[1]) for row in rows}
+
+
+def test_eval_scores_a_checkpoint_as_the_run_did(model_dir, tmp_path, capsys):
+    records = train(model_dir, tmp_path / "run", "num_steps=1", "trainer.lr=1e-2")
+    table = evaluated(tmp_path / "run" / "checkpoints" / "step_000001", model_dir, capsys)
+    assert list(table) == [*shapes.CAPTIONS, "all"]
+    # the run's last evaluation: the same model, captions and held-out seeds
+    assert table["all"] == pytest.approx(records[-1]["eval/reward_mean"], abs=1e-4)
+    for caption in shapes.CAPTIONS:
+        key = f"eval/{caption.replace(' ', '_')}/reward_mean"
+        assert table[caption] == pytest.approx(records[-1][key], abs=1e-4)
+    with pytest.raises(ValueError, match="eval.interval_steps: a diffusion run evaluates"):
+        load_config(
+            "examples/diffusion_flow_grpo.yaml", overrides(model_dir, "eval.interval_steps=2")
         )

@@ -12,7 +12,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from tests.servers import LoopThread, start_app  # noqa: E402
-from tests.test_diffusion_loop import overrides  # noqa: E402
+from tests.test_diffusion_loop import evaluated, overrides  # noqa: E402
 from verst.cli import main  # noqa: E402
 from verst.diffusion import adapters, remote, shapes  # noqa: E402
 from verst.diffusion import model as tiny  # noqa: E402
@@ -153,3 +153,24 @@ def test_cli_fully_async_pushes_adapters_alone(model_dir, tmp_path):
     adapter_bytes = sum(t.numel() * 4 for t in adapters.adapter_state(model).values())
     assert [r["sync/bytes"] for r in steps] == [adapter_bytes] * 2
     assert adapter_bytes < sum(p.numel() * 4 for p in model.parameters()) / 4
+
+
+def test_merge_lora_writes_a_model_that_samples_as_base_and_adapter(model_dir, tmp_path, capsys):
+    train(model_dir, tmp_path / "run", "num_steps=1", "trainer.lr=5e-2")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000001"
+    merged_dir = tmp_path / "merged"
+    assert main(["model", "merge-lora", str(model_dir), str(checkpoint), str(merged_dir)]) == 0
+    adapted, meta = tiny.load(model_dir)
+    adapters.apply_dir(adapted, checkpoint / "adapter", field="adapter")
+    plain, _ = tiny.load(merged_dir)  # a plain model directory, usable as model.path
+    assert not any(is_adapter(n) for n, _ in plain.named_parameters())
+    base = [t.latents for t in DiffusionEngine(tiny.load(model_dir)[0], 8).generate(requests())]
+    with_adapter = DiffusionEngine(adapted, meta["image_size"]).generate(requests())
+    merged = DiffusionEngine(plain, meta["image_size"]).generate(requests())
+    for mine, theirs, before in zip(merged, with_adapter, base, strict=True):
+        torch.testing.assert_close(mine.latents, theirs.latents, atol=1e-5, rtol=0)
+        assert not torch.allclose(mine.latents, before, atol=1e-4)  # the adapter moved it
+    assert main(["model", "merge-lora", str(model_dir), str(tmp_path), str(tmp_path / "x")]) == 2
+    # `verst eval` applies a LoRA checkpoint's adapters to model.path: the merged model's scores
+    table = evaluated(checkpoint, model_dir, capsys)
+    assert table == pytest.approx(evaluated(merged_dir, model_dir, capsys), abs=1e-4)

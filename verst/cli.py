@@ -20,6 +20,7 @@ from verst import exitcodes
 from verst.chat.families import FAMILIES as CHAT_FAMILIES
 from verst.chat.tool_parsers import TOOL_PARSERS
 from verst.config import ConfigError, help_text, load_config
+from verst.diffusion import cli as diffusion_cli
 from verst.envs.sandbox import cli as sandbox_cli
 from verst.fleet.ray_cluster import PLACEMENT_GROUP_ENV
 from verst.http_limits import add_limit_flags, limits_from_args
@@ -71,9 +72,10 @@ def _eval_parser(subparsers: argparse._SubParsersAction) -> None:
         "eval",
         help="score a saved checkpoint on a config's evaluation sets and print a table",
         description="Score an HF model directory (a checkpoint of verst train) on the config's "
-        "evaluation sets (eval.sets, or eval.data) with the embedded engine.",
+        "evaluation sets (eval.sets, or eval.data) with the embedded engine; with model.kind="
+        "diffusion, a diffusion checkpoint on every caption (diffusion.eval_*, its reward).",
     )
-    parser.add_argument("checkpoint", type=Path, help="HF model directory, e.g. a checkpoint")
+    parser.add_argument("checkpoint", type=Path, help="model directory, e.g. a checkpoint")
     parser.add_argument("config", help="YAML config file whose eval section to use")
     parser.add_argument("overrides", nargs="*", help="dotted overrides: section.field=value")
 
@@ -82,6 +84,8 @@ def _eval(args: argparse.Namespace) -> int:
     from verst.eval.offline import evaluate_checkpoint_dir, format_table
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.model.kind == "diffusion":
+        from verst.diffusion.evaluation import evaluate_checkpoint_dir, format_table
     print(format_table(evaluate_checkpoint_dir(args.checkpoint, cfg)))
     return 0
 
@@ -126,9 +130,9 @@ def _model_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     diffusion.add_argument("--seed", type=int, default=0)
     merge = commands.add_parser(
-        "merge-lora", help="merge a LoRA adapter (peft format) into BASE and write an HF OUT"
+        "merge-lora", help="merge a LoRA adapter (peft format) into BASE and write the model OUT"
     )
-    merge.add_argument("base", type=Path, help="HF model directory the adapter was trained on")
+    merge.add_argument("base", type=Path, help="HF or diffusion model directory it trained on")
     merge.add_argument("adapter", type=Path, help="adapter directory, e.g. a LoRA checkpoint")
     merge.add_argument("out", type=Path, help="directory to write the merged model to")
 
@@ -283,24 +287,6 @@ def _sessions_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_key_flags(parser, admin=False)
 
 
-def _serve_diffusion_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "serve-diffusion",
-        help="serve a diffusion model directory: POST /rollout/generate records trajectories",
-    )
-    parser.add_argument("--model", required=True, help="a create-tiny-diffusion directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30010)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-
-
-def _serve_diffusion(args: argparse.Namespace) -> int:
-    from verst.diffusion.server import run_diffusion_server
-
-    run_diffusion_server(args.model, host=args.host, port=args.port, device=args.device)
-    return 0
-
-
 def _plot_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plot",
@@ -421,9 +407,9 @@ def _create_tiny_diffusion(args: argparse.Namespace) -> int:
 
 
 def _merge_lora(args: argparse.Namespace) -> int:
-    from verst.models.lora import merge_adapter_dir
+    from verst.diffusion.adapters import merge_lora  # an LM's BASE goes to verst.models.lora
 
-    merge_adapter_dir(args.base, args.adapter, args.out)
+    merge_lora(args.base, args.adapter, args.out)
     print(f"wrote {args.base} with the adapter of {args.adapter} merged to {args.out}")
     return 0
 
@@ -546,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     _sessions_parser(subparsers)
     _plot_parser(subparsers)
     _dashboard_parser(subparsers)
-    _serve_diffusion_parser(subparsers)
+    diffusion_cli.add_parser(subparsers)
     _model_parser(subparsers)
     sandbox_cli.add_parser(subparsers)
     args = parser.parse_args(argv)
@@ -568,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "dashboard":
             return _dashboard(args)
         if args.command == "serve-diffusion":
-            return _serve_diffusion(args)
+            return diffusion_cli.run_command(args)
         if args.model_command == "merge-lora":
             return _merge_lora(args)
         if args.model_command == "create-tiny-diffusion":

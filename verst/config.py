@@ -257,15 +257,22 @@ def check_diffusion(cfg: RunConfig) -> None:
             "and rollout run the same forward); set it to 0"
         )
     check_diffusion_transport(cfg)
+    evals = cfg.eval.changed_fields()
+    if evals:
+        raise ValueError(
+            f"eval.{evals[0]}: a diffusion run evaluates every caption on its own engine "
+            "(diffusion.eval_interval_steps, diffusion.eval_seeds_per_prompt); `verst eval "
+            f"CHECKPOINT CONFIG` scores a saved checkpoint; leave eval.{evals[0]} unset"
+        )
 
 
-DIFFUSION_TRANSPORT = {"in_process": "colocated", "http": "disk"}
+DIFFUSION_TRANSPORTS = {"in_process": ("colocated",), "http": ("disk", "broadcast")}
 
 
 def check_diffusion_transport(cfg: RunConfig) -> None:
     """`diffusion.engine` places a diffusion run's engine and says how weights reach it (in
-    process, or through the disk): a `placement`, `fault_tolerance` or `sync` field set away
-    from its default would be ignored, so it is refused."""
+    process; served, through the disk or a broadcast group): a `placement`, `fault_tolerance`
+    or `sync` field that the transport would ignore is refused."""
     engine = cfg.diffusion.engine
     placed = [f"placement.{name}" for name in cfg.placement.changed_fields()]
     placed += [f"fault_tolerance.{name}" for name in cfg.fault_tolerance.changed_fields()]
@@ -274,19 +281,26 @@ def check_diffusion_transport(cfg: RunConfig) -> None:
             f"{placed[0]}: a diffusion run does not use placement or fault_tolerance; "
             f"diffusion.engine places the engine (in_process or http), so leave {placed[0]} unset"
         )
-    transport = cfg.sync.transport
-    if transport not in ("auto", DIFFUSION_TRANSPORT[engine]):
+    transport, allowed = cfg.sync.transport, DIFFUSION_TRANSPORTS[engine]
+    if transport not in ("auto", *allowed):
+        where = "in process" if engine == "in_process" else "through the disk or a broadcast group"
         raise ValueError(
-            f"sync.transport={transport}: with diffusion.engine={engine} the weights go "
-            f"{'in process' if engine == 'in_process' else 'through the disk'} (sync.transport="
-            f"{DIFFUSION_TRANSPORT[engine]} or auto); the broadcast transport is not used by "
-            "diffusion runs yet"
+            f"sync.transport={transport}: with diffusion.engine={engine} the weights go {where} "
+            f"(sync.transport={' or '.join(allowed)} or auto)"
+            + (
+                "; broadcast needs a served engine: diffusion.engine=http"
+                if transport == "broadcast"
+                else ""
+            )
         )
-    tuned = [name for name in cfg.sync.changed_fields() if name != "transport"]
+    # a broadcast push is bucketed and confirmed; the disk and in-process ones are one piece
+    used = ("transport", "bucket_mb", "max_resends") if transport == "broadcast" else ("transport",)
+    tuned = [name for name in cfg.sync.changed_fields() if name not in used]
     if tuned:
         raise ValueError(
             f"sync.{tuned[0]}: a diffusion run pushes whole weights (or whole adapters) in one "
-            f"piece, as diffusion.engine says; leave sync.{tuned[0]} unset"
+            f"piece unless sync.transport=broadcast (which takes sync.bucket_mb and "
+            f"sync.max_resends); leave sync.{tuned[0]} unset"
         )
 
 

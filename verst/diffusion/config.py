@@ -50,7 +50,13 @@ class DiffusionConfig(ConfigBase):
     engine: Literal["in_process", "http"] = Field(
         "in_process",
         description="in_process = the trainer's own model (a sync is a version bump); http = a "
-        "`verst serve-diffusion` subprocess updated from disk",
+        "`verst serve-diffusion` subprocess updated through the disk or, with "
+        "sync.transport=broadcast, a torch.distributed group",
+    )
+    engine_device: str | None = Field(
+        None,
+        description="device of the served engine (engine=http): cpu, cuda or cuda:N; unset = the "
+        "trainer's; on another GPU a broadcast push goes through NCCL, else gloo",
     )
     eval_interval_steps: int = Field(5, ge=0, description="evaluate every N steps; 0 = start/end")
     eval_seeds_per_prompt: int = Field(
@@ -65,6 +71,11 @@ class DiffusionConfig(ConfigBase):
             raise ValueError(
                 "diffusion.sde_type=ode has no transition log-probs; Flow-GRPO needs flow_sde or "
                 "cps (eta > 0); use algorithm=nft for ODE sampling"
+            )
+        if self.engine_device is not None and self.engine != "http":
+            raise ValueError(
+                "diffusion.engine_device places a served engine; with diffusion.engine="
+                f"{self.engine} the engine runs on the trainer's device"
             )
         if self.reward == "clip" and self.clip_path is None:
             raise ValueError("diffusion.reward=clip needs diffusion.clip_path")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from verst.diffusion import adapters, sde, shapes
-from verst.diffusion.model import velocity
+from verst.diffusion.model import copy_parameters, velocity
 
 
 @dataclass
@@ -88,6 +88,16 @@ class DiffusionEngine:
         with self._lock, torch.no_grad():
             adapters.load_into(self.model, state, field="update_weights")
             self.weight_version = version
+
+    def receive(self, tensors: dict[str, torch.Tensor], adapter_config: dict | None = None) -> None:
+        """One bucket of a broadcast push, once the batch in flight has finished: some of the
+        model's parameters, or with `adapter_config` (peft's keys) a whole adapter named as
+        engines take it. The version stays: the push stamps it after its last bucket."""
+        with self._lock:
+            if adapter_config is None:
+                copy_parameters(self.model, tensors, field="names")
+            else:
+                adapters.apply_wire(self.model, adapter_config, tensors, field="lora_config")
 
     def load_adapter(self, directory: Path, version: int) -> None:
         """Apply the peft directory `directory` to the engine's model (injecting the adapters

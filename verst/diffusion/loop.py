@@ -2,15 +2,17 @@
 
 Each step draws `rollout.prompts_per_step` captions, samples `rollout.n_samples_per_prompt`
 trajectories of each (seeds differ per sample), scores them, normalises rewards within each
-group, and trains the chosen steps. The engine shares the trainer's model, so a sync is a
-weight-version bump. With `model.lora` the trainer trains adapters on the frozen transformer
-(`verst.diffusion.adapters`) and every sync carries the adapters alone. Fully asynchronous
-(`mode: fully_async`), the engine keeps weights of its own and never stops generating
-(`verst.diffusion.async_rollout`: the LM's rollout worker and data buffer); each step takes one
-batch of finished groups (`perf/wait_time_s`), trains, and copies the new weights into the
-engine. Evaluation samples every caption with held-out noise seeds by the ODE and logs
-`eval/reward_mean`; `samples_step{N}.png` holds those samples (one row per caption). Checkpoints
-are `verst.diffusion.checkpoint`'s; `--resume` continues from the newest.
+group, and trains the chosen steps. The in-process engine shares the trainer's model, so a
+sync is a weight-version bump; a served one (`diffusion.engine: http`) gets the weights through
+the disk or, with `sync.transport: broadcast`, the LM's broadcast transport (`remote`). With
+`model.lora` the trainer trains adapters on the frozen transformer (`verst.diffusion.adapters`)
+and every sync carries the adapters alone. Fully asynchronous (`mode: fully_async`), the engine
+keeps weights of its own and never stops generating (`verst.diffusion.async_rollout`: the LM's
+rollout worker and data buffer); each step takes one batch of finished groups
+(`perf/wait_time_s`), trains, and copies the new weights into the engine. Evaluation samples
+every caption with held-out noise seeds by the ODE and logs `eval/reward_mean`;
+`samples_step{N}.png` holds those samples (one row per caption). Checkpoints are
+`verst.diffusion.checkpoint`'s; `--resume` continues from the newest.
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ from pathlib import Path
 import torch
 
 from verst.config import RunConfig, dump_config
-from verst.diffusion import adapters, checkpoint, objectives, remote, shapes
+from verst.diffusion import adapters, checkpoint, evaluation, objectives, remote, shapes
 from verst.diffusion import model as tiny
 from verst.diffusion.async_rollout import TRAIN_STEPS, TRAJECTORY, AsyncDiffusionRollout
-from verst.diffusion.engine import DiffusionEngine, DiffusionRequest, Trajectory
-from verst.diffusion.grid import save_grid
+from verst.diffusion.engine import DiffusionEngine, Trajectory
 from verst.diffusion.requests import requests_for, train_steps
 from verst.diffusion.rewards import ImageReward, load_reward
 from verst.diffusion.server import DiffusionClient
@@ -36,8 +37,6 @@ from verst.models.lora import LoraConfig
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
 from verst.rundir import check_writable
-
-EVAL_SEED_BASE = 10**9  # evaluation seeds never meet the training seeds below it
 
 
 @dataclass
@@ -52,13 +51,16 @@ class DiffusionRun:
     server: LocalEngine | None = None  # the served engine's process, for engine=http
     rollout: AsyncDiffusionRollout | None = None  # mode=fully_async
     lora: LoraConfig | None = None  # model.lora, when the trainer trains adapters
+    broadcast: remote.BroadcastPush | None = None  # engine=http with sync.transport=broadcast
 
     def sync(self, version: int | None = None) -> int:
         """The trainer's weights (with LoRA, its adapters alone) to the engine as `version`
         (default: the next): a bump when they share the model, a copy into the engine's own,
-        or a disk push over HTTP. Returns the bytes sent."""
+        or a disk or broadcast push to the served engine. Returns the bytes sent."""
         version = self.engine.weight_version + 1 if version is None else version
         model = self.trainer.model
+        if self.broadcast is not None:
+            return self.broadcast.push(model, version)
         if isinstance(self.engine, DiffusionClient):
             return remote.push(model, self.engine, self.run_dir, version, self.lora)
         if self.engine.model is model:
@@ -84,10 +86,24 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
     trainer = DiffusionTrainer(model, cfg.diffusion, cfg.trainer, device, cfg.seed)
     size = meta["image_size"]
     if cfg.diffusion.engine == "http":
-        server, client = remote.launch(cfg.model.path, run_dir, device)
-        return DiffusionRun(
+        engine_device = torch.device(cfg.diffusion.engine_device or device)
+        server, client = remote.launch(cfg.model.path, run_dir, engine_device)
+        run = DiffusionRun(
             cfg, client, trainer, reward, Path(cfg.model.path), run_dir, size, server, lora=lora
         )
+        if cfg.sync.transport == "broadcast":
+            try:
+                run.broadcast = remote.BroadcastPush(
+                    client,
+                    bucket_bytes=cfg.sync.bucket_mb << 20,
+                    max_resends=cfg.sync.max_resends,
+                    backend=remote.group_backend(device, engine_device),
+                    lora=lora,
+                )
+            except BaseException:
+                server.stop()
+                raise
+        return run
     # fully asynchronous, the engine samples while the trainer updates: weights of its own
     own = copy.deepcopy(model) if cfg.mode == "fully_async" else model
     engine = DiffusionEngine(own, size, device)
@@ -97,42 +113,13 @@ def build(cfg: RunConfig, run_dir: Path) -> DiffusionRun:
 
 
 def score(run: DiffusionRun, trajectories: list[Trajectory]) -> torch.Tensor:
-    images = torch.stack([t.image for t in trajectories])
-    rewards = run.reward(images, [t.request.prompt for t in trajectories])
-    if len(rewards) != len(trajectories):
-        raise ValueError(
-            f"diffusion.reward returned {len(rewards)} scores for {len(trajectories)} images"
-        )
-    for t, value in zip(trajectories, rewards, strict=True):
-        t.reward = float(value)
-    return torch.tensor(rewards, dtype=torch.float32)
+    return evaluation.score(run.reward, trajectories)
 
 
 def evaluate(run: DiffusionRun, step: int) -> dict[str, float]:
     """Mean reward of every caption under held-out seeds (ODE sampling); saves the grid."""
-    d = run.cfg.diffusion
-    requests = [
-        DiffusionRequest(
-            c,
-            d.negative_prompt,
-            d.num_inference_steps,
-            d.guidance_scale,
-            seed=EVAL_SEED_BASE + s,
-            sde_type="ode",
-            noise_level=0.0,
-            record_steps=[],
-        )
-        for c in shapes.CAPTIONS
-        for s in range(d.eval_seeds_per_prompt)
-    ]
-    trajectories = run.engine.generate(requests)
-    rewards = score(run, trajectories)
-    save_grid(
-        torch.stack([t.image for t in trajectories]),
-        len(shapes.CAPTIONS),
-        run.run_dir / f"samples_step{step}.png",
-    )
-    return {"eval/reward_mean": float(rewards.mean()), "eval/reward_std": float(rewards.std())}
+    grid = run.run_dir / f"samples_step{step}.png"
+    return evaluation.evaluate(run.engine, run.reward, run.cfg.diffusion, grid)
 
 
 def collect(run: DiffusionRun, step: int) -> tuple[list[Trajectory], list[list[int]], dict]:
@@ -214,6 +201,8 @@ def train(cfg: RunConfig, run_dir: Path, *, resume: bool = False) -> Path:
     finally:
         if run.rollout is not None:
             run.rollout.close()
+        if run.broadcast is not None:
+            run.broadcast.close()
         if run.server is not None:
             run.server.stop()
     return run_dir

@@ -167,6 +167,26 @@ def read_weights(transformer_dir: Path, *, field: str) -> dict[str, torch.Tensor
     return state
 
 
+def copy_parameters(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], *, field: str
+) -> None:
+    """Copy `tensors` (some of the model's parameters, by name) into `model`; every name and
+    shape is checked before the first copy (ValueError naming `field`)."""
+    own = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(own))
+    if unknown:
+        raise ValueError(f"{field}: unknown parameter names {unknown[:3]}")
+    for name, tensor in tensors.items():
+        if own[name].shape != tensor.shape:
+            raise ValueError(
+                f"{field}: {name} has shape {tuple(tensor.shape)}, the model's "
+                f"{tuple(own[name].shape)}"
+            )
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            own[name].copy_(tensor)
+
+
 def create_tiny_diffusion(
     directory: Path, spec: TinyDiffusionSpec, *, pretrain_steps: int, seed: int, log=print
 ) -> float:

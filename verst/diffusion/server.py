@@ -3,11 +3,9 @@
 Routes: `POST /rollout/generate` with `{"requests": [DiffusionRequest fields...]}` answers
 `{"trajectories": [...]}`, each with the latents, the recorded steps, their log-probs (tensors
 as base64 float32 with a shape, so the trainer's replay sees the engine's exact bits), the
-image, the class ids of the conditioning and the weight version; `POST /update_weights_from_disk`
-(`{"model_path": DIR, "weight_version": v}`, DIR holding `transformer/`); `POST
-/load_lora_adapter` (SGLang's `{"lora_name", "lora_path"}` plus `weight_version`: a peft
-directory applied to the served base, the adapters injected on the first load); `GET
-/get_weight_version`; `GET /health`. Bad requests answer 400 with the field in the message.
+image, the class ids of the conditioning and the weight version; `GET /health`. The weight
+routes (disk, LoRA directory, broadcast group, pause, version) are SGLang's
+(`verst.diffusion.server_weights`). Bad requests answer 400 with the field in the message.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ from typing import Any
 
 import torch
 
-from verst.diffusion import model as tiny
 from verst.diffusion.engine import DiffusionEngine, DiffusionRequest, Trajectory
+from verst.diffusion.server_weights import ServedEngine, add_weight_routes
 
 REQUEST_FIELDS = {f.name for f in fields(DiffusionRequest)}
 
@@ -85,10 +83,10 @@ def parse_requests(body: Any) -> list[DiffusionRequest]:
     return parsed
 
 
-def make_app(engine: DiffusionEngine):  # -> aiohttp.web.Application
+def make_app(engine: DiffusionEngine, model_path: str = ""):  # -> aiohttp.web.Application
     from aiohttp import web
 
-    lock = asyncio.Lock()  # one batch at a time: the model is not re-entrant
+    served = ServedEngine(engine, model_path)
 
     def bad(error: Exception) -> web.Response:
         return web.json_response({"error": {"message": str(error), "code": 400}}, status=400)
@@ -98,56 +96,21 @@ def make_app(engine: DiffusionEngine):  # -> aiohttp.web.Application
             requests = parse_requests(await request.json())
         except (ValueError, TypeError, json.JSONDecodeError) as error:
             return bad(error)
-        async with lock:
+        async with served.batch():  # one batch at a time: the model is not re-entrant
             try:
                 trajectories = await asyncio.to_thread(engine.generate, requests)
             except ValueError as error:
                 return bad(error)
         return web.json_response({"trajectories": [trajectory_to_json(t) for t in trajectories]})
 
-    async def update_from_disk(request: web.Request) -> web.Response:
-        body = await request.json()
-        path = Path(str(body.get("model_path", ""))) / "transformer"
-        if not path.is_dir():
-            return bad(ValueError(f"model_path: {path} is not a transformer directory"))
-        async with lock:
-            await asyncio.to_thread(load_weights, engine, path)
-            engine.set_weight_version(int(body.get("weight_version", engine.weight_version + 1)))
-        return web.json_response({"success": True, "weight_version": engine.weight_version})
-
-    held: list[str] = []  # the one adapter's name, once loaded
-
-    async def load_lora_adapter(request: web.Request) -> web.Response:
-        body = await request.json()
-        name, path = str(body.get("lora_name", "")), Path(str(body.get("lora_path", "")))
-        if held and name != held[0]:
-            return bad(ValueError(f"lora_name: this engine holds one adapter, {held[0]!r}"))
-        async with lock:
-            version = int(body.get("weight_version", engine.weight_version + 1))
-            try:
-                await asyncio.to_thread(engine.load_adapter, path, version)
-            except ValueError as error:
-                return bad(error)
-        held[:] = [name]
-        return web.json_response({"success": True, "weight_version": engine.weight_version})
-
-    async def weight_version(_: web.Request) -> web.Response:
-        return web.json_response({"weight_version": engine.weight_version})
-
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/rollout/generate", generate)
-    app.router.add_post("/update_weights_from_disk", update_from_disk)
-    app.router.add_post("/load_lora_adapter", load_lora_adapter)
-    app.router.add_get("/get_weight_version", weight_version)
     app.router.add_get("/health", health)
+    add_weight_routes(app, served)
     return app
-
-
-def load_weights(engine: DiffusionEngine, transformer_dir: Path) -> None:
-    engine.model.load_state_dict(tiny.read_weights(transformer_dir, field="model_path"))
 
 
 def run_diffusion_server(model_dir: str, *, host: str, port: int, device: str) -> None:
@@ -156,7 +119,8 @@ def run_diffusion_server(model_dir: str, *, host: str, port: int, device: str) -
     from verst.diffusion.model import load
 
     model, meta = load(model_dir, device)
-    web.run_app(make_app(DiffusionEngine(model, meta["image_size"], device)), host=host, port=port)
+    engine = DiffusionEngine(model, meta["image_size"], device)
+    web.run_app(make_app(engine, model_dir), host=host, port=port)
 
 
 class DiffusionClient:

@@ -209,6 +209,11 @@ def wire_name(name: str) -> str:
     return _ADAPTER_PART.sub(r".\1.", name)
 
 
+def from_wire_name(name: str, adapter: str = ADAPTER) -> str:
+    """A wire name (`wire_name`) as the parameter's name in a model adapted as `adapter`."""
+    return _verst_key(name, adapter)
+
+
 def _peft_key(name: str) -> str:
     return PEFT_PREFIX + wire_name(name)
 

@@ -101,6 +101,20 @@ def create_group(
     raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
+def bucket_specs(body: dict[str, Any]) -> list[TensorSpec]:
+    """The `TensorSpec`s of an `/update_weights_from_distributed` body: SGLang's parallel lists
+    `names`, `dtypes`, `shapes` (ValueError naming what is wrong)."""
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+        raise ValueError("names, dtypes and shapes: Field required (lists)")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError("names, dtypes and shapes must have the same length")
+    return [
+        TensorSpec(str(n), str(d).removeprefix("torch."), tuple(int(x) for x in s))
+        for n, d, s in zip(names, dtypes, shapes, strict=True)
+    ]
+
+
 def send_bucket(group: dist.Backend, tensors: list[torch.Tensor], *, flattened: bool) -> None:
     """Rank 0's side of one bucket."""
     if not flattened:

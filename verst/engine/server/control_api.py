@@ -176,23 +176,18 @@ async def run_update_weights_from_distributed(
 ) -> tuple[int, dict[str, Any]]:
     """SGLang's parallel lists `names`, `dtypes`, `shapes`; `load_format` null (tensor by tensor)
     or "flattened_bucket" (one buffer)."""
-    from verst.sync.broadcast import TensorSpec
+    from verst.sync.broadcast import bucket_specs
 
     body = _body_dict(payload)
-    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-        raise validation_error("names, dtypes and shapes: Field required (lists)")
-    if not len(names) == len(dtypes) == len(shapes):
-        raise validation_error("names, dtypes and shapes must have the same length")
+    try:
+        specs = bucket_specs(body)
+    except ValueError as error:
+        raise validation_error(str(error)) from None
     load_format = body.get("load_format")
     if load_format not in (None, "flattened_bucket"):
         raise value_error(f"load_format {load_format!r} is not supported")
     if body.get("abort_all_requests"):
         await serving.abort(None, abort_all=True, message="Abort by weight update.")
-    specs = [
-        TensorSpec(str(n), str(d).removeprefix("torch."), tuple(int(x) for x in s))
-        for n, d, s in zip(names, dtypes, shapes, strict=True)
-    ]
     version = body.get("weight_version")
     ok, message = await serving.update_weights_from_distributed(
         specs,
