@@ -190,10 +190,15 @@ def test_streamed_tool_call_deltas_reassemble_to_the_answer(server: Server) -> N
         "tools": TOOLS,
         "temperature": 0,
         "max_tokens": 200,
+        "logprobs": True,
         "extra_body": {"regex": _literal(answer)},
     }
     whole = server.chat(**kwargs).choices[0]
     chunks = _stream(server, **kwargs)
+    streamed = [
+        t.token for ch in chunks for c in ch.choices if c.logprobs for t in c.logprobs.content
+    ]
+    assert streamed == [t.token for t in whole.logprobs.content]  # every token's, once
     content, calls, finish = _reassembled(chunks)
     assert whole.finish_reason == finish == "tool_calls"
     assert content == whole.message.content == "Adding now."
