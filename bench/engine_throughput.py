@@ -25,6 +25,8 @@ ignored so every request generates exactly its new tokens.
         --logprob-ab 16 --threads 1 --new-tokens 32 --repeats 3   # the log-prob A/B alone
     python bench/engine_throughput.py --engines --sessions 0 --staggered 0 \
         --stream-ab 16 64 --threads 1 --new-tokens 64 --repeats 3   # streaming, top-k: off vs on
+    python bench/engine_throughput.py --preset host --engines --sessions 0 --staggered 0 \
+        --stream-ab 16 64 --threads 1 --repeats 5   # the same against a short, GPU-like step
 
 Prints tokens/s and the ratio to HF, and saves JSON.
 """
@@ -65,6 +67,23 @@ PRESETS = {
         batches=[1, 16, 64],
         prompt_tokens=64,
         new_tokens=128,
+    ),
+    # the serving host's per-token work against a short step: a 2-layer model whose decode step
+    # at batch 64 is a few ms, as a GPU's is (the cpu preset's 30 ms step hides that work)
+    "host": dict(
+        model=dict(
+            vocab_size=8192,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=128,
+        ),
+        dtype="float32",
+        batches=[16, 64],
+        prompt_tokens=32,
+        new_tokens=64,
     ),
     "h200": dict(
         model=dict(
@@ -436,9 +455,12 @@ async def serving_rounds(serving, prompts, new: int, repeats: int) -> dict[str, 
                 top_logprobs_num=top,
             )
             return len(result.output_ids)
-        chunks = [chunk async for chunk in serving.generate_stream(request, DetokenizeParams())]
-        assert len(chunks) > 1 and len(chunks[-1].output_ids) == new
-        return len(chunks[-1].output_ids)
+        # each chunk dropped once read, as a server that writes it out drops it
+        chunks, length = 0, 0
+        async for chunk in serving.generate_stream(request, DetokenizeParams()):
+            chunks, length = chunks + 1, len(chunk.output_ids)
+        assert chunks > 1 and length == new
+        return length
 
     spent = {name: {"wall_s": [], "cpu_s": []} for name in STREAM_CONFIGS}
     for streamed, top in STREAM_CONFIGS.values():  # untimed: each path's first use
@@ -475,6 +497,9 @@ def run_stream_ab(model, args, preset, dtype, device) -> list[dict]:
             row[f"{name}_tok_s"] = batch * new / min(runs["wall_s"])
             if name == "off":
                 continue
+            # the feature's own host CPU time per token (median runs): what it adds to a step
+            extra_s = statistics.median(runs["cpu_s"]) - statistics.median(spent["off"]["cpu_s"])
+            row[f"{name}_host_us_per_token"] = 1e6 * extra_s / (batch * new)
             for kind in ("wall_s", "cpu_s"):
                 off, on = spent["off"][kind], runs[kind]
                 row[f"{name}_over_off_{kind[:-2]}_best"] = min(off) / min(on)
@@ -487,7 +512,8 @@ def run_stream_ab(model, args, preset, dtype, device) -> list[dict]:
             + "".join(
                 f" | {name}/off CPU {row[f'{name}_over_off_cpu_best']:.3f}x"
                 f" (median {row[f'{name}_over_off_cpu_median']:.3f}x),"
-                f" wall {row[f'{name}_over_off_wall_best']:.3f}x"
+                f" wall {row[f'{name}_over_off_wall_best']:.3f}x,"
+                f" +{row[f'{name}_host_us_per_token']:.0f} us/token"
                 for name in spent
                 if name != "off"
             ),

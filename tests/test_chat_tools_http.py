@@ -137,19 +137,102 @@ def test_tools_are_rendered_by_the_template_and_none_leaves_them_out(server: Ser
     assert prompt_tokens(tools=TOOLS, tool_choice="none") == plain
 
 
-def test_a_streamed_answer_carries_its_tool_calls(server: Server) -> None:
+def _stream(server: Server, **kwargs: object) -> list[object]:
     async def go() -> list[object]:
         async with server.client() as client:
             stream = await client.chat.completions.create(
-                model="tiny", messages=MESSAGES, tools=TOOLS, stream=True, **server.forced()
+                model="tiny", messages=MESSAGES, stream=True, **kwargs
             )
             return [chunk async for chunk in stream]
 
-    chunks = server.loop.run(go())
-    calls = [c for ch in chunks for choice in ch.choices for c in choice.delta.tool_calls or []]
-    assert [(c.index, c.function.name) for c in calls] == [(0, "add")]
-    assert json.loads(calls[0].function.arguments) == {"a": 2, "b": 3}
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    return server.loop.run(go())
+
+
+def _reassembled(chunks: list[object]) -> tuple[str, list[dict[str, str]], str | None]:
+    """(content, calls, finish_reason) of one streamed choice, as a client puts them together:
+    each call from the delta that opens it (index, id, name), its arguments appended."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                if call.id is not None:
+                    assert call.index not in calls and call.function.arguments == ""
+                    calls[call.index] = {"id": call.id, "name": call.function.name, "args": ""}
+                else:
+                    assert call.function.name is None
+                calls[call.index]["args"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def _literal(text: str) -> str:
+    """A regex (xgrammar's dialect) that matches `text` alone."""
+    return re.sub(r"([.^$*+?{}\[\]|()\\])", r"\\\1", text)
+
+
+def test_a_streamed_answer_carries_its_tool_calls(server: Server) -> None:
+    chunks = _stream(server, tools=TOOLS, **server.forced())
+    content, calls, finish = _reassembled(chunks)
+    assert [(c["name"], json.loads(c["args"])) for c in calls] == [("add", {"a": 2, "b": 3})]
+    assert finish == "tool_calls" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert content == ""
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_answer(server: Server) -> None:
+    """Text, then two calls over many tokens (a regex makes the random model write them): the
+    text streams as content before the calls do, each call opens with its id and name, and the
+    deltas reassemble to the non-streamed answer's content and calls."""
+    pytest.importorskip("xgrammar")
+    second = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 10}}\n</tool_call>'
+    answer = "Adding now. " + CALL + "\n" + second
+    kwargs = {
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 200,
+        "logprobs": True,
+        "extra_body": {"regex": _literal(answer)},
+    }
+    whole = server.chat(**kwargs).choices[0]
+    chunks = _stream(server, **kwargs)
+    streamed = [
+        t.token for ch in chunks for c in ch.choices if c.logprobs for t in c.logprobs.content
+    ]
+    assert streamed == [t.token for t in whole.logprobs.content]  # every token's, once
+    content, calls, finish = _reassembled(chunks)
+    assert whole.finish_reason == finish == "tool_calls"
+    assert content == whole.message.content == "Adding now."
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert [(c["name"], c["args"]) for c in calls] == expected
+    assert json.loads(calls[1]["args"]) == {"a": 1, "b": 10}
+    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    # streamed as decoded: the content comes in chunks of its own before the first call
+    kinds = [
+        "content" if choice.delta.content else "call" if choice.delta.tool_calls else None
+        for chunk in chunks
+        for choice in chunk.choices
+    ]
+    kinds = [k for k in kinds if k]
+    assert kinds.index("call") > 1 and "content" not in kinds[kinds.index("call") :]
+    ends = [choice.finish_reason for chunk in chunks for choice in chunk.choices]
+    assert ends[-1] == "tool_calls" and not any(ends[:-1])
+
+
+def test_an_unfinished_call_streams_as_content(server: Server) -> None:
+    """The answer ends inside a call: the text held back is content, as unstreamed."""
+    pytest.importorskip("xgrammar")
+    answer = "Hi " + CALL[:-4]
+    kwargs = {
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 200,
+        "extra_body": {"regex": _literal(answer)},
+    }
+    whole = server.chat(**kwargs).choices[0]
+    content, calls, finish = _reassembled(_stream(server, **kwargs))
+    assert whole.message.tool_calls is None and calls == []
+    assert finish == whole.finish_reason == "stop"
+    assert content == whole.message.content == answer
 
 
 @pytest.mark.parametrize(

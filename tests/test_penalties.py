@@ -198,6 +198,23 @@ def test_penalized_greedy_equals_the_step_by_step_reference(model: torch.nn.Modu
     assert scheduler.penalties.held == 0 and scheduler.penalties.requests == 0
 
 
+def test_top_logprobs_are_of_the_penalized_distribution(model: torch.nn.Module) -> None:
+    """With penalties, `output_top_logprobs` are of the distribution sampled from (as SGLang's
+    and the sampled token's own log-prob are): under greedy the top entry is the token."""
+    scheduler = new_scheduler(model)
+    for p in PENALIZED:
+        params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, **_pen(p))
+        request = GenerateRequest(list(PROMPT), params, top_logprobs_num=3, token_ids_logprob=[7])
+        out = scheduler.generate([request])[0]
+        _, reference = reference_greedy(model, PROMPT, 8, params)
+        for j, token in enumerate(out.output_ids):
+            (top_lp, top_id), *_ = out.output_top_logprobs[j]
+            assert top_id == token
+            assert top_lp == pytest.approx(out.output_token_logprobs[j], abs=1e-5)
+            assert top_lp == pytest.approx(reference[j], abs=1e-4)
+        assert out.output_token_ids_logprobs[0][0] < 0
+
+
 def _pen(p: SamplingParams) -> dict[str, object]:
     names = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
     return {name: getattr(p, name) for name in names}

@@ -19,8 +19,10 @@ aiohttp = pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
 
 from tests.servers import LoopThread, call, new_serving, serve_engine, tiny_model  # noqa: E402
+from verst.engine import GenerateRequest, SamplingParams  # noqa: E402
+from verst.engine.results import DetokenizeParams, ResultShaper  # noqa: E402
 from verst.engine.serving import ServingEngine  # noqa: E402
-from verst.engine.streaming import IncrementalText  # noqa: E402
+from verst.engine.streaming import IncrementalText, StreamState  # noqa: E402
 
 PROMPT = [40, 41, 42, 43]
 GREEDY_20 = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
@@ -319,3 +321,45 @@ def test_incremental_text_holds_back_what_may_begin_a_stop() -> None:
         IncrementalText(tokenizer.decode, stops=["ENDX"]).update(tokenizer.encode("the cat ENDs"))
         == "the cat ENDs"
     )
+
+
+def test_a_chunk_shows_only_the_steps_the_serving_loop_has_seen(server: Server) -> None:
+    """The consumer reads a request's tokens while the next step runs: it takes only those of
+    the steps the loop has seen (`poke`), never the token of a step still running, which may
+    end the request (a stop string the final text is cut before)."""
+    scheduler = server.serving.scheduler  # driven directly: the server is idle
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    request = GenerateRequest(list(PROMPT), params, rid="seen", top_logprobs_num=2)
+    handle = scheduler.submit(request)
+    try:
+        scheduler.step()
+        scheduler.step()
+        state = StreamState(request, DetokenizeParams(), server.serving.results)
+        state.poke(len(handle.output_ids))
+        assert state.ready.is_set() and state.generated == 2
+        scheduler.step()  # a token the loop has not seen
+        new = handle.output_since(0, 0, end=state.generated, with_input=state.wants_input)
+        state.pull(new)
+        meta = state.chunk("0").meta_info
+        assert state.ids == handle.output_ids[:2] and not state.ready.is_set()
+        assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 2
+        assert meta["input_token_logprobs"] == [[None, PROMPT[-1], None]]
+        assert meta["input_top_logprobs"] == [None] and not state.wants_input
+        state.poke(3)  # below stream_interval 1 past the chunk taken: due
+        assert state.ready.is_set()
+    finally:
+        scheduler.abort(request.rid, exact=True)
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_result_shaper_decodes_as_the_tokenizer_does(clean_up: bool) -> None:
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
+    tokenizer.clean_up_tokenization_spaces = clean_up
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    ids = tokenizer.encode("héllo world , the cat ✓ sat .") + [end] + tokenizer.encode(" on")
+    shaper = ResultShaper(tokenizer)
+    for skip in (True, False):
+        opts = DetokenizeParams(skip_special_tokens=skip)
+        for cut in (ids, ids[:3], ids[2:], [end]):
+            assert shaper.decode(cut, opts) == tokenizer.decode(cut, skip_special_tokens=skip)

@@ -3,7 +3,8 @@
 scored prompt positions.
 
 Promise: these are the very quantity the sampler returns (`verst.engine.sampling`):
-`log_softmax(logits / T)` over the full vocabulary in float32, T = 1 for greedy rows; top-k
+`log_softmax(z / T)` over the full vocabulary in float32, z the logits after the request's
+penalties and logit bias (and its grammar's mask), T = 1 for greedy rows; top-k
 entries come likeliest first (`torch.topk`). They are computed in one batched pass over the rows
 that ask (one top-k and one gather for all of them), so a step where no request asks costs
 nothing.

@@ -52,12 +52,32 @@ def version_spans(versions: Sequence[int | str]) -> list[dict[str, Any]]:
     return spans
 
 
+def _backend_decoder(tokenizer: Any) -> Any:
+    """The Rust tokenizer whose `decode` is exactly this HF fast tokenizer's (its `_decode`
+    is the base class's and cleans up no spaces), or None. Streaming decodes every few tokens,
+    and HF's wrapper around the Rust call costs twice the call itself."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        return None
+    if type(tokenizer)._decode is not PreTrainedTokenizerFast._decode:
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return getattr(tokenizer, "_tokenizer", None)
+
+
 class ResultShaper:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}  # one token's text, for return_text_in_logprobs
+        self._backend = _backend_decoder(tokenizer)
 
     def decode(self, ids: list[int], opts: DetokenizeParams) -> str:
+        if self._backend is not None:  # fast tokenizers ignore spaces_between_special_tokens
+            return self._backend.decode(ids, skip_special_tokens=opts.skip_special_tokens)
         return self.tokenizer.decode(
             ids,
             skip_special_tokens=opts.skip_special_tokens,

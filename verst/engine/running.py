@@ -42,12 +42,23 @@ class Running:
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_length :]
 
-    def output_since(self, start: int, weight_version: int | str) -> GenerateOutput:
-        """The output tokens from index `start` on, with their log-probs and versions, for
-        streaming: read between two scheduler steps, with no bookkeeping (the request runs on).
-        The prompt's log-probs come only with `start` 0; `finish_reason` is "" (not finished)."""
+    def output_since(
+        self,
+        start: int,
+        weight_version: int | str,
+        *,
+        end: int | None = None,
+        with_input: bool = False,
+    ) -> GenerateOutput:
+        """The output tokens from index `start` on (to `end`, when given), with their log-probs
+        and versions, for streaming, with no bookkeeping (the request runs on), and
+        (`with_input`) the prompt's log-probs so far; `finish_reason` is "" (not finished).
+        Safe while a step runs on another thread: the step appends a token's log-probs and
+        version before the token, and the token count is read first, so every list here covers
+        the same tokens."""
         req, n, extras = self.request, len(self.tokens) - self.prompt_length, self.extras
-        first = start == 0
+        n = n if end is None else min(n, end)
+        first = with_input
         top = extras.output_top[start:n] if extras is not None else []
         chosen = extras.output_chosen[start:n] if extras is not None else []
         input_top = list(extras.input_top) if extras is not None and first else []

@@ -37,7 +37,7 @@ from verst.engine.prompt_sharing import PromptSharing
 from verst.engine.radix_cache import RadixCache
 from verst.engine.requests import FINISH_LENGTH, GenerateOutput, GenerateRequest, finish_reason
 from verst.engine.running import Running
-from verst.engine.sampling import sample_rows
+from verst.engine.sampling import apply_penalties, sample_rows
 from verst.engine.stats import SchedulerStats
 from verst.monitor import trace
 
@@ -449,12 +449,10 @@ class Scheduler(PromptSharing):
             assert self.grammars is not None  # a request gets a matcher from them only
             self.grammars.mask(matchers, logits_B_V)
         penalties = self.penalties.step(rows, params)
+        if penalties is not None:  # once, for the sampler and the top-k / chosen-id log-probs
+            logits_B_V = apply_penalties(logits_B_V, penalties.rows)
         tokens_B, logprobs_B = sample_rows(
-            logits_B_V,
-            params,
-            [r.generator for r in rows],
-            self.generator,
-            None if penalties is None else penalties.rows,
+            logits_B_V, params, [r.generator for r in rows], self.generator
         )
         if penalties is not None:  # on the device, before the step's one host sync
             self.penalties.record(penalties.slots_B, tokens_B)

@@ -289,14 +289,15 @@ class ServingEngine(WeightUpdates):
         stream = pending.stream
         assert stream is not None
         try:
-            while not pending.future.done():
-                due = asyncio.ensure_future(stream.ready.wait())
-                try:
-                    await asyncio.wait({due, pending.future}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    due.cancel()
-                if not pending.future.done():
-                    yield stream.chunk(self.weight_version)
+            while True:
+                await stream.ready.wait()  # set when a chunk is due, and when the request ends
+                if pending.future.done():
+                    break
+                # the tokens of the steps the loop has seen, read while the next step runs
+                # (`Running.output_since`): a token that ends the request is not one of them
+                handle, start, end = pending.handle, len(stream.ids), stream.generated
+                stream.pull(handle.output_since(start, 0, end=end, with_input=stream.wants_input))
+                yield stream.chunk(self.weight_version)
             yield pending.future.result()
         finally:
             self._streams.pop(request.rid, None)
@@ -328,7 +329,8 @@ class ServingEngine(WeightUpdates):
                 request, detokenize, submitted_s, asyncio.get_running_loop().create_future()
             )
             if stream:
-                pending.stream = StreamState(request, detokenize, self.results)
+                pending.stream = state = StreamState(request, detokenize, self.results)
+                pending.future.add_done_callback(lambda _: state.ready.set())
                 self._streams[rid] = pending
             self._queue[rid] = pending
             cond.notify_all()
@@ -446,17 +448,10 @@ class ServingEngine(WeightUpdates):
             return
         async with cond:
             self._resolve(finished, version)
-            if self._streams:
-                self._pull_streams()
+            for p in self._streams.values():
+                if p.handle is not None and p.stream is not None:
+                    p.stream.poke(len(p.handle.tokens) - p.handle.prompt_length)
             cond.notify_all()
-
-    def _pull_streams(self) -> None:
-        """Each streamed request's tokens of the step that just ran (read between steps)."""
-        weight_version = self.scheduler.weight_version
-        for p in self._streams.values():
-            stream = p.stream
-            if p.handle is not None and stream is not None and not p.future.done():
-                stream.pull(p.handle.output_since(len(stream.ids), weight_version))
 
     def _submit_queue(self) -> None:
         """Hand the queued requests to the scheduler; one it refuses fails alone."""

@@ -3,10 +3,11 @@
 Owns `IncrementalText`, the text of a growing list of token ids decoded a few tokens at a time:
 a character whose bytes span several tokens is held back until it is whole, and so is a tail
 of the text that may begin a stop string, so the text streamed is always a prefix of the final
-text. And `StreamState`, what a streamed request has generated so far: the serving loop pulls
-each step's new tokens into it (`pull`, work in the new tokens only), and the consumer builds a
-chunk from it when it is ready for one (`chunk`), so a slow client coalesces steps rather than
-queue a chunk per step.
+text. And `StreamState`, what a streamed request has generated so far. The serving loop only
+counts a request's tokens after each step (`poke`: is a chunk due?); the consumer, woken, pulls
+the new tokens (`pull`, work in the new tokens only) and builds the chunk (`chunk`) on the event
+loop while the next step runs, so no per-token work of a stream delays a step, and a slow client
+coalesces steps rather than queue a chunk per step.
 """
 
 from __future__ import annotations
@@ -69,15 +70,28 @@ class StreamState:
         self.spans: list[dict[str, Any]] = []  # meta_info.weight_versions so far
         self.logprobs: dict[str, list[Any]] = {}  # meta_info's log-prob lists so far
         self.text = IncrementalText(lambda ids: shaper.decode(ids, opts), opts.stop)
-        self.ready = asyncio.Event()  # set when a chunk is due
+        self.ready = asyncio.Event()  # set when a chunk is due (and when the request ends)
+        self.generated = 0  # output tokens the serving loop has seen (`poke`)
         self._taken = 0  # output tokens in the last chunk taken
+        self._has_input = False  # the prompt's log-prob entries are in `logprobs`
+
+    def poke(self, generated: int) -> None:
+        """The request has `generated` output tokens after a step that did not end it (called
+        by the serving loop between steps; a chunk shows no more): a chunk is due at the first
+        token and then every `stream_interval` tokens."""
+        self.generated = generated
+        if generated > self._taken and (
+            self._taken == 0 or generated - self._taken >= self.opts.stream_interval
+        ):
+            self.ready.set()
 
     def pull(self, new: GenerateOutput) -> None:
-        """Add a step's new tokens (`Running.output_since(len(self.ids), ...)`); a chunk is due
-        at the first token and then every `stream_interval` tokens."""
+        """Add the tokens past `self.ids` (`Running.output_since(len(self.ids), ...,
+        with_input=self.wants_input)`). The prompt's log-prob entries come whole with the first
+        pull that has them all (a request retracted and prefilled again scores its prompt
+        anew)."""
         if not new.output_ids:
             return
-        first = not self.ids
         self.ids += new.output_ids
         self.cached_tokens = new.cached_tokens
         for version in map(str, new.token_weight_versions):
@@ -90,13 +104,32 @@ class StreamState:
             with_text = self.opts.return_text_in_logprobs
             meta = self.shaper.logprob_meta(self.request, new, with_text)
             del meta["output_token_logprobs_length"]
+            take_input = not self._has_input and self._input_whole(new)
             for key, values in meta.items():
                 if not key.startswith("input_"):
                     self.logprobs.setdefault(key, []).extend(values)
-                elif first:  # the prompt's entries come whole with the first tokens
+                elif take_input:
                     self.logprobs[key] = values
-        if self._taken == 0 or len(self.ids) - self._taken >= self.opts.stream_interval:
-            self.ready.set()
+            self._has_input = self._has_input or take_input
+
+    @property
+    def wants_input(self) -> bool:
+        """The prompt's log-prob entries are asked for and not in yet (`output_since`)."""
+        return self.request.return_logprob and not self._has_input
+
+    def _input_whole(self, new: GenerateOutput) -> bool:
+        """`new` holds every prompt entry the request asks for (one per position from
+        `logprob_start_len`; with -1 the one entry needs no scoring)."""
+        start = self.request.logprob_start_len
+        if start < 0:
+            return True
+        want = len(self.request.input_ids) - start
+        lists = [new.input_token_logprobs]
+        if self.request.top_logprobs_num > 0:
+            lists.append(new.input_top_logprobs)
+        if self.request.token_ids_logprob is not None:
+            lists.append(new.input_token_ids_logprobs)
+        return all(len(values) == want for values in lists)
 
     def chunk(self, version: str) -> GenerateResult:
         """The output so far as SGLang's cumulative chunk (`finish_reason` null)."""

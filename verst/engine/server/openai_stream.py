@@ -6,9 +6,10 @@ cumulative results) into OpenAI's stream: per choice, for chat a first chunk wit
 or `text` for completions) and the new tokens' log-probs, the last carrying `finish_reason` and
 `matched_stop`; with `stream_options.include_usage`, a final chunk with `choices: []` and the
 usage. Every chunk of one response shares its `id` and `created`. A chat request with tools
-(`tool_choice` other than none) sends its answer when it finishes: its text, and its tool calls
-as `delta.tool_calls`, in one chunk (the tool-call parsers are incremental, but their deltas
-are not wired to the stream yet).
+(`tool_choice` other than none) streams its answer through the incremental tool-call parser
+(`openai_tools.ToolCallStream`): content as `delta.content`, each call as OpenAI streams one
+(`delta.tool_calls` with its index, id and name, then its `arguments`) once its end is decoded,
+and a last chunk with `finish_reason` (`tool_calls` when it made calls).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from verst.engine.server.openai_api import echo_texts, is_echo, openai_finish
 from verst.engine.server.openai_logprobs import chat_logprobs, completion_logprobs, output_since
-from verst.engine.server.openai_tools import ChatTools, tool_message
+from verst.engine.server.openai_tools import ChatTools, ToolCallStream
 from verst.engine.server.sglang_api import GenerateJob
 from verst.engine.server.stream_api import merged
 from verst.engine.serving import ServingEngine
@@ -75,6 +76,9 @@ class _Shaper:
             "model": "",
         }
         self.sent = [_Sent() for _ in job.items]
+        self.tool_streams = (
+            [ToolCallStream(tokenizer, tools, tool_format) for _ in job.items] if tools else []
+        )
         self.finals: dict[int, dict[str, Any]] = {}
 
     def chunks(self, index: int, result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -86,8 +90,8 @@ class _Shaper:
             out.append(self._chunk(index, {"delta": role, "logprobs": None, "finish_reason": None}))
             sent.role = True
         final = meta["finish_reason"] is not None
-        if self.tools is not None:
-            return out + ([self._tool_answer(index, result)] if final else [])
+        if self.tool_streams:
+            return out + self._tool_chunks(index, result)
         text = _new_text(sent, result["text"])
         if not sent.started and self.echo:
             text = self.echoed[index // self.job.n] + text
@@ -104,21 +108,26 @@ class _Shaper:
             self.finals[index] = meta
         return out
 
-    def _tool_answer(self, index: int, result: dict[str, Any]) -> dict[str, Any]:
-        """A finished chat answer with tools as one chunk: its content and its tool calls."""
-        assert self.tools is not None
-        meta = result["meta_info"]
-        content, calls = tool_message(self.tokenizer, result, self.tools, self.tool_format)
-        finish, matched = openai_finish(meta)
-        delta: dict[str, Any] = {"content": content}
-        if calls:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-            if finish == "stop":
+    def _tool_chunks(self, index: int, result: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks of a chat answer with tools: the parser's deltas, then (when it has
+        finished) one with its finish reason. The new tokens' log-probs ride on the first."""
+        meta, sent = result["meta_info"], self.sent[index]
+        final = meta["finish_reason"] is not None
+        stream = self.tool_streams[index]
+        choices: list[dict[str, Any]] = [
+            {"delta": delta, "finish_reason": None} for delta in stream.deltas(result, final)
+        ]
+        if final:
+            finish, matched = openai_finish(meta)
+            if stream.calls and finish == "stop":
                 finish, matched = "tool_calls", None
-        logprobs = self._logprobs(index, meta, True)
-        self.finals[index] = meta
-        choice = {"delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return self._chunk(index, {**choice, "matched_stop": matched})
+            choices.append({"delta": {}, "finish_reason": finish, "matched_stop": matched})
+            self.finals[index] = meta
+        if not choices:
+            return []
+        choices[0]["logprobs"] = self._logprobs(index, meta, not sent.started)
+        sent.tokens, sent.started = max(sent.tokens, len(result["output_ids"])), True
+        return [self._chunk(index, {"logprobs": None, **choice}) for choice in choices]
 
     def _logprobs(self, index: int, meta: dict[str, Any], first: bool) -> Any:
         item, sent = self.job.items[index], self.sent[index]

@@ -13,13 +13,24 @@ and that array is read back as the calls, whatever the template family's own for
 from __future__ import annotations
 
 import json
+import logging
+import os
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 from verst.chat.families import FAMILIES, detect_family
-from verst.chat.tool_parsers import make_call, parse_tool_calls, parser_text
+from verst.chat.tool_parsers import (
+    ToolCall,
+    make_call,
+    new_parser,
+    parse_tool_calls,
+    parser_text,
+)
 from verst.engine.server.sglang_api import openai_error
+from verst.engine.streaming import REPLACEMENT
+
+logger = logging.getLogger(__name__)
 
 TOOL_CHOICES = ("none", "auto", "required")
 
@@ -110,6 +121,12 @@ def _tool_format(chat_template: str) -> str:
     return FAMILIES[detect_family(chat_template)].tool_parser
 
 
+def template_format(tokenizer: Any) -> str:
+    """The tool-call format of the tokenizer's chat-template family."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    return _tool_format(template)
+
+
 def tool_message(
     tokenizer: Any, result: dict[str, Any], tools: ChatTools, fmt: str | None = None
 ) -> tuple[str | None, list[dict[str, Any]] | None]:
@@ -118,9 +135,7 @@ def tool_message(
     is the JSON array of calls its grammar allowed (cut short by max_tokens, it is content)."""
     if tools.forced:
         return _forced_calls(result["text"])
-    if fmt is None:
-        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-        fmt = _tool_format(template)
+    fmt = fmt or template_format(tokenizer)
     text = parser_text(tokenizer, result["text"], result["output_ids"], fmt)
     content, calls = parse_tool_calls(text, fmt, tools.tools)
     if not calls:
@@ -134,3 +149,76 @@ def _forced_calls(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
     except json.JSONDecodeError:
         return text, None
     return None, [make_call(call["name"], call["parameters"]) for call in calls]
+
+
+class ToolCallStream:
+    """One streamed chat choice with tools: its cumulative results fed, as they decode, to the
+    incremental parser of its format, and what that releases as OpenAI delta objects.
+
+    Content streams as `{"content": ...}` (whitespace at its end is held back: the answer's
+    content is stripped when it makes calls, as `tool_message` strips it); each call streams
+    once the parser has its end (a call is held until then, so text that turns out not to be a
+    well-formed call is released as content and no call is ever taken back), as OpenAI streams
+    one: `{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]}`,
+    then its `arguments`. A forced answer (`required`, a named function) is one JSON array its
+    grammar keeps well-formed, read whole when it finishes. The streamed deltas reassemble to
+    `tool_message`'s (content, calls)."""
+
+    def __init__(self, tokenizer: Any, tools: ChatTools, fmt: str | None = None) -> None:
+        self.tokenizer, self.tools = tokenizer, tools
+        self.fmt = fmt or template_format(tokenizer)
+        self.parser = None if tools.forced else new_parser(self.fmt, tools.tools)
+        self.fed = ""  # the parser text fed so far
+        self.space = ""  # whitespace at the end of the content released so far, not yet sent
+        self.calls = 0  # calls streamed so far
+
+    def deltas(self, result: dict[str, Any], final: bool) -> list[dict[str, Any]]:
+        """The delta objects one cumulative result (`finish_reason` set: `final`) adds."""
+        if self.parser is None:
+            if not final:
+                return []
+            content, calls = _forced_calls(result["text"])
+            return self._calls(calls) if calls else self._content(content or "", True)
+        text = parser_text(self.tokenizer, result["text"], result["output_ids"], self.fmt)
+        parsed = self.parser.feed(self._new(text, final))
+        out = self._content(parsed.content, False) + self._calls(parsed.calls)
+        if final:
+            last = self.parser.finish()
+            out += self._content(last.content, True)
+        return out
+
+    def _new(self, text: str, final: bool) -> str:
+        """`text` past what was fed; a character still being decoded waits for its last byte."""
+        if not text.startswith(self.fed):  # a stop_regex match that began in text already fed
+            logger.warning("a streamed tool-call answer's text does not extend the text fed")
+            text = self.fed + text[len(os.path.commonprefix([self.fed, text])) :]
+        if not final and text.endswith(REPLACEMENT):
+            return ""
+        new, self.fed = text[len(self.fed) :], text
+        return new
+
+    def _content(self, text: str, final: bool) -> list[dict[str, Any]]:
+        text = self.space + text
+        body = text.rstrip()
+        self.space = text[len(body) :]
+        if final and not self.calls:  # no call to strip the content around: it is all sent
+            body, self.space = text, ""
+        return [{"content": body}] if body else []
+
+    def _calls(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        out = []
+        for call in calls:
+            fn, index = call["function"], self.calls
+            head = {"name": fn["name"], "arguments": ""}
+            out.append(
+                {
+                    "tool_calls": [
+                        {"index": index, "id": call["id"], "type": "function", "function": head}
+                    ]
+                }
+            )
+            out.append(
+                {"tool_calls": [{"index": index, "function": {"arguments": fn["arguments"]}}]}
+            )
+            self.calls += 1
+        return out
