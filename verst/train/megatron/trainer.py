@@ -101,18 +101,16 @@ class MegatronTrainer:
         )
 
     def set_reference(self, shell: Any, weights: dict[str, torch.Tensor] | None = None) -> None:
-        """A frozen second GPTModel of the policy's layout, in the compute dtype, holding
-        `weights` (HF names; default: the policy's now, copied shard for shard) as the
-        reference of the KL terms. `shell`: the HF policy, whose config it is built from."""
+        """A frozen second GPTModel of the policy's layout holding `weights` (HF names;
+        default: the policy's now, copied shard for shard) as the reference of the KL terms.
+        `shell`: the HF policy, whose config it is built from. Its parameters are fp32 like the
+        policy's, so its forward is the policy's own path (bf16 autocast on CUDA)."""
         reference = build_model(shell.config, self.cfg.megatron, self.dtype)
         if weights is None:
             reference.load_state_dict(self.model.state_dict())
         else:
             load_hf_weights(reference, self.mapping, weights)
-        reference.to(self.device).eval().requires_grad_(False)
-        for param in reference.parameters():  # frozen: no fp32 master copy needed
-            param.data = param.data.to(self.dtype)
-        self.reference = reference
+        self.reference = reference.to(self.device).eval().requires_grad_(False)
 
     # --- weights out ---------------------------------------------------------------------------
 
