@@ -158,9 +158,8 @@ class MegatronTrainer:
                 sums[key] = sums.get(key, 0.0) + value
         sums = gather.loss_rank_sums(sums)
         with self.timer("train_optimizer"):
-            metrics = self._optimizer_step(
-                self.optimizer, self.scheduler, sums.get("loss", 0.0), step
-            )
+            loss = sums.get("loss", 0.0)
+            metrics = self._optimizer_step(self.optimizer, self.scheduler, loss, step)
         dp = gather.data_parallel_size()
         return {f"train/{k}": v / dp for k, v in sums.items()} | metrics | self.timer.metrics()
 
@@ -170,23 +169,15 @@ class MegatronTrainer:
         """Reduce and clip the gradients, step (as FSDP2: not on an all-zero gradient, which
         Adam's momentum would still turn into an update) and advance the schedule."""
         grad_norm = self._finish_gradients(loss, step)
-        lr = (
-            scheduler.get_last_lr()[0] if scheduler is not None else optimizer.param_groups[0]["lr"]
-        )
+        lr = scheduler.get_last_lr()[0]
         if grad_norm > 0.0:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            with warnings.catch_warnings():  # the schedule counts a skipped step: no misuse
-                warnings.filterwarnings(
-                    "ignore", "Detected call of `lr_scheduler.step", UserWarning
-                )
-                scheduler.step()
-        return {
-            "train/grad_norm": grad_norm,
-            "train/lr": lr,
-            "train/update_skipped": float(grad_norm == 0.0),
-        }
+        with warnings.catch_warnings():  # the schedule counts a skipped step: no misuse here
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            scheduler.step()
+        skipped = float(grad_norm == 0.0)
+        return {"train/grad_norm": grad_norm, "train/lr": lr, "train/update_skipped": skipped}
 
     def _require_reference(self) -> torch.nn.Module:
         if self.reference is None:
