@@ -8,7 +8,7 @@ mean train/rollout log-prob difference, and the wall time; then megatron's figur
 FSDP2's. The two runs sample from weights equal to fp32 round-off, so their rollouts part
 after a few steps and the curves agree as two seeds of one recipe do, not token for token.
 
-    python bench/backend_learning.py [--steps 100] [--out bench/results/backend_learning_cpu.json]
+    python bench/backend_learning.py [--steps 100] [--seeds 0 1 2] [--out FILE.json]
     python bench/backend_learning.py --steps 100 trainer.device=cuda   # overrides pass through
 """
 
@@ -61,33 +61,55 @@ def summarise(run_dir: Path, wall_s: float) -> dict:
     }
 
 
+def run_seed(seed: int, steps: int, overrides: list[str]) -> dict[str, dict]:
+    """Both backends from `seed`, concurrently; each one's summary and its own wall time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        seeded = [f"seed={seed}", *overrides]
+        runs = {b: launch(b, Path(tmp) / b, steps, seeded) for b in BACKENDS}
+        results: dict[str, dict] = {}
+        while len(results) < len(runs):
+            for backend, process in runs.items():
+                if backend in results or process.poll() is None:
+                    continue
+                if process.returncode != 0:
+                    log = (Path(tmp) / f"{backend}.log").read_text()[-3000:]
+                    raise SystemExit(f"{backend} run failed:\n{log}")
+                results[backend] = summarise(Path(tmp) / backend, time.perf_counter() - start)
+            time.sleep(1.0)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench/results/backend_learning_cpu.json"
     )
     args, overrides = parser.parse_known_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        runs = {b: launch(b, Path(tmp) / b, args.steps, overrides) for b in BACKENDS}
-        results = {}
-        for backend, process in runs.items():
-            if process.wait() != 0:
-                log = (Path(tmp) / f"{backend}.log").read_text()[-3000:]
-                raise SystemExit(f"{backend} run failed:\n{log}")
-            results[backend] = summarise(Path(tmp) / backend, time.perf_counter() - start)
-    fsdp, megatron = results["fsdp2"], results["megatron"]
-    for backend, result in results.items():
-        print(f"{backend:9s} warm start {result['warm_start_steps']} steps; reward "
-              f"{result['reward_first_tenth']:.3f} -> {result['reward_last_tenth']:.3f}; "
-              f"eval accuracy {result['eval_accuracy']}; {result['wall_s']:.0f} s")  # fmt: skip
-    gain = lambda r: r["reward_last_tenth"] - r["reward_first_tenth"]  # noqa: E731
-    print(f"reward gain: megatron {gain(megatron):+.3f}, fsdp2 {gain(fsdp):+.3f}")
+    by_seed = {}
+    for seed in args.seeds:
+        by_seed[seed] = results = run_seed(seed, args.steps, overrides)
+        for backend, result in results.items():
+            first, last = result["reward_first_tenth"], result["reward_last_tenth"]
+            print(f"seed {seed} {backend:9s} warm start {result['warm_start_steps']} steps; "
+                  f"reward {first:.3f} -> {last:.3f}; eval accuracy "
+                  f"{result['eval_accuracy']}; {result['wall_s']:.0f} s")  # fmt: skip
+    for backend in BACKENDS:
+        gains = [
+            r[backend]["reward_last_tenth"] - r[backend]["reward_first_tenth"]
+            for r in by_seed.values()
+        ]
+        final = [list(r[backend]["eval_accuracy"].values())[-1] for r in by_seed.values()]
+        print(f"{backend:9s} mean reward gain {sum(gains) / len(gains):+.3f}, "
+              f"mean final eval accuracy {sum(final) / len(final):.3f}")  # fmt: skip
     report = {
         "recipe": "examples/quickstart.yaml", "steps": args.steps, "overrides": overrides,
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
-        "load_average_at_end": os.getloadavg(), "results": results,
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                 capture_output=True, text=True).stdout.strip(),
+        "load_average_at_end": os.getloadavg(), "results_by_seed": by_seed,
     }  # fmt: skip
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"saved {args.out}")
