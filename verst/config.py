@@ -127,8 +127,8 @@ def check_megatron(cfg: RunConfig) -> None:
     if cfg.trainer.backend != "megatron":
         return
     unsupported = {
-        "model.lora.enabled (peft adapts torch.nn.Linear; Megatron's layers are its "
-        "tensor-parallel linears)": cfg.model.lora.enabled,
+        "model.lora.enabled (adapters are per HF projection; Megatron fuses q/k/v and "
+        "gate/up, see docs/training_backends.md)": cfg.model.lora.enabled,
         f"loss.advantage_estimator={cfg.loss.advantage_estimator} (a PPO critic: no Megatron "
         "value model yet)": cfg.loss.needs_critic,
     }

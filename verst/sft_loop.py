@@ -5,9 +5,9 @@
 `trainer.backend`). Every record of `metrics.jsonl` is one step: `sft/loss` (mean NLL of the
 trained tokens), `sft/tokens`, `train/grad_norm`, `train/lr`, and at evaluations `eval/loss`,
 `eval/token_accuracy` and `eval/accuracy` (the share of held-out examples greedy decoding
-would write exactly). Its
-checkpoints are HF model directories that `verst train` starts RL from (`model.path`), and
-`--resume` continues from the newest one with the same batches an uninterrupted run would see.
+would write exactly). Its checkpoints are HF model directories that `verst train` starts RL
+from (`model.path`), and `--resume` continues from the newest one with the same batches an
+uninterrupted run would see.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class PolicyModels:
             if distributed.rank() == 0:
                 self.shell.save_pretrained(self.run_dir / REFERENCE_DIR, state_dict=weights)
             distributed.barrier()
-            self.trainer.set_reference(self.shell)
+            self.trainer.set_reference(self.shell, weights)
         if self.loss.needs_critic:
             self.trainer.attach_critic(ValueModel(self.shell))
 
