@@ -53,10 +53,11 @@ class PolicyModels:
         resume) and start the PPO critic from the policy's body."""
         if self.loss.needs_reference_model:
             weights = self.trainer.full_state_dict()
+            # before the save: save_pretrained drops a tied model's shared entries from the dict
+            self.trainer.set_reference(self.shell, weights)
             if distributed.rank() == 0:
                 self.shell.save_pretrained(self.run_dir / REFERENCE_DIR, state_dict=weights)
             distributed.barrier()
-            self.trainer.set_reference(self.shell, weights)
         if self.loss.needs_critic:
             self.trainer.attach_critic(ValueModel(self.shell))
 
