@@ -54,6 +54,16 @@ def all_reduce_sum(values: list[float], device: torch.device, group: Any = None)
     return tensor.tolist()
 
 
+def broadcast_from_rank0(module: torch.nn.Module) -> None:
+    """Every rank's copy of `module` takes rank 0's parameters and buffers (a collective; the
+    module must be on this rank's device)."""
+    if world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in module.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's `obj` (picklable), in rank order, on every rank."""
     if world_size() == 1:

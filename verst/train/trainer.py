@@ -177,16 +177,22 @@ class Trainer:
         self, shell: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None
     ) -> None:
         """Freeze an unsharded copy of `shell` (the HF policy) holding `weights` (HF names;
-        default: the policy's now) as the reference of the KL terms."""
+        default: the policy's now) as the reference of the KL terms, on every rank (a
+        collective: a full state dict is rank 0's alone, so rank 0's copy is broadcast)."""
         reference = copy.deepcopy(shell)
-        reference.load_state_dict(self.full_state_dict() if weights is None else weights)
+        weights = self.full_state_dict() if weights is None else weights
+        if weights or distributed.rank() == 0:
+            reference.load_state_dict(weights)
         reference.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        distributed.broadcast_from_rank0(reference)
         self.reference = reference
 
     def attach_critic(self, critic: ValueModel) -> None:
-        """Train `critic` (unsharded; its body starts as the policy's current body) for PPO."""
+        """Train `critic` (unsharded; its body starts as the policy's current body, rank 0's
+        full state dict broadcast to every rank before sharding) for PPO."""
         critic.load_state_dict(policy_body_weights(self.full_state_dict()), strict=False)
         critic.to(device=self.device, dtype=torch.float32).train()
+        distributed.broadcast_from_rank0(critic)
         _shard(critic, self.dtype, self.device)
         self.critic = critic
         self.critic_optimizer = self.make_optimizer(self.cfg.critic_lr or self.cfg.lr, critic)
