@@ -197,6 +197,18 @@ def test_torchrun_two_ranks_on_gloo(tmp_path: Path) -> None:
     assert report.ok and report.complete_epochs == [0], report.summary()
 
 
+@pytest.mark.slow
+def test_torchrun_reference_starts_from_the_warm_started_policy(tmp_path: Path) -> None:
+    """Two FSDP2 ranks, a warm start, then a KL loss: a full state dict is rank 0's alone, so
+    the reference reaches rank 1 by broadcast (rank 1 had an empty one and stopped)."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "loss.kl_loss_coef=0.1", "loss.entropy_coef=0.05", "num_steps=2"]
+    torchrun_train([*args, "eval.interval_steps=0"], run_dir)
+    rows = records(run_dir)
+    assert rows[0]["warm_start/steps"] == 2
+    assert [r["step"] for r in rows if r.get("train/kl_loss", 0) > 0] == [2]
+
+
 def test_custom_data_and_reward_example_runs(tmp_path: Path, monkeypatch) -> None:
     """examples/times_tables.yaml: a JSONL file and a reward named by import path."""
     repo = Path(__file__).parent.parent

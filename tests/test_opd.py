@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -251,7 +252,12 @@ def teacher_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     [
         ["rollout.reward=none"],  # pure distillation
         ["loss.opd.coef=0.5"],  # distillation + RL (exact_match)
+        pytest.param(
+            ["rollout.reward=none", "trainer.backend=megatron"],
+            marks=pytest.mark.skipif(find_spec("megatron") is None, reason="needs megatron-core"),
+        ),
     ],
+    ids=["distillation", "distillation+rl", "megatron"],
 )
 def test_train_distils_from_a_served_teacher(
     tmp_path: Path, teacher_process: str, mode: list[str]

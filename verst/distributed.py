@@ -45,13 +45,23 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a few scalars over all ranks in one collective."""
-    if world_size() == 1:
+def all_reduce_sum(values: list[float], device: torch.device, group: Any = None) -> list[float]:
+    """Sum a few scalars over all ranks (or the ranks of `group`) in one collective."""
+    if world_size() == 1 or (group is not None and dist.get_world_size(group) == 1):
         return values
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=group)
     return tensor.tolist()
+
+
+def broadcast_from_rank0(module: torch.nn.Module) -> None:
+    """Every rank's copy of `module` takes rank 0's parameters and buffers (a collective; the
+    module must be on this rank's device)."""
+    if world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in module.state_dict().values():
+            dist.broadcast(tensor, src=0)
 
 
 def all_gather_object(obj: Any) -> list[Any]:

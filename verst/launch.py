@@ -52,6 +52,7 @@ from verst.rollout.source import (
 from verst.rollout.teacher import TeacherScorer
 from verst.sync.embedded import EmbeddedSync
 from verst.sync.fleet_sync import FleetSync
+from verst.train.algorithms import LossConfig
 from verst.train.batching import TrainItem
 from verst.train.checkpoint import Checkpointer
 from verst.train.megatron.config import check_layout
@@ -113,23 +114,32 @@ def load_policy(
 
 
 def make_trainer(
-    cfg: RunConfig, model: PreTrainedModel, pad_token_id: int, device: torch.device
+    cfg: RunConfig,
+    model: PreTrainedModel,
+    pad_token_id: int,
+    device: torch.device,
+    *,
+    sft_steps: int | None = None,
 ) -> Trainer:
-    """The policy trainer of `trainer.backend`: FSDP2, or Megatron-core (same interface)."""
+    """The policy trainer of `trainer.backend`: FSDP2, or Megatron-core (same interface).
+    `sft_steps`: the supervised trainer of `mode: sft` (no RL loss, temperature 1), for a
+    schedule of that many steps."""
+    sft = sft_steps is not None
+    loss = LossConfig() if sft else cfg.loss
     common = dict(
-        total_steps=cfg.num_steps,
+        total_steps=sft_steps if sft else cfg.num_steps,
         pad_token_id=pad_token_id,
-        temperature=cfg.rollout.temperature,
+        temperature=1.0 if sft else cfg.rollout.temperature,
         constant_normaliser=cfg.loss.constant_normaliser or float(cfg.rollout.max_new_tokens),
         device=device,
     )
     if cfg.trainer.backend == "megatron":
         from verst.train.megatron.trainer import MegatronTrainer  # megatron-core: an extra
 
-        return MegatronTrainer(model, cfg.trainer, cfg.loss, seed=cfg.seed, **common)  # type: ignore[return-value]
+        return MegatronTrainer(model, cfg.trainer, loss, seed=cfg.seed, **common)  # type: ignore[return-value]
     lora = cfg.model.lora
-    adapter_lrs = {a.name: a.lr or cfg.trainer.lr for a in lora.adapters} or None
-    return Trainer(model, cfg.trainer, cfg.loss, adapter_lrs=adapter_lrs, **common)
+    adapter_lrs = None if sft else {a.name: a.lr or cfg.trainer.lr for a in lora.adapters} or None
+    return Trainer(model, cfg.trainer, loss, adapter_lrs=adapter_lrs, **common)
 
 
 def build(cfg: RunConfig, run_dir: Path) -> Run:

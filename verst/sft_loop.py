@@ -1,12 +1,13 @@
 """The SFT loop (`mode: sft`, `verst sft CONFIG`): batch → supervised step → eval → checkpoint.
 
 `run_sft(cfg, run_dir, resume=...)` trains the policy on the `sft:` section's rows with the
-`trainer:` section's optimiser and schedule, on the same FSDP2 `Trainer` as RL. Every record of
-`metrics.jsonl` is one step: `sft/loss` (mean NLL of the trained tokens), `sft/tokens`,
-`train/grad_norm`, `train/lr`, and at evaluations `eval/loss`, `eval/token_accuracy` and
-`eval/accuracy` (the share of held-out examples greedy decoding would write exactly). Its
-checkpoints are HF model directories that `verst train` starts RL from (`model.path`), and
-`--resume` continues from the newest one with the same batches an uninterrupted run would see.
+`trainer:` section's optimiser and schedule, on the same trainer as RL (either
+`trainer.backend`). Every record of `metrics.jsonl` is one step: `sft/loss` (mean NLL of the
+trained tokens), `sft/tokens`, `train/grad_norm`, `train/lr`, and at evaluations `eval/loss`,
+`eval/token_accuracy` and `eval/accuracy` (the share of held-out examples greedy decoding
+would write exactly). Its checkpoints are HF model directories that `verst train` starts RL
+from (`model.path`), and `--resume` continues from the newest one with the same batches an
+uninterrupted run would see.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from verst import distributed
 from verst.config import RunConfig, dump_config
-from verst.launch import load_policy
+from verst.launch import load_policy, make_trainer
 from verst.models.loading import eos_token_ids
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
@@ -59,9 +60,7 @@ def build_sft(cfg: RunConfig, run_dir: Path) -> SFTRun:
     if sft.max_steps is not None:
         total_steps = min(total_steps, sft.max_steps)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    trainer = Trainer(
-        model, cfg.trainer, LossConfig(), total_steps=total_steps, pad_token_id=pad, device=device
-    )
+    trainer = make_trainer(cfg, model, pad, device, sft_steps=total_steps)
     checkpointer = Checkpointer(
         cfg.checkpoint,
         run_dir,

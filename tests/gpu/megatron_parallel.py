@@ -1,6 +1,8 @@
-"""Run under torchrun by tests/gpu/test_megatron_cuda.py: one GRPO step of the megatron
-backend at the layout given on the command line (tp pp ep family), whose loss and exported
-weights rank 0 compares with the FSDP2 backend's step on the same items (bf16 tolerance)."""
+"""Run under torchrun by tests/gpu/test_megatron_cuda.py: at the layout given on the command
+line (tp pp ep family), the megatron backend's log-probs (rank 0 compares them with the HF
+forward, bf16 tolerance), a GRPO step, a step with a KL loss to a frozen reference and
+whitened advantages, a REINFORCE++ step with the KL as reward, and a supervised step and
+evaluation; rank 0 writes what it measured."""
 
 from __future__ import annotations
 
@@ -28,15 +30,25 @@ def main() -> None:
     items = _items()
     ours = trainer.logprobs(items)
     metrics = trainer.step(items, step=1)
+    trainer.set_reference(model, model.state_dict())  # step 0: a second GPTModel, this layout
+    trainer.loss_cfg = LossConfig(kl_loss_coef=0.5, normalize_advantages=True)
+    kl_loss = trainer.step(_items(1), step=2)["train/kl_loss"]
+    trainer.loss_cfg = LossConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.1)
+    kl_reward_loss = trainer.step(_items(2), step=3)["train/loss"]
+    sft = trainer.sft_step(_items(3), trainer.optimizer, step=4)
+    held_out = trainer.sft_eval(_items(4))
     weights = trainer.full_state_dict()
     if distributed.rank() == 0:
         theirs = _hf_logprobs(model.to(device), items)
         diff = max(
             abs(a - b) for x, y in zip(ours, theirs, strict=True) for a, b in zip(x, y, strict=True)
         )
-        names = sorted(weights)
-        json.dump({"max_logprob_diff": diff, "loss": metrics["train/loss"], "names": names},
-                  open(out, "w"))  # fmt: skip
+        result = {
+            "max_logprob_diff": diff, "loss": metrics["train/loss"], "names": sorted(weights),
+            "kl_loss": kl_loss, "kl_reward_loss": kl_reward_loss, "sft_loss": sft["loss"],
+            "sft_grad_norm": sft["grad_norm"], "eval_loss": held_out["eval/loss"],
+        }  # fmt: skip
+        json.dump(result, open(out, "w"))
 
 
 if __name__ == "__main__":

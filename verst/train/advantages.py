@@ -13,6 +13,8 @@ inside a response is invisible to the discounting.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -124,10 +126,10 @@ def gae(
 
 
 def masked_whiten(
-    advantages: list[Tensor], masks: list[Tensor], device: torch.device
+    advantages: list[Tensor], masks: list[Tensor], device: torch.device, group: Any = None
 ) -> list[Tensor]:
     """(A − mean) / (std + 1e-8) over the masked-in entries of every [B, T] micro-batch on
-    every rank together; masked → 0.
+    every rank (of `group`, when given) together; masked → 0.
 
     One all-reduce of three sums serves the whole step, so the result equals whitening the
     global batch at once. The std is unbiased (divisor n − 1, as Miles' whitening applies
@@ -138,7 +140,7 @@ def masked_whiten(
         sums[0] += float((advantages_B_T * mask_B_T).sum())
         sums[1] += float((advantages_B_T.square() * mask_B_T).sum())
         sums[2] += float(mask_B_T.sum())
-    total, total_sq, count = distributed.all_reduce_sum(sums, device)
+    total, total_sq, count = distributed.all_reduce_sum(sums, device, group)
     mean = total / max(count, 1.0)
     var = max(total_sq - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
     return [

@@ -14,6 +14,7 @@ weights) and the train/rollout mismatch is corrected by the importance weights i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,12 +77,14 @@ def set_token_advantages(
         )
 
 
-def whiten_globally(micros: list[MicroBatch], device: torch.device) -> None:
-    """(A − mean) / std over every masked token of the step, on all ranks together."""
+def whiten_globally(micros: list[MicroBatch], device: torch.device, group: Any = None) -> None:
+    """(A − mean) / std over every masked token of the step, on all ranks (of the process
+    group `group`, when given: ranks that hold distinct items) together."""
     whitened = masked_whiten(
         [micro.advantages_B_T for micro in micros],
         [micro.loss_mask_B_T for micro in micros],
         device,
+        group,
     )
     for micro, advantages in zip(micros, whitened, strict=True):
         micro.advantages_B_T = advantages

@@ -10,7 +10,6 @@ checkpoints hold the adapters alone, in peft's format.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,10 +53,11 @@ class PolicyModels:
         resume) and start the PPO critic from the policy's body."""
         if self.loss.needs_reference_model:
             weights = self.trainer.full_state_dict()
+            # before the save: save_pretrained drops a tied model's shared entries from the dict
+            self.trainer.set_reference(self.shell, weights)
             if distributed.rank() == 0:
                 self.shell.save_pretrained(self.run_dir / REFERENCE_DIR, state_dict=weights)
             distributed.barrier()
-            self.trainer.set_reference(copy.deepcopy(self.shell))
         if self.loss.needs_critic:
             self.trainer.attach_critic(ValueModel(self.shell))
 
@@ -67,6 +67,4 @@ class PolicyModels:
             self.trainer.attach_critic(ValueModel(self.shell))  # weights come from the state
         self.trainer.load_state(weights, trainer_state)
         if self.loss.needs_reference_model:
-            reference = copy.deepcopy(self.shell)
-            reference.load_state_dict(load_weights(self.run_dir / REFERENCE_DIR))
-            self.trainer.reference = reference.to(self.trainer.device, self.trainer.dtype).eval()
+            self.trainer.set_reference(self.shell, load_weights(self.run_dir / REFERENCE_DIR))

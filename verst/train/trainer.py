@@ -9,6 +9,7 @@ micro-batch losses equal the loss of the whole batch; a non-finite loss or gradi
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ from verst.train.batching import (
     response_outputs,
 )
 from verst.train.critic import ValueModel, policy_body_weights
-from verst.train.losses import aggregate, kl_penalty, logprobs_from_logits, value_loss
+from verst.train.losses import aggregate, kl_penalty, value_loss
 from verst.train.objective import (
     Normalisers,
     needs_advantage_pass,
@@ -54,6 +55,7 @@ from verst.train.objective import (
 )
 from verst.train.on_policy import invariant_scores
 from verst.train.routing_replay import RoutingReplay, require_moe, routed_calls
+from verst.train.sft_loss import EVAL_SUMS, eval_metrics, eval_sums, nll_loss
 from verst.train.token_logprobs import response_scores
 from verst.train.trainer_config import (
     NonFiniteLossError,
@@ -171,16 +173,26 @@ class Trainer:
         schedule = _lr_lambda(self.cfg, self.total_steps)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
-    def set_reference(self, reference: torch.nn.Module) -> None:
-        """Freeze `reference` (an unsharded copy of the policy) for the KL term."""
-        reference.load_state_dict(self.full_state_dict())
+    def set_reference(
+        self, shell: torch.nn.Module, weights: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Freeze an unsharded copy of `shell` (the HF policy) holding `weights` (HF names;
+        default: the policy's now) as the reference of the KL terms, on every rank (a
+        collective: a full state dict is rank 0's alone, so rank 0's copy is broadcast)."""
+        reference = copy.deepcopy(shell)
+        weights = self.full_state_dict() if weights is None else weights
+        if weights or distributed.rank() == 0:
+            reference.load_state_dict(weights)
         reference.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        distributed.broadcast_from_rank0(reference)
         self.reference = reference
 
     def attach_critic(self, critic: ValueModel) -> None:
-        """Train `critic` (unsharded; its body starts as the policy's current body) for PPO."""
+        """Train `critic` (unsharded; its body starts as the policy's current body, rank 0's
+        full state dict broadcast to every rank before sharding) for PPO."""
         critic.load_state_dict(policy_body_weights(self.full_state_dict()), strict=False)
         critic.to(device=self.device, dtype=torch.float32).train()
+        distributed.broadcast_from_rank0(critic)
         _shard(critic, self.dtype, self.device)
         self.critic = critic
         self.critic_optimizer = self.make_optimizer(self.cfg.critic_lr or self.cfg.lr, critic)
@@ -472,8 +484,7 @@ class Trainer:
         for is_last, micro in self._micro_batches(items):
             self.model.set_requires_gradient_sync(is_last)
             with timer("train_forward"):
-                logprobs = self._logprobs(self.model, micro)
-                loss = -(logprobs * micro.loss_mask_B_T).sum() / token_norm
+                loss = nll_loss(self._logprobs(self.model, micro), micro.loss_mask_B_T, token_norm)
             with timer("train_backward"):
                 loss.backward()
             total += loss.item()
@@ -495,29 +506,17 @@ class Trainer:
         """Held-out NLL of the masked tokens, the share of them that are the argmax, and the
         share of examples whose every masked token is the argmax (greedy decoding would write
         the reference exactly), over all ranks' items."""
-        sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # nll, tokens, right tokens, right examples, examples
+        sums = dict.fromkeys(EVAL_SUMS, 0.0)
         self.model.eval()
         for _, micro in self._micro_batches(items):
-            logits = self._logits(self.model, micro)
-            mask = micro.loss_mask_B_T
-            logprobs = logprobs_from_logits(logits, micro.response_ids_B_T)
-            right = (logits.argmax(-1) == micro.response_ids_B_T).float()
-            scored = mask.sum(-1) > 0  # a rank's stand-in rows carry no mask
-            whole = ((right * mask).sum(-1) == mask.sum(-1)) & scored
-            batch = [-(logprobs * mask).sum(), mask.sum(), (right * mask).sum(), whole.sum()]
-            for i, value in enumerate([*batch, scored.sum()]):
-                sums[i] += float(value)
+            for key, value in eval_sums(self._logits(self.model, micro), micro).items():
+                sums[key] += value
         # a forward without a backward leaves the parameters unsharded (no post-backward hook
         # reshards them): the optimiser and the next forward must see the sharded ones
         self.model.reshard()
         self.model.train()
-        nll, tokens, right_tokens, right, count = distributed.all_reduce_sum(sums, self.device)
-        return {
-            "eval/loss": nll / max(tokens, 1.0),
-            "eval/token_accuracy": right_tokens / max(tokens, 1.0),
-            "eval/accuracy": right / max(count, 1.0),
-            "eval/num_examples": count,
-        }
+        totals = distributed.all_reduce_sum(list(sums.values()), self.device)
+        return eval_metrics(dict(zip(sums, totals, strict=True)))
 
     def _clip_and_check(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: float, step: int

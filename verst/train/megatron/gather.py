@@ -27,6 +27,11 @@ def data_parallel_size() -> int:
     return _ps().get_data_parallel_world_size()
 
 
+def data_parallel_group() -> Any:
+    """The ranks that hold the same shards and train on distinct items."""
+    return _ps().get_data_parallel_group()
+
+
 def data_parallel_share(items: list[TrainItem]) -> list[TrainItem]:
     """The world's items (each rank's in rank order), every dp-th from this DP rank's index:
     the ranks of one model-parallel group get the same ones."""
@@ -48,7 +53,7 @@ def global_counts(items: list[TrainItem], device: torch.device) -> tuple[float, 
         device=device,
     )
     gathered = [torch.zeros_like(counts) for _ in range(data_parallel_size())]
-    dist.all_gather(gathered, counts, group=_ps().get_data_parallel_group())
+    dist.all_gather(gathered, counts, group=data_parallel_group())
     tokens, sequences = zip(*(g.tolist() for g in gathered), strict=True)
     return normalisers(list(tokens), list(sequences))
 

@@ -12,6 +12,7 @@ as full HF tensors, non-expert ones first (`verst.train.megatron.gather`).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -29,13 +30,20 @@ from verst.train.batching import (
     masked_out,
     pack_micro_batches,
 )
-from verst.train.losses import entropy_from_logits, logprobs_from_logits
+from verst.train.losses import entropy_from_logits, kl_penalty, logprobs_from_logits
 from verst.train.megatron import gather
 from verst.train.megatron.config import check_layout
 from verst.train.megatron.inputs import response_logits, sequence_inputs
 from verst.train.megatron.mapping import WeightMap
 from verst.train.megatron.model import build_model, init_parallel, load_hf_weights
-from verst.train.objective import Normalisers, policy_objective
+from verst.train.objective import (
+    Normalisers,
+    needs_advantage_pass,
+    policy_objective,
+    set_token_advantages,
+    whiten_globally,
+)
+from verst.train.sft_loss import EVAL_SUMS, eval_metrics, eval_sums, nll_loss
 from verst.train.trainer_config import NonFiniteLossError, TrainerConfig, _lr_lambda, compute_dtype
 
 
@@ -43,7 +51,6 @@ class MegatronTrainer:
     lora = False
     stepped_adapters: list[str] = []
     adapter_optimizers: dict = {}
-    reference = None
     critic = None
 
     def __init__(
@@ -75,17 +82,35 @@ class MegatronTrainer:
         load_hf_weights(self.model, self.mapping, model.state_dict())
         self.model.to(device).train()
         self.trainable_parameters = list(self.model.named_parameters())
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = self.make_optimizer(cfg.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(cfg, total_steps)
+        )
+        self.reference: torch.nn.Module | None = None
+        self.timer = PhaseTimer(device=device)
+
+    def make_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        """AdamW over this rank's shards of the policy (the warm start makes its own)."""
+        cfg = self.cfg
+        return torch.optim.AdamW(
             [p for _, p in self.trainable_parameters],
-            lr=cfg.lr,
+            lr=lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _lr_lambda(cfg, total_steps)
-        )
-        self.timer = PhaseTimer(device=device)
+
+    def set_reference(self, shell: Any, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """A frozen second GPTModel of the policy's layout holding `weights` (HF names;
+        default: the policy's now, copied shard for shard) as the reference of the KL terms.
+        `shell`: the HF policy, whose config it is built from. Its parameters are fp32 like the
+        policy's, so its forward is the policy's own path (bf16 autocast on CUDA)."""
+        reference = build_model(shell.config, self.cfg.megatron, self.dtype)
+        if weights is None:
+            reference.load_state_dict(self.model.state_dict())
+        else:
+            load_hf_weights(reference, self.mapping, weights)
+        self.reference = reference.to(self.device).eval().requires_grad_(False)
 
     # --- weights out ---------------------------------------------------------------------------
 
@@ -113,25 +138,70 @@ class MegatronTrainer:
     def step(self, items: list[TrainItem], *, step: int) -> dict[str, float]:
         """One RL optimiser step over the world's items; metrics from the loss ranks."""
         self.timer = PhaseTimer(device=self.device, step=step, cat="train")
+        cfg = self.loss_cfg
         mine = gather.data_parallel_share(items)
         token_norm, seq_norm = gather.global_counts(mine, self.device)
         norms = Normalisers(token_norm, seq_norm, self.constant_normaliser)
-        sums: dict[str, float] = {}
-        for micro in self._micro_batches(mine):
+        micros = list(self._micro_batches(mine))
+        if needs_advantage_pass(cfg):
             with self.timer("train_forward"):
-                stats = self._forward_backward(micro, partial(self._rl_loss, norms=norms))
+                self._advantage_pass(micros)
+        sums: dict[str, float] = {}
+        for micro in micros:
+            with self.timer("train_forward"):
+                ref_logprobs = None
+                if cfg.kl_loss_coef > 0:
+                    ref_logprobs = self._forward_logprobs(self._require_reference(), micro)
+                loss_fn = partial(self._rl_loss, norms=norms, ref_logprobs_B_T=ref_logprobs)
+                stats = self._forward_backward(micro, loss_fn)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
         sums = gather.loss_rank_sums(sums)
         with self.timer("train_optimizer"):
-            grad_norm = self._finish_gradients(sums.get("loss", 0.0), step)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
+            loss = sums.get("loss", 0.0)
+            metrics = self._optimizer_step(self.optimizer, self.scheduler, loss, step)
         dp = gather.data_parallel_size()
-        metrics = {f"train/{k}": v / dp for k, v in sums.items()}
-        return metrics | {"train/grad_norm": grad_norm, "train/lr": lr} | self.timer.metrics()
+        return {f"train/{k}": v / dp for k, v in sums.items()} | metrics | self.timer.metrics()
+
+    def _optimizer_step(
+        self, optimizer: torch.optim.Optimizer, scheduler: Any, loss: float, step: int
+    ) -> dict[str, float]:
+        """Reduce and clip the gradients, step (as FSDP2: not on an all-zero gradient, which
+        Adam's momentum would still turn into an update) and advance the schedule."""
+        grad_norm = self._finish_gradients(loss, step)
+        lr = scheduler.get_last_lr()[0]
+        if grad_norm > 0.0:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # the schedule counts a skipped step: no misuse here
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            scheduler.step()
+        skipped = float(grad_norm == 0.0)
+        return {"train/grad_norm": grad_norm, "train/lr": lr, "train/update_skipped": skipped}
+
+    def _require_reference(self) -> torch.nn.Module:
+        if self.reference is None:
+            raise RuntimeError("the loss needs a reference model, but none was set")
+        return self.reference
+
+    @torch.no_grad()
+    def _advantage_pass(self, micros: list[MicroBatch]) -> None:
+        """Per-token advantages (KL reward, REINFORCE++, on-policy distillation, whitening)
+        from the policy's and the reference's log-probs, before any weight moves. Only the
+        loss stage reads advantages, so other stages keep theirs; whitening sums over the
+        data-parallel group (its ranks hold distinct items; TP peers hold the same ones)."""
+        cfg = self.loss_cfg
+        for micro in micros:
+            kl_B_T = torch.zeros_like(micro.loss_mask_B_T)
+            if cfg.kl_coef > 0 or cfg.estimator.needs_reference:
+                policy_B_T = self._forward_logprobs(self.model, micro)
+                reference_B_T = self._forward_logprobs(self._require_reference(), micro)
+                if policy_B_T is None or reference_B_T is None:
+                    continue
+                kl_B_T = kl_penalty(policy_B_T, reference_B_T, cfg.kl_loss_type)
+            set_token_advantages(cfg, micro, kl_B_T, None)
+        if cfg.whiten_advantages:
+            whiten_globally(micros, self.device, gather.data_parallel_group())
 
     def _micro_batches(self, items: list[TrainItem]) -> Iterator[MicroBatch]:
         """As the FSDP2 trainer's: every rank runs the same number (a short rank repeats a
@@ -145,25 +215,39 @@ class MegatronTrainer:
         for indices in balance_micro_batches(lengths, count):
             yield collate([items[i] for i in indices] or [stand_in], pad, self.device)
 
-    def _forward_backward(self, micro: MicroBatch, loss_fn: Any, forward_only: bool = False):
-        """One micro-batch forward (and backward); the loss stage's stats (empty elsewhere).
-        With PP > 1 it goes through Megatron's pipeline schedule (CUDA only: the schedules
-        allocate on "cuda"); with one stage the model is called directly, which is all the
-        no-pipelining schedule does."""
+    def _forward_backward(
+        self,
+        micro: MicroBatch,
+        loss_fn: Any,
+        forward_only: bool = False,
+        model: torch.nn.Module | None = None,
+    ) -> dict:
+        """One micro-batch forward (and backward) of `model` (the policy by default); the
+        loss stage's stats (empty elsewhere). With PP > 1 it goes through Megatron's pipeline
+        schedule (CUDA only: the schedules allocate on "cuda"); with one stage the model is
+        called directly, which is all the no-pipelining schedule does."""
+        model = self.model if model is None else model
         inputs = sequence_inputs(micro, self.pad_token_id)
         on = self.dtype != torch.float32
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=on):
             if self.cfg.megatron.pipeline_parallel == 1:
-                output = self.model(
+                output = model(
                     inputs.ids_B_S, inputs.positions_B_S, attention_mask=inputs.mask_B_1_S_S
                 )
                 loss, stats = loss_fn(output, micro=micro, inputs=inputs)
                 if not forward_only:
                     loss.backward()
                 return stats
-            return self._pipelined(micro, inputs, loss_fn, forward_only)
+            return self._pipelined(model, micro, inputs, loss_fn, forward_only)
 
-    def _pipelined(self, micro: MicroBatch, inputs: Any, loss_fn: Any, forward_only: bool):
+    def _pipelined(
+        self,
+        model: torch.nn.Module,
+        micro: MicroBatch,
+        inputs: Any,
+        loss_fn: Any,
+        forward_only: bool,
+    ) -> dict:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
@@ -174,7 +258,7 @@ class MegatronTrainer:
         stored = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter([micro]),
-            model=self.model,
+            model=model,
             num_microbatches=1,
             seq_length=inputs.ids_B_S.shape[1],
             micro_batch_size=inputs.ids_B_S.shape[0],
@@ -185,37 +269,111 @@ class MegatronTrainer:
     def logits(self, output: torch.Tensor, inputs: Any) -> torch.Tensor:
         return response_logits(output, inputs, self.vocab) / self.temperature
 
-    def _rl_loss(self, output: torch.Tensor, *, micro: MicroBatch, inputs: Any, norms: Normalisers):
+    def _rl_loss(
+        self,
+        output: torch.Tensor,
+        *,
+        micro: MicroBatch,
+        inputs: Any,
+        norms: Normalisers,
+        ref_logprobs_B_T: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         logits_B_T_V = self.logits(output, inputs)
         logprobs_B_T = logprobs_from_logits(logits_B_T_V, micro.response_ids_B_T)
         with torch.set_grad_enabled(self.loss_cfg.entropy_coef > 0 and torch.is_grad_enabled()):
             entropy_B_T = entropy_from_logits(logits_B_T_V)
-        return policy_objective(self.loss_cfg, logprobs_B_T, entropy_B_T, micro, norms, None)
+        cfg = self.loss_cfg
+        return policy_objective(cfg, logprobs_B_T, entropy_B_T, micro, norms, ref_logprobs_B_T)
+
+    def _keep_logprobs(self, output: torch.Tensor, *, micro: MicroBatch, inputs: Any) -> tuple:
+        values_B_T = logprobs_from_logits(self.logits(output, inputs), micro.response_ids_B_T)
+        return output.new_zeros(()), {"logprobs": values_B_T}
+
+    @torch.no_grad()
+    def _forward_logprobs(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor | None:
+        """fp32 log-probs [B, T] of `micro`'s responses under `model` on the loss stage's
+        ranks, None on the others (every rank of the pipeline joins)."""
+        return self._forward_backward(micro, self._keep_logprobs, True, model).get("logprobs")
 
     @torch.no_grad()
     def logprobs(self, items: list[TrainItem]) -> list[list[float]]:
         """Each item's response-token log-probs (at the trainer's temperature), on every rank;
         items are not split over data-parallel ranks."""
         rows: list[list[float]] = []
+        self.model.eval()
         for item in items:
-            micro = collate([item], self.pad_token_id, self.device)
-
-            def keep(output: torch.Tensor, *, micro: MicroBatch, inputs: Any) -> tuple:
-                values = logprobs_from_logits(self.logits(output, inputs), micro.response_ids_B_T)
-                return output.new_zeros(()), {"logprobs": values[0].tolist()}
-
-            self.model.eval()
-            stats = self._forward_backward(micro, keep, forward_only=True)
-            self.model.train()
-            rows.append(gather.from_loss_rank(stats.get("logprobs")))
+            values_B_T = self._forward_logprobs(
+                self.model, collate([item], self.pad_token_id, self.device)
+            )
+            rows.append(
+                gather.from_loss_rank(None if values_B_T is None else values_B_T[0].tolist())
+            )
+        self.model.train()
         return rows
+
+    # --- supervised steps ----------------------------------------------------------------------
+
+    def sft_step(
+        self,
+        items: list[TrainItem],
+        optimizer: torch.optim.Optimizer,
+        *,
+        step: int,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    ) -> dict[str, float]:
+        """One supervised step over the world's items (`verst.train.sft_loss.nll_loss`, the
+        FSDP2 trainer's loss): `loss`, `grad_norm`, `tokens` (masked tokens, all ranks)."""
+        self.timer = PhaseTimer(device=self.device, step=step, cat="train")
+        mine = gather.data_parallel_share(items)
+        token_norm, _ = gather.global_counts(mine, self.device)
+        total = 0.0
+        for micro in self._micro_batches(mine):
+            with self.timer("train_forward"):
+                stats = self._forward_backward(
+                    micro, partial(self._sft_loss, token_norm=token_norm)
+                )
+            total += stats.get("loss", 0.0)
+        total = gather.loss_rank_sums({"loss": total})["loss"]
+        with self.timer("train_optimizer"):
+            grad_norm = self._finish_gradients(total, step)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+        dp = gather.data_parallel_size()
+        return {
+            "loss": total / dp,
+            "grad_norm": grad_norm,
+            "tokens": token_norm * dp,
+        } | self.timer.metrics()
+
+    def _sft_loss(self, output: torch.Tensor, *, micro: MicroBatch, inputs: Any, token_norm: float):
+        logprobs_B_T = logprobs_from_logits(self.logits(output, inputs), micro.response_ids_B_T)
+        loss = nll_loss(logprobs_B_T, micro.loss_mask_B_T, token_norm)
+        return loss, {"loss": loss.item()}
+
+    @torch.no_grad()
+    def sft_eval(self, items: list[TrainItem]) -> dict[str, float]:
+        """Held-out NLL, token accuracy and exact-example accuracy over the world's items."""
+        sums = dict.fromkeys(EVAL_SUMS, 0.0)
+
+        def keep(output: torch.Tensor, *, micro: MicroBatch, inputs: Any) -> tuple:
+            return output.new_zeros(()), eval_sums(self.logits(output, inputs), micro)
+
+        self.model.eval()
+        for micro in self._micro_batches(gather.data_parallel_share(items)):
+            for key, value in self._forward_backward(micro, keep, forward_only=True).items():
+                sums[key] += value
+        self.model.train()
+        totals = gather.loss_rank_sums(sums)
+        return eval_metrics({key: totals.get(key, 0.0) for key in EVAL_SUMS})
 
     def _finish_gradients(self, loss: float, step: int) -> float:
         """Sum gradients over data-parallel ranks (÷ their number), clip by the global norm."""
         gather.reduce_gradients(self.model)
         norm = gather.gradient_norm(self.model)
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
             raise NonFiniteLossError(
                 f"non-finite loss ({loss}) or gradient norm ({norm}) at step {step}; "
                 "the weights were not updated"
