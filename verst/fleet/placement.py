@@ -15,7 +15,7 @@ EngineKind = Literal["embedded", "in_process", "processes"]
 
 
 class RayNodeConfig(ConfigBase):
-    num_cpus: float = Field(1.0, gt=0, description="CPUs this local Ray node offers")
+    num_cpus: int = Field(1, ge=1, description="CPUs this local Ray node offers (whole CPUs)")
     num_gpus: int = Field(0, ge=0, description="GPUs this local Ray node offers")
     resources: dict[str, float] = Field(
         default_factory=dict,
