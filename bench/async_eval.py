@@ -8,8 +8,11 @@ only the evaluation differs:
 - `shared`: every `--interval` steps on the rollout engine (the worker pauses meanwhile);
 - `fleet`: every `--interval` steps on an engine process of its own, from a snapshot;
 - `external`: every `--interval` steps, `evaluate_checkpoint` below (this file's own function:
-  the snapshot loaded with transformers and scored on the eval set by the embedded engine, on
-  the trainer's evaluation thread).
+  the snapshot loaded with transformers and scored on the eval set by the embedded engine, in
+  the function's own process).
+
+The snapshot modes' evaluation processes run `--eval-nice` steps below normal CPU priority
+(`eval.nice`; unset = its default).
 
 Runs alternate (none, shared, fleet, external, none, ...) `--repeats` times, so a change of the
 machine's load touches every mode alike. The steady part is steps `--skip`+1 .. N-1 (the first
@@ -89,6 +92,8 @@ def overrides(mode: str, args: argparse.Namespace) -> list[str]:
         "checkpoint.interval_steps=0",
         f"eval.sets=[{json.dumps(eval_set(args.eval_prompts))}]",
     ]
+    if args.eval_nice is not None:
+        common.append(f"eval.nice={args.eval_nice}")
     if mode == "none":
         return [*common, "eval.interval_steps=0", "eval.mode=shared"]
     common.append(f"eval.interval_steps={args.interval}")
@@ -265,6 +270,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-nice", type=int, default=None, help="eval.nice; unset = default")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/async_eval_cpu.json")

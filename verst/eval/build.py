@@ -129,8 +129,10 @@ def build_eval_points(
     if ev.mode == "external":
         assert ev.function is not None
         sets = [s.model_dump(mode="json") for s in ev.eval_sets()]
-        scorer = ExternalScorer(ev.function, sets)
-        return EvalPoints(ev, evaluator=None, export=export, scorer=scorer, **points)
+        scorer = ExternalScorer(ev.function, sets, nice=ev.nice)
+        return EvalPoints(
+            ev, evaluator=None, export=export, scorer=scorer, close_scorer=scorer.close, **points
+        )
     evaluator = build_evaluators(
         ev, rollout_reward_fn, tokenizer, decode, device, **sets, sharded=False
     )

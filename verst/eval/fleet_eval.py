@@ -92,6 +92,7 @@ def start_eval_fleet(
             "num_engines": ev.num_engines,
             "engine_devices": list(ev.engine_devices),
             "engine_threads": ev.engine_threads or cfg.placement.engine_threads,
+            "engine_nice": ev.nice,
         }
     )
     model_dir = run_dir / EVAL_INIT_DIR
