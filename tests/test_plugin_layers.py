@@ -63,6 +63,14 @@ def two_args(group: Group, extra: int) -> str | None:
     return None
 
 
+async def first_sample_fails_on_even_prompts(engine, sample, params, decode) -> Sample:
+    from examples.generate_function import two_turns
+
+    if sample.index == 0 and (sample.prompt_id or 0) % 2 == 0:
+        raise ConnectionError("the environment went away")
+    return await two_turns(engine, sample, params, decode)
+
+
 # ---- the four layers through verst train ------------------------------------------------------
 
 
@@ -151,7 +159,7 @@ def test_http_group_reward_scores_each_group_in_one_post(tmp_path: Path, serve) 
     assert len(scorer.posts) == groups_scored
     assert all(len(body["responses"]) == 4 for body in scorer.posts)
     assert all(0.0 <= row["rollout/reward_mean"] <= 1.5 for row in rows[1:])
-    assert sum(row["rollout/reward_failed"] for row in rows[1:]) == 0
+    assert sum(row["rollout/reward_errors"] for row in rows[1:]) == 0
 
 
 def test_a_failing_scorer_fails_its_samples_not_the_run(tmp_path: Path, serve) -> None:
@@ -159,8 +167,8 @@ def test_a_failing_scorer_fails_its_samples_not_the_run(tmp_path: Path, serve) -
     rows, run_dir = train(tmp_path, "rollout.group_reward=http", f"rollout.group_reward_url={url}")
     assert [row["step"] for row in rows] == [0, 1, 2]
     # each group the scorer refused lost all 4 samples, and its prompt was served again
-    assert sum(row["rollout/reward_failed"] for row in rows[1:]) % 4 == 0
-    assert sum(row["rollout/reward_failed"] for row in rows[1:]) >= 4
+    assert sum(row["rollout/reward_errors"] for row in rows[1:]) % 4 == 0
+    assert sum(row["rollout/reward_errors"] for row in rows[1:]) >= 4
     assert "too few scored samples" in reasons(run_dir)
 
 
@@ -272,6 +280,36 @@ def test_two_layers_for_one_part_are_refused() -> None:
         load_config(
             None, ["rollout.dynamic_sampling=true", f"rollout.filter={HERE}:even_prompts_out"]
         )
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("fully_async", marks=pytest.mark.slow)])
+def test_an_aborted_sample_leaves_its_group_in_both_modes(
+    tmp_path: Path, repo: Path, mode: str
+) -> None:
+    """One rule in both modes: a group keeps its scored samples and is trained when at least
+    `rollout.min_scored_samples` remain (the aborted one is left out); with fewer, its prompt
+    is served again."""
+    from tests.test_fully_async import ASYNC
+
+    fails = f"rollout.generate_function={HERE}:first_sample_fails_on_even_prompts"
+    modes = [*ASYNC, "num_steps=2"] if mode == "fully_async" else []
+    rows, run_dir = train(tmp_path, *modes, fails, "eval.interval_steps=0")
+    lines = read_ledger(run_dir / "prompts.jsonl")
+    trained = {x["prompt_id"] for x in lines if x["outcome"] == "trained"}
+    assert any(p % 2 == 0 for p in trained) and any(p % 2 for p in trained)
+    assert not {x["reason"] for x in lines} & {"aborted", "too few scored samples"}
+    assert all(row["buffer/dropped_aborted"] == 0 for row in rows[1:] if mode == "fully_async")
+    # the aborted samples are in the step's groups, one of 4 in an even prompt's group
+    assert 0 < sum(row["rollout/aborted_ratio"] for row in rows[1:]) / (len(rows) - 1) < 0.25
+
+    rows, run_dir = train(
+        tmp_path / "all", *modes, fails, "eval.interval_steps=0", "rollout.min_scored_samples=4"
+    )
+    lines = read_ledger(run_dir / "prompts.jsonl")
+    trained = {x["prompt_id"] for x in lines if x["outcome"] == "trained"}
+    assert trained and all(p % 2 for p in trained)
+    few = [x for x in lines if x["reason"] == "too few scored samples"]
+    assert few and all(x["prompt_id"] % 2 == 0 and x["outcome"] == "retried" for x in few)
 
 
 @pytest.mark.slow

@@ -183,7 +183,7 @@ class _StepRollout(ABC):
         return kept
 
     def metrics(self, groups: list[Group]) -> dict[str, Any]:
-        counts = {"rollout/reward_failed": float(self.rewards.take_failed())}
+        counts = {"rollout/reward_errors": float(self.rewards.take_failed())}
         return rollout_metrics(groups, self.device, counts | self.ledger.take_counts())
 
     def data_state(self) -> dict[str, Any]:
