@@ -51,8 +51,27 @@ def even_prompts_out(group: Group) -> str | None:
 
 
 async def async_rollout(context: RolloutContext, request: RolloutRequest) -> RolloutResult:
-    groups = context.generate(context.take(context.prompts_per_step))
-    return RolloutResult(groups, {"rollout/mine": 1.0})
+    prompts = request.prompts or context.take(context.prompts_per_step)
+    return RolloutResult(context.generate(prompts), {"rollout/mine": 1.0})
+
+
+EVAL_CALLS: list[tuple[int, int, int, int]] = []
+
+
+def recording_rollout(context: RolloutContext, request: RolloutRequest) -> RolloutResult:
+    """Records each evaluation call; leaves its samples unscored (the set's reward scores
+    them), and fails the evaluation of step 2."""
+    if request.prompts is None:
+        groups = context.generate(context.take(context.prompts_per_step))
+        context.score(groups)
+        return RolloutResult(groups)
+    if request.step == 2:
+        raise RuntimeError("the evaluation's environment is down")
+    params = context.params
+    EVAL_CALLS.append(
+        (request.step, request.weight_version, len(request.prompts), params.max_new_tokens)
+    )
+    return RolloutResult(context.generate(request.prompts))
 
 
 def bad_rollout(context: RolloutContext, request: RolloutRequest) -> list:
@@ -81,6 +100,21 @@ def test_rollout_function_owns_the_step(tmp_path: Path, repo: Path) -> None:
         assert row["rollout/num_samples"] > 0 and "train/loss" in row
     rows, _ = train(tmp_path / "async", f"rollout.function={HERE}:async_rollout")
     assert all(row["rollout/mine"] == 1.0 for row in rows[1:])
+
+
+def test_the_rollout_function_also_evaluates(tmp_path: Path) -> None:
+    EVAL_CALLS.clear()
+    overrides = [f"rollout.function={HERE}:recording_rollout", "eval.max_new_tokens=3"]
+    rows, run_dir = train(tmp_path, "num_steps=3", *overrides)
+    versions = {row["step"]: row["weight_version"] for row in rows}
+    # points at steps 0 and 3 (the last); step 2's raised: skipped, and the run went on
+    assert EVAL_CALLS == [(0, versions[0], 8, 3), (3, versions[3], 8, 3)]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert rows[2]["eval/skipped_crashed"] == 1 and "down" in rows[2]["eval/skip_detail"]
+    for row in (rows[0], rows[3]):
+        assert row["eval/num_prompts"] == 8 and 0 <= row["eval/accuracy"] <= 1
+        assert row["eval/response_len_mean"] <= 3
+        assert row["eval/weight_version/mean"] == row["weight_version"]
 
 
 def test_a_rollout_function_that_returns_the_wrong_shape_stops_the_run(tmp_path: Path) -> None:

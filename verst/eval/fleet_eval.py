@@ -42,7 +42,7 @@ class FleetScorer:
 
     def __call__(self, snapshot: Path, step: int, version: int) -> dict[str, float]:
         self.fleet.wait(self._pin(snapshot, version))
-        return self.evaluator.run(self.fleet)
+        return self.evaluator.run(self.fleet, step=step)
 
     async def _pin(self, snapshot: Path, version: int) -> None:
         clients = self.fleet.clients
