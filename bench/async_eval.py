@@ -11,8 +11,9 @@ only the evaluation differs:
   the snapshot loaded with transformers and scored on the eval set by the embedded engine, in
   the function's own process).
 
-The snapshot modes' evaluation processes run `--eval-nice` steps below normal CPU priority
-(`eval.nice`; unset = its default).
+The snapshot modes' evaluation processes run `eval.nice` steps below normal CPU priority:
+`--eval-nice 0 10` runs each snapshot mode once per value in every repeat (labelled
+`fleet@nice0`, `fleet@nice10`, ...); unset, at the config's default.
 
 Runs alternate (none, shared, fleet, external, none, ...) `--repeats` times, so a change of the
 machine's load touches every mode alike. The steady part is steps `--skip`+1 .. N-1 (the first
@@ -31,10 +32,12 @@ steps start up; the last one always evaluates and checkpoints). Per run it repor
 Lost throughput per mode = 1 - (its median perf_samples_per_s) / (the median of `none`), and
 the median over repeats of 1 - (a run's) / (the `none` run of the same repeat), paired; and
 `trainer_blocked_pct`, the share of the trainer's time inside the eval phase (the shared
-evaluation itself; a snapshot mode's export), which other load on the machine moves less.
+evaluation itself; a snapshot mode's export, and its wait for room when `eval.max_in_flight`
+points are pending), which other load on the machine moves less.
 
     python bench/async_eval.py                      # CPU, 3 repeats of each mode
     python bench/async_eval.py --repeats 3 --steps 30
+    python bench/async_eval.py --modes none fleet external --eval-nice 0 10 --repeats 4
 
 Writes bench/results/async_eval_cpu.json.
 """
@@ -82,7 +85,19 @@ def evaluate_checkpoint(checkpoint_dir: str, request: EvalRequest) -> dict[str, 
     return {k: v for k, v in metrics.items() if "weight_version" not in k}
 
 
-def overrides(mode: str, args: argparse.Namespace) -> list[str]:
+def labels(args: argparse.Namespace) -> list[str]:
+    """The runs of one repeat, in order: a snapshot mode once per `--eval-nice` value."""
+    out = []
+    for mode in args.modes:
+        snapshot = mode in ("fleet", "external")
+        out += (
+            [f"{mode}@nice{n}" for n in args.eval_nice] if snapshot and args.eval_nice else [mode]
+        )
+    return out
+
+
+def overrides(label: str, args: argparse.Namespace) -> list[str]:
+    mode, _, nice = label.partition("@nice")
     common = [
         f"num_steps={args.steps}",
         f"seed={args.seed}",
@@ -92,8 +107,8 @@ def overrides(mode: str, args: argparse.Namespace) -> list[str]:
         "checkpoint.interval_steps=0",
         f"eval.sets=[{json.dumps(eval_set(args.eval_prompts))}]",
     ]
-    if args.eval_nice is not None:
-        common.append(f"eval.nice={args.eval_nice}")
+    if nice:
+        common.append(f"eval.nice={nice}")
     if mode == "none":
         return [*common, "eval.interval_steps=0", "eval.mode=shared"]
     common.append(f"eval.interval_steps={args.interval}")
@@ -184,8 +199,8 @@ def summarise(mode: str, run_dir: Path, stamps: dict, args: argparse.Namespace) 
     }
 
 
-def run_one(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
-    cfg = load_config(EXAMPLE, overrides(mode, args))
+def run_one(label: str, args: argparse.Namespace, run_dir: Path) -> dict:
+    cfg = load_config(EXAMPLE, overrides(label, args))
     stamper = Stamper(run_dir / "metrics.jsonl")
     stamper.start()
     started = time.monotonic()
@@ -194,7 +209,7 @@ def run_one(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
     finally:
         stamper.halt.set()
         stamper.join()
-    result = summarise(mode, run_dir, stamper.stamps, args)
+    result = summarise(label.partition("@")[0], run_dir, stamper.stamps, args)
     result["wall_s_with_startup"] = time.monotonic() - started
     return result
 
@@ -270,7 +285,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-nice", type=int, default=None, help="eval.nice; unset = default")
+    parser.add_argument(
+        "--eval-nice", type=int, nargs="*", default=[], help="eval.nice values; unset = default"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/async_eval_cpu.json")
@@ -285,13 +302,14 @@ def main() -> None:
         args.out.write_text(json.dumps(record, indent=2))
         return
 
-    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    runs: dict[str, list[dict]] = {label: [] for label in labels(args)}
     load: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            for mode in args.modes:
+            for mode in runs:
                 load.append(os.getloadavg()[0])
                 result = run_one(mode, args, Path(tmp) / f"{mode}_{repeat}")
+                result["load_average_1m_at_start"] = load[-1]
                 runs[mode].append(result)
                 print(
                     f"[{repeat}] {mode}: {result['perf_samples_per_s']:.1f} samples/s "
