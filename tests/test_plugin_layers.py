@@ -185,6 +185,34 @@ def serve(repo: Path) -> Iterator:
     loop.close()
 
 
+def test_a_judge_served_by_verst_serve_scores_each_group(
+    tmp_path: Path, repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`examples/judge_group_reward.py`: a reward model behind `verst serve` (a tiny judge of
+    the policy's tokenizer) scores each response by its likelihood, centred per group."""
+    from verst.fleet.launcher import free_port, launch_local_engines
+    from verst.models.tiny import TinyModelConfig, create_tiny
+
+    judge_dir = tmp_path / "judge"
+    shape = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    create_tiny(judge_dir, TinyModelConfig(**shape), seed=1)
+    judge_args = ["--device", "cpu", "--num-threads", "1"]
+    judged = "rollout.group_reward=examples.judge_group_reward:judge_likelihood"
+    (judge,) = launch_local_engines(judge_dir, 1, extra_args=judge_args, timeout_s=120)
+    with judge:
+        monkeypatch.setenv("VERST_JUDGE_URL", judge.url)
+        rows, _ = train(tmp_path / "judged", judged, "eval.interval_steps=0")
+    for row in rows[1:]:
+        assert row["rollout/reward_errors"] == 0 and "train/loss" in row
+        assert abs(row["rollout/reward_mean"]) < 1e-6  # each group's rewards sum to 0
+        assert row["rollout/zero_std_ratio"] < 1  # the judge tells the answers apart
+
+    monkeypatch.setenv("VERST_JUDGE_URL", f"http://127.0.0.1:{free_port()}")  # nobody there
+    rows, _ = train(tmp_path / "unreachable", judged, "eval.interval_steps=0")
+    assert [row["step"] for row in rows] == [0, 1, 2]  # every sample failed; the run went on
+    assert all(row["rollout/reward_errors"] == 4 * 4 for row in rows[1:])
+
+
 def test_http_group_reward_scores_each_group_in_one_post(tmp_path: Path, serve) -> None:
     scorer = Scorer()
     url = serve(scorer)
