@@ -2,10 +2,12 @@
 
 The function runs in a process of its own (spawned once per run, `eval.nice` steps below
 normal CPU priority), never in the trainer's: a thread there would share the trainer's GIL and
-could not be given a lower priority than the trainer. The process imports the function once
-and serves one point at a time. A function that raises `EvalSkip` skips its point; any other
-exception, a malformed result or the process dying (it is started again for the next point)
-makes the point `crashed`; the run goes on.
+could not be given a lower priority than the trainer. The process imports the function before
+the run's first step (its start-up would otherwise be the first point's, and hold up the
+points behind it) and serves one point at a time. A function that raises `EvalSkip` skips
+its point; any other exception, a malformed result or the process dying (it is started again
+for the next point) makes the point `crashed`; the run goes on. A process that cannot import
+the function stops the run before its first step, naming `eval.function`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from verst.plugins import CheckpointEvalFunction, EvalRequest, EvalSkip, load_pl
 
 FIELD = "eval.function"
 CLOSE_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = 600.0
 
 
 class ExternalCrash(RuntimeError):
@@ -50,7 +53,12 @@ def _serve(conn: Connection, path: str, sets: list[dict[str, Any]], nice: int) -
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; it closes us
     if nice:
         os.nice(nice)
-    fn = load_plugin(path, CheckpointEvalFunction, field=FIELD)
+    try:
+        fn = load_plugin(path, CheckpointEvalFunction, field=FIELD)
+    except Exception as error:
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+        return
+    conn.send(("ready",))
     while (job := conn.recv()) is not None:
         checkpoint_dir, step, version = job
         try:
@@ -87,11 +95,24 @@ class ExternalScorer:
         self._process.start()
         theirs.close()
         self._conn = ours
+        if not ours.poll(READY_TIMEOUT_S):
+            self.close()
+            raise RuntimeError(f"the {FIELD} process did not start in {READY_TIMEOUT_S:.0f} s")
+        try:
+            answer = ours.recv()
+        except EOFError:
+            answer = ("error", f"its process exited with code {self._process.exitcode}")
+        if answer[0] != "ready":
+            self.close()
+            raise RuntimeError(f"{FIELD} {self.path}: cannot start it: {answer[1]}")
 
     def __call__(self, checkpoint_dir: Path, step: int, version: int) -> dict[str, float]:
         if self._process is None or not self._process.is_alive():
             self.close()
-            self._start()
+            try:
+                self._start()
+            except RuntimeError as error:
+                raise ExternalCrash(str(error)) from error
         assert self._conn is not None
         try:
             self._conn.send((str(checkpoint_dir), step, version))
