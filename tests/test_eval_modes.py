@@ -66,6 +66,8 @@ def test_pass_at_k_matches_the_closed_form() -> None:
             "eval.function",
         ),
         (["eval.function=tests.eval_functions:slow", "eval.interval_steps=2"], "eval.function"),
+        (["eval.nice=20"], "eval.nice"),
+        (["placement.engine_nice=-1"], "placement.engine_nice"),
     ],
 )
 def test_eval_mode_requirements_are_checked_at_config_time(
