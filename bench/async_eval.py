@@ -15,8 +15,9 @@ The snapshot modes' evaluation processes run `eval.nice` steps below normal CPU 
 `--eval-nice 0 10` runs each snapshot mode once per value in every repeat (labelled
 `fleet@nice0`, `fleet@nice10`, ...); unset, at the config's default.
 
-Runs alternate (none, shared, fleet, external, none, ...) `--repeats` times, so a change of the
-machine's load touches every mode alike. The steady part is steps `--skip`+1 .. N-1 (the first
+Runs alternate `--repeats` times, in order (none, shared, fleet, external) and then in reverse
+(external, fleet, shared, none), so a change of the machine's load touches every mode alike
+and a steady drift cancels over two repeats. The steady part is steps `--skip`+1 .. N-1 (the first
 steps start up; the last one always evaluates and checkpoints). Per run it reports:
 
 - `perf_samples_per_s`: trained samples over the sum of every `perf/<phase>_time_s` of those
@@ -247,7 +248,11 @@ def mode_row(results: list[dict], base: list[dict], samples_per_step: int) -> di
     row["extra_cpu_pct"] = 100 * (row["cpu_s_per_step"]["median"] / medians[keys[2]] - 1)
     # each run against the `none` run of its own repeat, minutes apart: load drifts less
     paired = [100 * (1 - r[keys[0]] / b[keys[0]]) for r, b in zip(results, base, strict=True)]
-    row["lost_pct_paired"] = {"per_repeat": paired, "median": statistics.median(paired)}
+    row["lost_pct_paired"] = {
+        "per_repeat": paired,
+        "median": statistics.median(paired),
+        "mean": statistics.fmean(paired),
+    }
     # the share of the trainer's time spent inside the eval phase (blocked by evaluation)
     blocked = [100 * r["perf_eval_time_s_mean"] * r[keys[0]] / samples_per_step for r in results]
     row["trainer_blocked_pct"] = spread(blocked) if any(blocked) else {"median": 0.0}
@@ -306,7 +311,10 @@ def main() -> None:
     load: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            for mode in runs:
+            # odd repeats run in reverse order: a load that drifts one way over a repeat then
+            # favours the later modes in one repeat and the earlier ones in the next
+            order = list(runs) if repeat % 2 == 0 else list(runs)[::-1]
+            for mode in order:
                 load.append(os.getloadavg()[0])
                 result = run_one(mode, args, Path(tmp) / f"{mode}_{repeat}")
                 result["load_average_1m_at_start"] = load[-1]
