@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verst.eval.config import EvalConfig
 from verst.eval.evaluate import Evaluator
+from verst.eval.external import ExternalScorer
 from verst.eval.fleet_eval import FleetScorer
 from verst.eval.points import EvalPoints, attributed
 from verst.eval.scores import group_sums, set_metrics
@@ -24,7 +25,7 @@ from verst.eval.snapshots import collect_garbage, snapshot_dir
 from verst.fleet.fleet import Fleet
 from verst.fleet.placement import PlacementConfig
 from verst.models.tiny import TinyModelConfig, create_tiny
-from verst.plugins import EvalSkip
+from verst.plugins import EvalSkip, PluginError
 from verst.rollout.rewards import RewardScorer, exact_match
 from verst.train.checkpoint import COMPLETE_MARKER
 from verst.types import Sample
@@ -193,3 +194,10 @@ def test_an_evaluation_thread_that_waits_never_holds_the_trainer(tmp_path: Path)
     evals.close(drain=True)
     assert records[1]["eval/skipped_busy"] == 1
     assert records[0]["eval/score"] == 1 and records[2]["eval/score"] == 1
+
+
+def test_a_function_its_process_cannot_import_stops_the_run_at_start() -> None:
+    path = "tests.eval_functions_parent_only:score"
+    message = rf"eval\.function: {path} cannot be loaded in its process"
+    with pytest.raises(PluginError, match=message):
+        ExternalScorer(path, [], nice=0)

@@ -22,7 +22,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from verst.plugins import CheckpointEvalFunction, EvalRequest, EvalSkip, load_plugin
+from verst.plugins import (
+    CheckpointEvalFunction,
+    EvalRequest,
+    EvalSkip,
+    PluginError,
+    load_plugin,
+)
 
 FIELD = "eval.function"
 CLOSE_TIMEOUT_S = 10.0
@@ -104,14 +110,14 @@ class ExternalScorer:
             answer = ("error", f"its process exited with code {self._process.exitcode}")
         if answer[0] != "ready":
             self.close()
-            raise RuntimeError(f"{FIELD} {self.path}: cannot start it: {answer[1]}")
+            raise PluginError(f"{FIELD}: {self.path} cannot be loaded in its process: {answer[1]}")
 
     def __call__(self, checkpoint_dir: Path, step: int, version: int) -> dict[str, float]:
         if self._process is None or not self._process.is_alive():
             self.close()
             try:
                 self._start()
-            except RuntimeError as error:
+            except (RuntimeError, PluginError) as error:
                 raise ExternalCrash(str(error)) from error
         assert self._conn is not None
         try:
