@@ -8,11 +8,16 @@ only the evaluation differs:
 - `shared`: every `--interval` steps on the rollout engine (the worker pauses meanwhile);
 - `fleet`: every `--interval` steps on an engine process of its own, from a snapshot;
 - `external`: every `--interval` steps, `evaluate_checkpoint` below (this file's own function:
-  the snapshot loaded with transformers and scored on the eval set by the embedded engine, on
-  the trainer's evaluation thread).
+  the snapshot loaded with transformers and scored on the eval set by the embedded engine, in
+  the function's own process).
 
-Runs alternate (none, shared, fleet, external, none, ...) `--repeats` times, so a change of the
-machine's load touches every mode alike. The steady part is steps `--skip`+1 .. N-1 (the first
+The snapshot modes' evaluation processes run `eval.nice` steps below normal CPU priority:
+`--eval-nice 0 10` runs each snapshot mode once per value in every repeat (labelled
+`fleet@nice0`, `fleet@nice10`, ...); unset, at the config's default.
+
+Runs alternate `--repeats` times, in order (none, shared, fleet, external) and then in reverse
+(external, fleet, shared, none), so a change of the machine's load touches every mode alike
+and a steady drift cancels over two repeats. The steady part is steps `--skip`+1 .. N-1 (the first
 steps start up; the last one always evaluates and checkpoints). Per run it reports:
 
 - `perf_samples_per_s`: trained samples over the sum of every `perf/<phase>_time_s` of those
@@ -28,10 +33,12 @@ steps start up; the last one always evaluates and checkpoints). Per run it repor
 Lost throughput per mode = 1 - (its median perf_samples_per_s) / (the median of `none`), and
 the median over repeats of 1 - (a run's) / (the `none` run of the same repeat), paired; and
 `trainer_blocked_pct`, the share of the trainer's time inside the eval phase (the shared
-evaluation itself; a snapshot mode's export), which other load on the machine moves less.
+evaluation itself; a snapshot mode's export, and its wait for room when `eval.max_in_flight`
+points are pending), which other load on the machine moves less.
 
     python bench/async_eval.py                      # CPU, 3 repeats of each mode
     python bench/async_eval.py --repeats 3 --steps 30
+    python bench/async_eval.py --modes none fleet external --eval-nice 0 10 --repeats 4
 
 Writes bench/results/async_eval_cpu.json.
 """
@@ -79,7 +86,19 @@ def evaluate_checkpoint(checkpoint_dir: str, request: EvalRequest) -> dict[str, 
     return {k: v for k, v in metrics.items() if "weight_version" not in k}
 
 
-def overrides(mode: str, args: argparse.Namespace) -> list[str]:
+def labels(args: argparse.Namespace) -> list[str]:
+    """The runs of one repeat, in order: a snapshot mode once per `--eval-nice` value."""
+    out = []
+    for mode in args.modes:
+        snapshot = mode in ("fleet", "external")
+        out += (
+            [f"{mode}@nice{n}" for n in args.eval_nice] if snapshot and args.eval_nice else [mode]
+        )
+    return out
+
+
+def overrides(label: str, args: argparse.Namespace) -> list[str]:
+    mode, _, nice = label.partition("@nice")
     common = [
         f"num_steps={args.steps}",
         f"seed={args.seed}",
@@ -89,6 +108,8 @@ def overrides(mode: str, args: argparse.Namespace) -> list[str]:
         "checkpoint.interval_steps=0",
         f"eval.sets=[{json.dumps(eval_set(args.eval_prompts))}]",
     ]
+    if nice:
+        common.append(f"eval.nice={nice}")
     if mode == "none":
         return [*common, "eval.interval_steps=0", "eval.mode=shared"]
     common.append(f"eval.interval_steps={args.interval}")
@@ -179,8 +200,8 @@ def summarise(mode: str, run_dir: Path, stamps: dict, args: argparse.Namespace) 
     }
 
 
-def run_one(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
-    cfg = load_config(EXAMPLE, overrides(mode, args))
+def run_one(label: str, args: argparse.Namespace, run_dir: Path) -> dict:
+    cfg = load_config(EXAMPLE, overrides(label, args))
     stamper = Stamper(run_dir / "metrics.jsonl")
     stamper.start()
     started = time.monotonic()
@@ -189,7 +210,7 @@ def run_one(mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
     finally:
         stamper.halt.set()
         stamper.join()
-    result = summarise(mode, run_dir, stamper.stamps, args)
+    result = summarise(label.partition("@")[0], run_dir, stamper.stamps, args)
     result["wall_s_with_startup"] = time.monotonic() - started
     return result
 
@@ -227,7 +248,11 @@ def mode_row(results: list[dict], base: list[dict], samples_per_step: int) -> di
     row["extra_cpu_pct"] = 100 * (row["cpu_s_per_step"]["median"] / medians[keys[2]] - 1)
     # each run against the `none` run of its own repeat, minutes apart: load drifts less
     paired = [100 * (1 - r[keys[0]] / b[keys[0]]) for r, b in zip(results, base, strict=True)]
-    row["lost_pct_paired"] = {"per_repeat": paired, "median": statistics.median(paired)}
+    row["lost_pct_paired"] = {
+        "per_repeat": paired,
+        "median": statistics.median(paired),
+        "mean": statistics.fmean(paired),
+    }
     # the share of the trainer's time spent inside the eval phase (blocked by evaluation)
     blocked = [100 * r["perf_eval_time_s_mean"] * r[keys[0]] / samples_per_step for r in results]
     row["trainer_blocked_pct"] = spread(blocked) if any(blocked) else {"median": 0.0}
@@ -265,6 +290,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--eval-nice", type=int, nargs="*", default=[], help="eval.nice values; unset = default"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/async_eval_cpu.json")
@@ -279,13 +307,17 @@ def main() -> None:
         args.out.write_text(json.dumps(record, indent=2))
         return
 
-    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    runs: dict[str, list[dict]] = {label: [] for label in labels(args)}
     load: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            for mode in args.modes:
+            # odd repeats run in reverse order: a load that drifts one way over a repeat then
+            # favours the later modes in one repeat and the earlier ones in the next
+            order = list(runs) if repeat % 2 == 0 else list(runs)[::-1]
+            for mode in order:
                 load.append(os.getloadavg()[0])
                 result = run_one(mode, args, Path(tmp) / f"{mode}_{repeat}")
+                result["load_average_1m_at_start"] = load[-1]
                 runs[mode].append(result)
                 print(
                     f"[{repeat}] {mode}: {result['perf_samples_per_s']:.1f} samples/s "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -16,6 +17,8 @@ def files_seen(checkpoint_dir: str, request: EvalRequest) -> dict[str, float]:
         "complete": float((path / ".complete").is_file()),
         "version_seen": float(request.weight_version),
         "num_sets": float(len(request.sets)),
+        "pid": float(os.getpid()),
+        "nice": float(os.getpriority(os.PRIO_PROCESS, 0)),
     }
 
 
@@ -25,8 +28,10 @@ def slow(checkpoint_dir: str, request: EvalRequest) -> dict[str, float]:
 
 
 def skips_odd_steps(checkpoint_dir: str, request: EvalRequest) -> dict[str, float]:
-    if request.step % 2:
+    if request.step % 2 and request.step != 3:
         raise EvalSkip("odd_step")
     if request.step == 2:
         raise RuntimeError("the scorer broke")
+    if request.step == 3:
+        os._exit(3)  # the function's process dies; the next point starts another
     return {"score": float(request.step)}

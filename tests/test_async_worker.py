@@ -9,6 +9,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
+from verst.loop import only_scored
 from verst.rollout.async_config import AsyncConfig
 from verst.rollout.async_worker import (
     RolloutWorker,
@@ -258,23 +259,42 @@ def test_full_buffer_throttles_generation() -> None:
     run(main())
 
 
-def test_generation_errors_abort_the_sample_and_retry_the_prompt() -> None:
-    async def main() -> None:
+def test_a_generation_error_aborts_its_sample_and_its_group_keeps_the_others() -> None:
+    """The synchronous loop's rule: a group with `min_scored_samples` samples neither ABORTED
+    nor FAILED goes to the buffer whole (the trainer leaves the aborted one out); with fewer,
+    its prompt is served again (`too few scored samples`)."""
+
+    async def main(min_scored: int) -> tuple[list[Group], dict, list[str]]:
         source, engine = FakeSource(2), FakeEngine(manual=False)
         engine.fail = {(0, 1)}
         buffer = DataBuffer(4, give_back=source.give_back)
         worker = RolloutWorker(
-            source, buffer, engine, reward, n_samples_per_prompt=2, max_inflight=2
+            source,
+            buffer,
+            engine,
+            reward,
+            n_samples_per_prompt=2,
+            max_inflight=2,
+            min_scored_samples=min_scored,
+            give_back=source.give_back,
         )
         async with worker:
             groups = await worker.take(2, current_version=0)
-            # p0's group was dropped at put and its prompt served again, as group 1
-            assert [(g[0].prompt, g[0].group_index) for g in groups] == [("p0", 1), ("p1", 2)]
-            m = worker.metrics()
-            assert m["buffer/dropped_aborted"] == 1 and m["rollout/generate_errors"] == 1
-        assert source.given_back == ["p0"]
+            return groups, worker.metrics(), source.given_back
 
-    run(main())
+    groups, m, given_back = run(main(1))
+    assert [(g[0].prompt, g[0].group_index) for g in groups] == [("p0", 0), ("p1", 1)]
+    assert [s.status for s in groups[0]] == [Status.COMPLETED, Status.ABORTED]
+    assert groups[0][0].reward is not None and groups[0][1].reward is None
+    assert only_scored(groups) == [groups[0][:1], groups[1]]
+    assert m["buffer/dropped_aborted"] == 0 and m["rollout/generate_errors"] == 1
+    assert "p0" not in given_back  # (stop gives back the prompts still in flight)
+
+    groups, m, given_back = run(main(2))
+    # p0's group was set aside before the buffer and its prompt served again, as group 1
+    assert [(g[0].prompt, g[0].group_index) for g in groups] == [("p0", 1), ("p1", 2)]
+    assert m["buffer/dropped_aborted"] == 0 and m["rollout/generate_errors"] == 1
+    assert given_back[0] == "p0"
 
 
 def test_aborted_sample_keeps_the_prompt_side_and_the_reason() -> None:
@@ -300,7 +320,7 @@ def test_aborted_sample_keeps_the_prompt_side_and_the_reason() -> None:
             await worker.take(1, 0)
         bad = seen[0][0]
         assert bad.status == Status.ABORTED and bad.tokens == [1, 2]
-        assert bad.response_length == 0 and bad.reward is None  # aborted groups are not scored
+        assert bad.response_length == 0 and bad.reward is None  # aborted samples are not scored
         assert bad.metadata["abort_error"] == "ConnectionError: engine lost (0, 0)"
 
     run(main())
@@ -408,7 +428,8 @@ def test_stop_aborts_in_flight_groups_and_returns_prompts(retry) -> None:
 @pytest.mark.parametrize("unused", ["drop", "retry"])
 def test_unconsumed_prompts_are_the_ones_not_served_nor_dropped(unused) -> None:
     """What a checkpoint saves for a resumed run to serve again: prompts generating or waiting
-    in the buffer, not those a take served, nor those the buffer dropped (aborted, filtered)."""
+    in the buffer, not those a take served, nor those set aside (too few scored samples) or
+    dropped (filtered)."""
 
     def prompts(groups: list[Group]) -> list[str]:
         return sorted(g[0].prompt for g in groups)
@@ -429,14 +450,15 @@ def test_unconsumed_prompts_are_the_ones_not_served_nor_dropped(unused) -> None:
             n_samples_per_prompt=2,
             group_filter=lambda g: None if g[0].prompt in ("p0", "p3") else "filtered",
             ledger=ledger,
+            min_scored_samples=2,
         )
-        engine.fail.add((2, 1))  # p2's second sample aborts
+        engine.fail.add((2, 1))  # p2's second sample aborts: one scored sample is too few
         await worker.start()
         await settle()
         assert prompts(worker.unconsumed_prompts()) == ["p0", "p1", "p2"]  # all generating
         engine.release((0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1))
         await settle()
-        # p0 waits in the buffer, p1 was filtered out, p2 aborted (and, with retry, given back
+        # p0 waits in the buffer, p1 was filtered out, p2 set aside (and, with retry, given back
         # to the source, which serves it again next); three more groups started
         started = ["p2", "p3", "p4"] if unused == "retry" else ["p3", "p4", "p5"]
         assert prompts(worker.unconsumed_prompts()) == ["p0", *started]
@@ -496,7 +518,7 @@ def test_groups_with_too_few_scored_samples_go_back_until_their_retries_run_out(
     assert [f[1] for f in fates if f[0] == 1] == [RETRIED, RETRIED, DROPPED]
     assert [f[1] for f in fates if f[0] == 2] == [RETRIED, RETRIED, DROPPED]
     # p0: 2 samples × 3 serves; p1 and p2: 1 sample × 3 serves each
-    assert metrics["rollout/reward_failed"] == 12
+    assert metrics["rollout/reward_errors"] == 12
     counts = ledger.take_counts()
     assert counts["rollout/too_few_scored_groups"] == 9 and counts["rollout/retries_exhausted"] == 3
 
@@ -617,7 +639,8 @@ def test_async_config() -> None:
 
 
 def test_slot_counts_agree_with_the_groups_the_worker_holds(tmp_path) -> None:
-    """With drops at put (aborted, filtered), stale drops at take and long tails, the slot
+    """With set-asides before put (an aborted sample leaves too few scored), drops at put
+    (filtered), stale drops at take and long tails, the slot
     accounting stays consistent and counts as ahead exactly the prompts a checkpoint saves;
     the ledger gets every drop with its reason."""
     rng = random.Random(1)
@@ -639,6 +662,7 @@ def test_slot_counts_agree_with_the_groups_the_worker_holds(tmp_path) -> None:
             n_samples_per_prompt=2,
             group_filter=lambda g: None if g[0].group_index % 5 != 0 else "filtered",
             ledger=ledger,
+            min_scored_samples=2,
         )
         seen = 0
 
@@ -658,10 +682,11 @@ def test_slot_counts_agree_with_the_groups_the_worker_holds(tmp_path) -> None:
                 await asyncio.sleep(0.003)
             watcher.cancel()
         m = worker.metrics()
-        assert m["buffer/dropped_aborted"] >= 1 and m["buffer/dropped_filtered"] >= 1
+        assert m["rollout/generate_errors"] >= 1 and m["buffer/dropped_filtered"] >= 1
         assert m["buffer/dropped_stale"] >= 1 and seen > 50
         fates = {(x["outcome"], x["reason"]) for x in read_ledger(ledger.path)}
-        assert fates == {(RETRIED, "aborted"), (RETRIED, "stale"), (DROPPED, "filter: filtered")}
+        few = "too few scored samples"
+        assert fates == {(RETRIED, few), (RETRIED, "stale"), (DROPPED, "filter: filtered")}
         worker._slots.check()
         assert worker.inflight == 0 and worker.unconsumed_prompts() == []
 

@@ -85,18 +85,24 @@ def test_take_waits_for_enough_groups() -> None:
 
 
 @pytest.mark.parametrize("retry", [False, True])
-def test_aborted_groups_dropped_at_put(retry: bool) -> None:
+def test_groups_with_no_sample_to_train_dropped_at_put(retry: bool) -> None:
     async def main() -> None:
         back = Recorder()
-        buffer = DataBuffer(2, give_back=back if retry else None)
+        buffer = DataBuffer(3, give_back=back if retry else None)
         aborted = group(0, 0)
-        aborted[1].status = Status.ABORTED
+        aborted[0].status = Status.ABORTED
+        aborted[1].status = Status.FAILED
         await buffer.put(aborted)
-        # FAILED (a reward error) is a finished trajectory with reward 0, not an abort
-        await buffer.put(group(0, 0, status=Status.FAILED))
-        assert len(buffer) == 1
-        assert buffer.metrics()["buffer/dropped_aborted"] == 1
-        assert back.groups == ([aborted] if retry else [])
+        # one sample aborted, one FAILED (a reward error): the others are trained, the group
+        # is kept (the worker sets aside those with too few before they reach the buffer)
+        partly = group(0, 0)
+        partly[1].status = Status.ABORTED
+        await buffer.put(partly)
+        failed = group(0, 0, status=Status.FAILED)
+        await buffer.put(failed)
+        assert len(buffer) == 1 and buffer._waiting == [partly]
+        assert buffer.metrics()["buffer/dropped_aborted"] == 2
+        assert back.groups == ([aborted, failed] if retry else [])
 
     run(main())
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import math
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,8 @@ def test_pass_at_k_matches_the_closed_form() -> None:
             "eval.function",
         ),
         (["eval.function=tests.eval_functions:slow", "eval.interval_steps=2"], "eval.function"),
+        (["eval.nice=20"], "eval.nice"),
+        (["placement.engine_nice=-1"], "placement.engine_nice"),
     ],
 )
 def test_eval_mode_requirements_are_checked_at_config_time(
@@ -139,6 +143,9 @@ def test_external_points_are_recorded_at_the_step_they_measured(tmp_path: Path) 
         assert row["eval/version_seen"] == row["eval/weight_version"]
         assert row["eval/has_weights"] == 1 and row["eval/complete"] == 1
         assert row["eval/num_sets"] == 1
+        # in a process of its own, below the trainer's CPU priority (eval.nice, default 10)
+        assert row["eval/pid"] != os.getpid() and row["eval/pid"] == evals[0]["eval/pid"]
+        assert row["eval/nice"] == min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
         assert row["eval/lag_steps"] >= 0 and row["eval/duration_s"] >= 0
     # the last step's checkpoint is reused; the others were exported for their point
     assert ["eval/export_time_s" in r for r in evals] == [True, True, True, False]
@@ -164,6 +171,8 @@ def test_external_skips_crashes_and_busy_never_stop_training(tmp_path: Path) -> 
     assert evals[0]["eval/score"] == 0.0 and evals[4]["eval/score"] == 4.0
     assert evals[1]["eval/skipped_odd_step"] == 1 and "eval/score" not in evals[1]
     assert evals[2]["eval/skipped_crashed"] == 1 and "broke" in evals[2]["eval/skip_detail"]
+    # the function's process died: that point crashed, the next ran in a new process
+    assert evals[3]["eval/skipped_crashed"] == 1 and "died" in evals[3]["eval/skip_detail"]
     assert "eval/export_time_s" not in evals[4]  # the saved checkpoint was reused
     assert "eval/export_time_s" in evals[1]
     assert len(step_rows(run_dir)) == 6
@@ -213,6 +222,35 @@ def test_shared_eval_in_fully_async_mode_pauses_the_rollout(tmp_path: Path) -> N
         assert not any(k.startswith("eval/skipped_") for k in row)
 
 
+class ServeNiceness(threading.Thread):
+    """The niceness of every `verst serve` process this test process starts (`--parent-pid`
+    names it), polled from /proc."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.values: set[int] = set()
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        ours = ["serve", "--parent-pid", str(os.getpid())]
+        while not self.halt.wait(0.2):
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                    if all(arg in argv for arg in ours):
+                        self.values.add(os.getpriority(os.PRIO_PROCESS, int(pid)))
+                except OSError:
+                    pass  # gone meanwhile
+
+    def __enter__(self) -> ServeNiceness:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.halt.set()
+        self.join()
+
+
 def test_fleet_eval_pins_a_snapshot_on_its_own_engine_process(tmp_path: Path) -> None:
     pytest.importorskip("aiohttp")
     run_dir = tmp_path / "run"
@@ -224,7 +262,10 @@ def test_fleet_eval_pins_a_snapshot_on_its_own_engine_process(tmp_path: Path) ->
         "eval.engine_threads=1",
         "eval.max_in_flight=1",
     ]
-    assert main(["train", *overrides, "--run-dir", str(run_dir)]) == 0
+    with ServeNiceness() as seen:
+        assert main(["train", *overrides, "--run-dir", str(run_dir)]) == 0
+    # the eval engine (the only `verst serve` process here) ran below the trainer's priority
+    assert seen.values == {min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)}
     steps = {r["step"]: r for r in step_rows(run_dir)}
     evals = eval_rows(run_dir)
     assert [r["step"] for r in evals] == [0, 2, 4]

@@ -72,4 +72,4 @@ def test_fully_async_run_on_two_engine_processes(tmp_path: Path) -> None:
     assert any(x["outcome"] == PENDING for x in lines)
     report = check_exactly_once(run_dir / "prompts.jsonl", 12)
     assert report.ok and report.complete_epochs, report.summary()
-    assert sum(r["rollout/reward_failed"] for r in rows[1:]) >= 2 * 4
+    assert sum(r["rollout/reward_errors"] for r in rows[1:]) >= 2 * 4

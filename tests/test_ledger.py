@@ -218,7 +218,7 @@ def test_failing_rewards_are_retried_then_trained_or_dropped(tmp_path: Path, cap
     rows = records(run_dir)[1:]
     failed_groups = [x for x in lines if few in x["reason"]]
     exhausted = [x for x in lines if x["reason"].startswith("retries exhausted")]
-    assert sum(r["rollout/reward_failed"] for r in rows) == 4 * len(failed_groups)
+    assert sum(r["rollout/reward_errors"] for r in rows) == 4 * len(failed_groups)
     assert sum(r["rollout/too_few_scored_groups"] for r in rows) == len(failed_groups)
     assert sum(r["rollout/retries_exhausted"] for r in rows) == len(exhausted)
     messages = [r.getMessage() for r in caplog.records]

@@ -51,8 +51,27 @@ def even_prompts_out(group: Group) -> str | None:
 
 
 async def async_rollout(context: RolloutContext, request: RolloutRequest) -> RolloutResult:
-    groups = context.generate(context.take(context.prompts_per_step))
-    return RolloutResult(groups, {"rollout/mine": 1.0})
+    prompts = request.prompts or context.take(context.prompts_per_step)
+    return RolloutResult(context.generate(prompts), {"rollout/mine": 1.0})
+
+
+EVAL_CALLS: list[tuple[int, int, int, int]] = []
+
+
+def recording_rollout(context: RolloutContext, request: RolloutRequest) -> RolloutResult:
+    """Records each evaluation call; leaves its samples unscored (the set's reward scores
+    them), and fails the evaluation of step 2."""
+    if request.prompts is None:
+        groups = context.generate(context.take(context.prompts_per_step))
+        context.score(groups)
+        return RolloutResult(groups)
+    if request.step == 2:
+        raise RuntimeError("the evaluation's environment is down")
+    params = context.params
+    EVAL_CALLS.append(
+        (request.step, request.weight_version, len(request.prompts), params.max_new_tokens)
+    )
+    return RolloutResult(context.generate(request.prompts))
 
 
 def bad_rollout(context: RolloutContext, request: RolloutRequest) -> list:
@@ -61,6 +80,14 @@ def bad_rollout(context: RolloutContext, request: RolloutRequest) -> list:
 
 def two_args(group: Group, extra: int) -> str | None:
     return None
+
+
+async def first_sample_fails_on_even_prompts(engine, sample, params, decode) -> Sample:
+    from examples.generate_function import two_turns
+
+    if sample.index == 0 and (sample.prompt_id or 0) % 2 == 0:
+        raise ConnectionError("the environment went away")
+    return await two_turns(engine, sample, params, decode)
 
 
 # ---- the four layers through verst train ------------------------------------------------------
@@ -73,6 +100,21 @@ def test_rollout_function_owns_the_step(tmp_path: Path, repo: Path) -> None:
         assert row["rollout/num_samples"] > 0 and "train/loss" in row
     rows, _ = train(tmp_path / "async", f"rollout.function={HERE}:async_rollout")
     assert all(row["rollout/mine"] == 1.0 for row in rows[1:])
+
+
+def test_the_rollout_function_also_evaluates(tmp_path: Path) -> None:
+    EVAL_CALLS.clear()
+    overrides = [f"rollout.function={HERE}:recording_rollout", "eval.max_new_tokens=3"]
+    rows, run_dir = train(tmp_path, "num_steps=3", *overrides)
+    versions = {row["step"]: row["weight_version"] for row in rows}
+    # points at steps 0 and 3 (the last); step 2's raised: skipped, and the run went on
+    assert EVAL_CALLS == [(0, versions[0], 8, 3), (3, versions[3], 8, 3)]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert rows[2]["eval/skipped_crashed"] == 1 and "down" in rows[2]["eval/skip_detail"]
+    for row in (rows[0], rows[3]):
+        assert row["eval/num_prompts"] == 8 and 0 <= row["eval/accuracy"] <= 1
+        assert row["eval/response_len_mean"] <= 3
+        assert row["eval/weight_version/mean"] == row["weight_version"]
 
 
 def test_a_rollout_function_that_returns_the_wrong_shape_stops_the_run(tmp_path: Path) -> None:
@@ -143,6 +185,34 @@ def serve(repo: Path) -> Iterator:
     loop.close()
 
 
+def test_a_judge_served_by_verst_serve_scores_each_group(
+    tmp_path: Path, repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`examples/judge_group_reward.py`: a reward model behind `verst serve` (a tiny judge of
+    the policy's tokenizer) scores each response by its likelihood, centred per group."""
+    from verst.fleet.launcher import free_port, launch_local_engines
+    from verst.models.tiny import TinyModelConfig, create_tiny
+
+    judge_dir = tmp_path / "judge"
+    shape = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    create_tiny(judge_dir, TinyModelConfig(**shape), seed=1)
+    judge_args = ["--device", "cpu", "--num-threads", "1"]
+    judged = "rollout.group_reward=examples.judge_group_reward:judge_likelihood"
+    (judge,) = launch_local_engines(judge_dir, 1, extra_args=judge_args, timeout_s=120)
+    with judge:
+        monkeypatch.setenv("VERST_JUDGE_URL", judge.url)
+        rows, _ = train(tmp_path / "judged", judged, "eval.interval_steps=0")
+    for row in rows[1:]:
+        assert row["rollout/reward_errors"] == 0 and "train/loss" in row
+        assert abs(row["rollout/reward_mean"]) < 1e-6  # each group's rewards sum to 0
+        assert row["rollout/zero_std_ratio"] < 1  # the judge tells the answers apart
+
+    monkeypatch.setenv("VERST_JUDGE_URL", f"http://127.0.0.1:{free_port()}")  # nobody there
+    rows, _ = train(tmp_path / "unreachable", judged, "eval.interval_steps=0")
+    assert [row["step"] for row in rows] == [0, 1, 2]  # every sample failed; the run went on
+    assert all(row["rollout/reward_errors"] == 4 * 4 for row in rows[1:])
+
+
 def test_http_group_reward_scores_each_group_in_one_post(tmp_path: Path, serve) -> None:
     scorer = Scorer()
     url = serve(scorer)
@@ -151,7 +221,7 @@ def test_http_group_reward_scores_each_group_in_one_post(tmp_path: Path, serve) 
     assert len(scorer.posts) == groups_scored
     assert all(len(body["responses"]) == 4 for body in scorer.posts)
     assert all(0.0 <= row["rollout/reward_mean"] <= 1.5 for row in rows[1:])
-    assert sum(row["rollout/reward_failed"] for row in rows[1:]) == 0
+    assert sum(row["rollout/reward_errors"] for row in rows[1:]) == 0
 
 
 def test_a_failing_scorer_fails_its_samples_not_the_run(tmp_path: Path, serve) -> None:
@@ -159,8 +229,8 @@ def test_a_failing_scorer_fails_its_samples_not_the_run(tmp_path: Path, serve) -
     rows, run_dir = train(tmp_path, "rollout.group_reward=http", f"rollout.group_reward_url={url}")
     assert [row["step"] for row in rows] == [0, 1, 2]
     # each group the scorer refused lost all 4 samples, and its prompt was served again
-    assert sum(row["rollout/reward_failed"] for row in rows[1:]) % 4 == 0
-    assert sum(row["rollout/reward_failed"] for row in rows[1:]) >= 4
+    assert sum(row["rollout/reward_errors"] for row in rows[1:]) % 4 == 0
+    assert sum(row["rollout/reward_errors"] for row in rows[1:]) >= 4
     assert "too few scored samples" in reasons(run_dir)
 
 
@@ -272,6 +342,36 @@ def test_two_layers_for_one_part_are_refused() -> None:
         load_config(
             None, ["rollout.dynamic_sampling=true", f"rollout.filter={HERE}:even_prompts_out"]
         )
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("fully_async", marks=pytest.mark.slow)])
+def test_an_aborted_sample_leaves_its_group_in_both_modes(
+    tmp_path: Path, repo: Path, mode: str
+) -> None:
+    """One rule in both modes: a group keeps its scored samples and is trained when at least
+    `rollout.min_scored_samples` remain (the aborted one is left out); with fewer, its prompt
+    is served again."""
+    from tests.test_fully_async import ASYNC
+
+    fails = f"rollout.generate_function={HERE}:first_sample_fails_on_even_prompts"
+    modes = [*ASYNC, "num_steps=2"] if mode == "fully_async" else []
+    rows, run_dir = train(tmp_path, *modes, fails, "eval.interval_steps=0")
+    lines = read_ledger(run_dir / "prompts.jsonl")
+    trained = {x["prompt_id"] for x in lines if x["outcome"] == "trained"}
+    assert any(p % 2 == 0 for p in trained) and any(p % 2 for p in trained)
+    assert not {x["reason"] for x in lines} & {"aborted", "too few scored samples"}
+    assert all(row["buffer/dropped_aborted"] == 0 for row in rows[1:] if mode == "fully_async")
+    # the aborted samples are in the step's groups, one of 4 in an even prompt's group
+    assert 0 < sum(row["rollout/aborted_ratio"] for row in rows[1:]) / (len(rows) - 1) < 0.25
+
+    rows, run_dir = train(
+        tmp_path / "all", *modes, fails, "eval.interval_steps=0", "rollout.min_scored_samples=4"
+    )
+    lines = read_ledger(run_dir / "prompts.jsonl")
+    trained = {x["prompt_id"] for x in lines if x["outcome"] == "trained"}
+    assert trained and all(p % 2 for p in trained)
+    few = [x for x in lines if x["reason"] == "too few scored samples"]
+    assert few and all(x["prompt_id"] % 2 == 0 and x["outcome"] == "retried" for x in few)
 
 
 @pytest.mark.slow

@@ -151,7 +151,8 @@ class RolloutContext:
 @dataclass
 class RolloutRequest:
     """One call of a rollout function: the step and the weight version the engines hold.
-    With `prompts` set (an evaluation), generate and score those groups instead of drawing."""
+    With `prompts` set (an evaluation), generate and score those groups instead of drawing:
+    return them all, each sample generated (`verst.eval.rollout_fn`)."""
 
     step: int
     weight_version: int
@@ -267,7 +268,8 @@ class EvalSkip(Exception):  # noqa: N818 (the name users raise, as in Miles)
 class CheckpointEvalFunction(Protocol):
     """Scores a saved snapshot (`eval.function`, mode `external`): an HF model directory with a
     `.complete` marker; returns flat scores (names without the `eval/` prefix are given it), or
-    raises `EvalSkip(reason)`. Runs on a thread of its own, never on the trainer's."""
+    raises `EvalSkip(reason)`. Runs in a process of its own, `eval.nice` steps below the
+    trainer's CPU priority, one point at a time; its arguments and scores cross a pipe."""
 
     def __call__(self, checkpoint_dir: str, request: EvalRequest, /) -> dict[str, float]: ...
 

@@ -160,7 +160,8 @@ class AsyncDiffusionRollout:
             None,  # the batcher scores each batch itself
             prompts_per_step=r.prompts_per_step,
             n_samples_per_prompt=r.n_samples_per_prompt,
-            min_scored_samples=r.min_scored_samples,
+            # group advantages here take whole groups: one failed trajectory sets its group aside
+            min_scored_samples=r.n_samples_per_prompt,
             max_prompt_retries=r.max_prompt_retries,
         )
         self.loop.run(worker.start())

@@ -18,6 +18,7 @@ from verst.eval.evaluate import Evaluator, SetEvaluators
 from verst.eval.external import ExternalScorer
 from verst.eval.fleet_eval import FleetScorer, start_eval_fleet
 from verst.eval.points import EvalPoints, snapshot_exporter
+from verst.eval.rollout_fn import RolloutFunctionEval
 from verst.plugins import Generator, RewardFunction
 from verst.rollout.rewards import RewardScorer, load_reward_fn
 
@@ -34,8 +35,10 @@ def set_evaluator(
     prefix: str,
     rows: list | None = None,
     sharded: bool = True,
+    rollout_function: str | None = None,
 ) -> Evaluator:
-    """One set's evaluator, scored by its reward (else the rollout's)."""
+    """One set's evaluator, scored by its reward (else the rollout's); generated and scored by
+    `rollout_function` (`rollout.function`) when one is named."""
     field = f"eval.sets[{spec.name}].reward" if spec.name else "eval.reward"
     if spec.reward:
         fn = load_reward_fn(spec.reward, field=field)
@@ -53,6 +56,7 @@ def set_evaluator(
         device,
         prefix,
         sharded=sharded,
+        generate=RolloutFunctionEval(rollout_function) if rollout_function else None,
     )
 
 
@@ -66,6 +70,7 @@ def build_evaluators(
     seed: int,
     reward_timeout_s: float | None,
     sharded: bool = True,
+    rollout_function: str | None = None,
 ) -> Evaluator | SetEvaluators:
     """The default set's evaluator (`eval/*`), or one per named set (`eval/<name>/*`)."""
 
@@ -81,6 +86,7 @@ def build_evaluators(
             reward_timeout_s=reward_timeout_s,
             prefix=prefix,
             sharded=sharded,
+            rollout_function=rollout_function,
         )
 
     specs = cfg.eval_sets()
@@ -116,7 +122,11 @@ def build_eval_points(
     points = dict(run_dir=run_dir, engine=engine, paused=paused, checkpoint_due=checkpoint_due)
     if ev.interval_steps == 0:
         return EvalPoints(ev, evaluator=None, **points)
-    sets = dict(seed=cfg.seed, reward_timeout_s=cfg.rollout.reward_timeout_s)
+    sets = dict(
+        seed=cfg.seed,
+        reward_timeout_s=cfg.rollout.reward_timeout_s,
+        rollout_function=cfg.rollout.function,
+    )
     if not ev.snapshot:
         if shared is None:
             shared = build_evaluators(ev, rollout_reward_fn, tokenizer, decode, device, **sets)
@@ -129,8 +139,10 @@ def build_eval_points(
     if ev.mode == "external":
         assert ev.function is not None
         sets = [s.model_dump(mode="json") for s in ev.eval_sets()]
-        scorer = ExternalScorer(ev.function, sets)
-        return EvalPoints(ev, evaluator=None, export=export, scorer=scorer, **points)
+        scorer = ExternalScorer(ev.function, sets, nice=ev.nice)
+        return EvalPoints(
+            ev, evaluator=None, export=export, scorer=scorer, close_scorer=scorer.close, **points
+        )
     evaluator = build_evaluators(
         ev, rollout_reward_fn, tokenizer, decode, device, **sets, sharded=False
     )

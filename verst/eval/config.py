@@ -90,6 +90,13 @@ class EvalConfig(ConfigBase):
     snapshot_timeout_s: float = Field(
         600.0, gt=0, description="how long an evaluation waits for a checkpoint's .complete marker"
     )
+    nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="snapshot modes: CPU scheduling niceness of the evaluation's processes (the "
+        "fleet's engines, the external function's process), so training keeps the CPU; 0 = none",
+    )
     num_engines: int = Field(1, ge=0, description="mode fleet: engine processes of the eval fleet")
     engine_devices: list[str] = Field(
         default_factory=list,

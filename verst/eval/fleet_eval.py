@@ -42,7 +42,7 @@ class FleetScorer:
 
     def __call__(self, snapshot: Path, step: int, version: int) -> dict[str, float]:
         self.fleet.wait(self._pin(snapshot, version))
-        return self.evaluator.run(self.fleet)
+        return self.evaluator.run(self.fleet, step=step)
 
     async def _pin(self, snapshot: Path, version: int) -> None:
         clients = self.fleet.clients
@@ -92,6 +92,7 @@ def start_eval_fleet(
             "num_engines": ev.num_engines,
             "engine_devices": list(ev.engine_devices),
             "engine_threads": ev.engine_threads or cfg.placement.engine_threads,
+            "engine_nice": ev.nice,
         }
     )
     model_dir = run_dir / EVAL_INIT_DIR

@@ -43,6 +43,7 @@ def evaluate_checkpoint_dir(checkpoint: Path, cfg: object) -> dict[str, float]:
         seed=cfg.seed,  # type: ignore[attr-defined]
         reward_timeout_s=cfg.rollout.reward_timeout_s,  # type: ignore[attr-defined]
         sharded=False,
+        rollout_function=cfg.rollout.function,  # type: ignore[attr-defined]
     )
     with torch.inference_mode():
         return evaluator.run(engine)

@@ -100,10 +100,13 @@ class EvalPoints:
         if self.dispatcher is None:
             assert self.evaluator is not None
             started = time.monotonic()
-            with self.paused():
-                metrics = self.evaluator.run(self.engine)
+            try:
+                with self.paused():
+                    metrics = attributed(self.evaluator.run(self.engine, step=step), version)
+            except EvalSkip as skip:  # raised on every rank together
+                metrics = skipped(skip.reason, str(skip))
             timing = {"eval/lag_steps": 0.0, "eval/duration_s": time.monotonic() - started}
-            return attributed(metrics, version) | timing
+            return metrics | timing
         self._submit(step, version, last=last)
         return {}
 

@@ -530,7 +530,11 @@ def _engine_processes(
     if cfg.engine_threads is not None:
         common += ["--num-threads", str(cfg.engine_threads)]
     kwargs: dict[str, Any] = dict(
-        common_args=common, seed=seed, timeout_s=cfg.startup_timeout_s, env=keys.env()
+        common_args=common,
+        seed=seed,
+        timeout_s=cfg.startup_timeout_s,
+        env=keys.env(),
+        nice=cfg.engine_nice,
     )
     if cfg.backend == "ray":
         from verst.fleet.ray_engines import RayEngineProcesses

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -94,6 +95,19 @@ def _start(
     return LocalEngine(process=process, port=port, log_path=Path(log_name), host=host, _log=log)
 
 
+def niced(nice: int) -> list[str]:
+    """The command prefix that starts a process `nice` steps below normal CPU priority."""
+    if nice == 0:
+        return []
+    program = shutil.which("nice")
+    if program is None:
+        raise RuntimeError(
+            f"engine niceness {nice} (placement.engine_nice or eval.nice) needs the `nice` "
+            "command, which is not on PATH; set it to 0"
+        )
+    return [program, "-n", str(nice)]
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as response:
@@ -131,12 +145,14 @@ def launch_local_engines(
     engine_args: Sequence[Sequence[str]] = (),
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    nice: int = 0,
 ) -> list[LocalEngine]:
     """Start `n` `verst serve` processes (ports base_port + i, or free ones); wait for health.
 
     Every process gets `extra_args`; process i also gets `engine_args[i]` when given (its
     device, its seed). `env` is added to this process's environment: secrets such as
-    `VERST_API_KEY` go there, not on the command line, where `ps` would show them.
+    `VERST_API_KEY` go there, not on the command line, where `ps` would show them. `nice` > 0
+    starts them under `nice -n` (every thread they start inherits it).
     """
     child_env = {**os.environ, **env} if env else None
     if n < 1:
@@ -147,7 +163,7 @@ def launch_local_engines(
     try:
         for i in range(n):
             port = base_port + i if base_port is not None else free_port(host)
-            cmd = [sys.executable, "-m", "verst", "serve", "--model", str(model_dir)]
+            cmd = [*niced(nice), sys.executable, "-m", "verst", "serve", "--model", str(model_dir)]
             cmd += ["--port", str(port), "--host", host, "--parent-pid", str(os.getpid())]
             cmd += list(extra_args)
             cmd += list(engine_args[i]) if engine_args else []

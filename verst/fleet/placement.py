@@ -45,6 +45,13 @@ class PlacementConfig(ConfigBase):
     engine_threads: int | None = Field(
         None, ge=1, description="torch CPU threads per engine process; unset = torch's default"
     )
+    engine_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="CPU scheduling niceness of the engine processes; 0 = the trainer's, "
+        "higher = they yield the CPU to it",
+    )
     max_batch_size: int = Field(256, ge=1, description="most running requests per engine")
     startup_timeout_s: float = Field(
         300.0, gt=0, description="seconds an engine process may take to become healthy"

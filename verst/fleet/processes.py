@@ -38,8 +38,10 @@ class EngineProcesses:
         seed: int,
         timeout_s: float,
         env: dict[str, str],
+        nice: int = 0,
     ) -> None:
         self.model_dir = model_dir
+        self.nice = nice
         self.common_args = common_args
         self.timeout_s = timeout_s
         self.env = env
@@ -67,6 +69,7 @@ class EngineProcesses:
             engine_args=[self._args(slot) for slot in self.slots],
             timeout_s=self.timeout_s,
             env=self.env,
+            nice=self.nice,
         )
         for slot, engine in zip(self.slots, engines, strict=True):
             slot.engine = engine
@@ -98,6 +101,7 @@ class EngineProcesses:
             engine_args=[self._args(slot)],
             timeout_s=self.timeout_s,
             env=self.env,
+            nice=self.nice,
         )
         if self.closed:  # the fleet closed while this process started
             engine.stop()

@@ -31,7 +31,13 @@ class EngineHost:
         self.engine: Any = None
 
     def start(
-        self, model_dir: str, args: list[str], device: str, timeout_s: float, env: dict
+        self,
+        model_dir: str,
+        args: list[str],
+        device: str,
+        timeout_s: float,
+        env: dict,
+        nice: int = 0,
     ) -> tuple[str, str, int, str]:
         """Start `verst serve` on this node; returns (url, node id, pid, device) once it is
         healthy."""
@@ -47,6 +53,7 @@ class EngineHost:
             extra_args=[*args, "--device", device],
             timeout_s=timeout_s,
             env=env,
+            nice=nice,
         )
         node = ray.get_runtime_context().get_node_id()
         return self.engine.url, node, self.engine.process.pid, device
@@ -114,7 +121,12 @@ class RayEngineProcesses(EngineProcesses):
         seed = ["--seed", str(slot.seed)]
         env = {**self.env, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
         call = actor.start.remote(
-            str(self.model_dir), [*self.common_args, *seed], slot.device, self.timeout_s, env
+            str(self.model_dir),
+            [*self.common_args, *seed],
+            slot.device,
+            self.timeout_s,
+            env,
+            self.nice,
         )
         return actor, call
 

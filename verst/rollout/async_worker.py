@@ -15,14 +15,16 @@ takes under the replacement rule (`sample`: a finished trajectory frees its plac
 and the groups ahead. This module owns the tasks.
 
 Failures: an exception raised by `generate_sample` marks that sample ABORTED (with the reason in
-`metadata["abort_error"]`), so the buffer drops its group at put; `max_consecutive_errors`
+`metadata["abort_error"]`); `max_consecutive_errors`
 failures in a row (every generation failing, say the router is down) stop the worker instead of
 spinning. An error in the worker itself (the data source, the buffer) stops it too, and
 `take` raises `RolloutWorkerError` with the cause, so it never dies silently. A reward that
 fails (`verst.rollout.rewards.RewardScorer`: it raised, returned a non-number or timed out)
-marks its sample FAILED; a scored group with fewer than `min_scored_samples` samples neither
-ABORTED nor FAILED is not put at all, but set aside (`set_aside`) like a group the buffer drops:
-its prompt is given back or dropped.
+marks its sample FAILED. The rule is the synchronous loop's: a group with at least
+`min_scored_samples` samples neither ABORTED nor FAILED is put whole (the trainer leaves the
+others out, `verst.loop.only_scored`); one with fewer is not put at all, but set aside
+(`set_aside`, `too few scored samples`) like a group the buffer drops: its prompt is given back
+or dropped.
 
 `stop()` cancels everything in flight; groups not yet accepted by the buffer are aborted, and
 their prompts go to `give_back` (the DataSource's, with `unused: retry`) or are dropped.
@@ -62,7 +64,6 @@ from verst.rollout.async_config import AsyncConfig
 from verst.rollout.buffer import (
     Buffer,
     GiveBack,
-    is_aborted,
     make_buffer,
 )
 from verst.rollout.ledger import TOO_FEW_SCORED, Ledger
@@ -142,7 +143,7 @@ class RolloutWorker:
     - `generate_sample(sample) -> sample`: generates one trajectory (in place or a new Sample),
       recording `weight_versions`; an exception aborts that sample;
     - `reward_fn`: a reward function (see `verst.rollout.rewards`) applied to each sample of a
-      finished group that has no aborted sample, each call bounded by `reward_timeout_s`; None
+      finished group that is not ABORTED, each call bounded by `reward_timeout_s`; None
       when `generate_sample` sets rewards itself;
     - `min_scored_samples`: a scored group with fewer samples neither ABORTED nor FAILED goes
       to `set_aside(groups, reason)` instead of the buffer (the default: `give_back`, or drop);
@@ -292,7 +293,7 @@ class RolloutWorker:
         `inflight_mean` and `inflight_peak` (time-weighted mean and peak since the previous
         call), `inflight_groups` (started, not yet in the buffer), `max_inflight`, `put_blocked`
         (1 when a finished group waits for room), cumulative `groups_started`, `groups_put`,
-        `generate_errors`, and `reward_failed` (samples whose reward failed since the previous
+        `generate_errors`, and `reward_errors` (samples whose reward failed since the previous
         call)."""
         mean, peak = self._gauge.read()
         slots = self._slots
@@ -306,7 +307,7 @@ class RolloutWorker:
             "rollout/groups_started": float(slots.groups_started),
             "rollout/groups_put": float(slots.groups_put),
             "rollout/generate_errors": float(self.generate_errors),
-            "rollout/reward_failed": float(self.rewards.take_failed() if self.rewards else 0),
+            "rollout/reward_errors": float(self.rewards.take_failed() if self.rewards else 0),
         }
 
     @property
@@ -390,14 +391,13 @@ class RolloutWorker:
         for sample, prompt in zip(flight.group, flight.prompts, strict=True):
             sample.prompt_id, sample.epoch = prompt.prompt_id, prompt.epoch  # a new Sample, say
             sample.retries = prompt.retries
-        complete = not is_aborted(flight.group)  # an aborted group is the buffer's to drop
         traced = _traced("group generate", traced, key)
-        if self.rewards is not None and complete:
+        if self.rewards is not None:  # its ABORTED samples are left unscored
             await self.rewards.score_group(flight.group)
             traced = _traced("group reward", traced, key)
         self._in_buffer[id(flight.group)] = (key, flight.prompts)  # a drop at put forgets it
         self._slots.put_begin(key)
-        if complete and scored_count(flight.group) < self.min_scored_samples:
+        if scored_count(flight.group) < self.min_scored_samples:
             self.set_aside([flight.group], TOO_FEW_SCORED)
         else:
             await self.buffer.put(flight.group)

@@ -11,7 +11,11 @@ A buffer has exactly three operations (the `verst.plugins.Buffer` contract):
 `DataBuffer` is the built-in one: bounded (capacity in groups, typically a factor × the train
 batch), first in first out, and it drops groups at three points:
 
-- **aborted** (checked at put): any sample's status is ABORTED, so the trajectory is incomplete;
+- **aborted** (checked at put): no sample can be trained, every one ABORTED (its trajectory
+  incomplete) or FAILED (its reward failed). A group with some such samples and enough others
+  is kept: the trainer leaves those samples out (`verst.loop.only_scored`), and the rollout
+  worker sets aside, before the buffer, a group with fewer than `rollout.min_scored_samples`
+  trainable samples, as the synchronous loop does;
 - **filter-rejected** (checked at put): the filter (e.g. DAPO's "rewards not all equal") said no;
   these prompts are never recycled, since they would most likely be rejected again;
 - **stale** (checked at take): staleness = `current_version` − the oldest weight version of any
@@ -40,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from verst.plugins import Buffer, PluginError, check_plugin, load_plugin
-from verst.types import Group, Status, group_staleness
+from verst.types import Group, group_staleness
 
 GiveBack = Callable[[list[Group]], None]
 GroupFilter = Callable[[Group], bool]
@@ -52,7 +56,8 @@ BUFFER_KWARGS = ("capacity", "max_staleness", "give_back", "group_filter")
 
 
 def is_aborted(group: Group) -> bool:
-    return any(sample.status == Status.ABORTED for sample in group)
+    """No sample of `group` can be trained (every one ABORTED or FAILED)."""
+    return not any(sample.scored for sample in group)
 
 
 class DataBuffer:

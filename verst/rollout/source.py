@@ -37,7 +37,14 @@ from verst.engine import GenerateRequest
 from verst.fleet.fleet import Fleet, prompt_key
 from verst.fleet.loop_thread import LoopThread
 from verst.fleet.ranked import on_rank_zero, scatter_from_rank_zero
-from verst.plugins import AgentFunction, Generator, RolloutContext, RolloutRequest, RolloutResult
+from verst.plugins import (
+    AgentFunction,
+    Generator,
+    RolloutContext,
+    RolloutFunction,
+    RolloutRequest,
+    RolloutResult,
+)
 from verst.rollout.agent import (
     agent_metrics,
     agent_request_kwargs,
@@ -183,7 +190,7 @@ class _StepRollout(ABC):
         return kept
 
     def metrics(self, groups: list[Group]) -> dict[str, Any]:
-        counts = {"rollout/reward_failed": float(self.rewards.take_failed())}
+        counts = {"rollout/reward_errors": float(self.rewards.take_failed())}
         return rollout_metrics(groups, self.device, counts | self.ledger.take_counts())
 
     def data_state(self) -> dict[str, Any]:
@@ -262,18 +269,24 @@ class FunctionRollout(EngineRollout):
         return result.groups, dict(result.metrics)
 
     def call(self, request: RolloutRequest) -> RolloutResult:
-        """The function's result for `request` (awaited when it is `async def`), checked."""
-        result = self.fn(self.context, request)
-        if inspect.isawaitable(result):
-            result = asyncio.run(_awaited(result))
-        if not isinstance(result, RolloutResult) or not all(
-            isinstance(g, list) and all(isinstance(x, Sample) for x in g) for g in result.groups
-        ):
-            raise TypeError(
-                f"rollout.function {self.cfg.function!r} returned {type(result).__name__}, not a "
-                "verst.plugins.RolloutResult whose groups are lists of Samples"
-            )
-        return result
+        return call_rollout_function(self.fn, str(self.cfg.function), self.context, request)
+
+
+def call_rollout_function(
+    fn: RolloutFunction, path: str, context: RolloutContext, request: RolloutRequest
+) -> RolloutResult:
+    """`fn`'s result for `request` (awaited when it is `async def`), checked."""
+    result = fn(context, request)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_awaited(result))
+    if not isinstance(result, RolloutResult) or not all(
+        isinstance(g, list) and all(isinstance(x, Sample) for x in g) for g in result.groups
+    ):
+        raise TypeError(
+            f"rollout.function {path!r} returned {type(result).__name__}, not a "
+            "verst.plugins.RolloutResult whose groups are lists of Samples"
+        )
+    return result
 
 
 async def _awaited(awaitable: Any) -> Any:
