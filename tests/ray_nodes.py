@@ -8,6 +8,7 @@ people's clusters included."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,13 @@ class RayNodes:
             cmd += [f"--num-cpus={cpus}", f"--resources={json.dumps(resources)}"]
             cmd += [f"--object-store-memory={100 * 1024 * 1024}"]
             log = (self.temp_dir / f"node{index}.log").open("wb")
-            self.processes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            # Ray turns token authentication on for a cluster started where a token file
+            # (~/.ray/auth_token, written by any earlier local `ray.init`) exists, and then
+            # refuses drivers that do not send it: this test cluster runs without
+            env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+            self.processes.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            )
             if index == 0:
                 self.address = self._head_address(port, timeout_s)
             self._wait_for(index + 1, timeout_s)
