@@ -15,6 +15,10 @@ position t; over measured step time and the device's dense bf16 peak.
     python bench/trainer_mfu.py --preset cpu    # a small model, a check that it runs
     python bench/trainer_mfu.py --preset h200 --megatron   # and the megatron backend
     python bench/trainer_mfu.py --preset h200 --megatron --kinds hf megatron   # those two only
+    python bench/trainer_mfu.py --preset h200 --profile   # and where each variant's time goes
+
+`--profile` runs one more step of each variant under `torch.profiler` and stores its kernels'
+device time by operator (the top 25), beside the step's total, in the variant's row.
 """
 
 from __future__ import annotations
@@ -193,11 +197,42 @@ def worker(spec: dict) -> dict:
     result = {"step_s": times, "step_median_s": statistics.median(timed), "losses": losses}
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    if spec.get("profile"):
+        result["profile"] = profile_step(step, len(times) + 1, device)
     return result
 
 
-def run_variant(preset_name: str, kind: str, micro_tokens: int, chunk_tokens: int) -> dict:
-    spec = dict(preset=preset_name, kind=kind, micro_tokens=micro_tokens, chunk_tokens=chunk_tokens)
+def profile_step(step, index: int, device: torch.device, top: int = 25) -> dict:
+    """One more step under `torch.profiler`: the device time of the top operators (self time
+    of their kernels, ms) and the total over all of them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        step(index)
+        sync(device)
+    attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attribute) > 0]
+    events.sort(key=lambda e: getattr(e, attribute), reverse=True)
+    return {
+        "total_ms": sum(getattr(e, attribute) for e in events) / 1e3,
+        "top_ms": {e.key: round(getattr(e, attribute) / 1e3, 3) for e in events[:top]},
+        "calls": {e.key: e.count for e in events[:top]},
+    }
+
+
+def run_variant(
+    preset_name: str, kind: str, micro_tokens: int, chunk_tokens: int, profile: bool = False
+) -> dict:
+    spec = dict(
+        preset=preset_name,
+        kind=kind,
+        micro_tokens=micro_tokens,
+        chunk_tokens=chunk_tokens,
+        profile=profile,
+    )
     out = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True
     )
@@ -222,6 +257,9 @@ def main() -> None:
         choices=["hf", "verst", "megatron"],
         help="run only these variants' kinds (default: all; hf is the ratios' baseline)",
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one more step of each variant"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -236,7 +274,7 @@ def main() -> None:
         variants.append(("megatron", min(v[1] for v in variants if v[0] == "verst"), 0))
     if args.kinds:
         variants = [v for v in variants if v[0] in args.kinds]
-    rows = [run_variant(args.preset, *variant) for variant in variants]
+    rows = [run_variant(args.preset, *variant, profile=args.profile) for variant in variants]
     baseline = next((r.get("step_median_s") for r in rows if r["kind"] == "hf"), None)
     for row in rows:
         if "error" in row:
@@ -257,6 +295,8 @@ def main() -> None:
             f"{row['step_median_s']:.3f} s/step | {row['tflops_per_s']:.1f} TFLOP/s{mfu}{memory}"
             f"{versus}"
         )
+        for name, ms in list(row.get("profile", {}).get("top_ms", {}).items())[:8]:
+            print(f"      {ms:9.1f} ms  {name[:90]}")
     result = {
         "bench": "trainer_mfu",
         "preset": args.preset,
