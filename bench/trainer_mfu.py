@@ -260,6 +260,11 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="profile one more step of each variant"
     )
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        help="run these variants, each KIND:MICRO_TOKENS:CHUNK_TOKENS (hf first: the baseline)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -274,29 +279,8 @@ def main() -> None:
         variants.append(("megatron", min(v[1] for v in variants if v[0] == "verst"), 0))
     if args.kinds:
         variants = [v for v in variants if v[0] in args.kinds]
-    rows = [run_variant(args.preset, *variant, profile=args.profile) for variant in variants]
-    baseline = next((r.get("step_median_s") for r in rows if r["kind"] == "hf"), None)
-    for row in rows:
-        if "error" in row:
-            print(
-                f"{row['kind']:5} micro {row['micro_tokens']:6} chunk {row['chunk_tokens']:5}: "
-                f"{row['error']}"
-            )
-            continue
-        row["tflops_per_s"] = flops / row["step_median_s"] / 1e12
-        if preset["peak_flops"]:
-            row["mfu"] = flops / row["step_median_s"] / preset["peak_flops"]
-        row["speed_vs_hf"] = baseline / row["step_median_s"] if baseline else None
-        versus = f" | {row['speed_vs_hf']:.2f}x the HF loop" if baseline else ""
-        mfu = f" | MFU {row['mfu']:.1%}" if "mfu" in row else ""
-        memory = f" | peak {row['peak_memory_gb']:.1f} GB" if "peak_memory_gb" in row else ""
-        print(
-            f"{row['kind']:5} micro {row['micro_tokens']:6} chunk {row['chunk_tokens']:5} | "
-            f"{row['step_median_s']:.3f} s/step | {row['tflops_per_s']:.1f} TFLOP/s{mfu}{memory}"
-            f"{versus}"
-        )
-        for name, ms in list(row.get("profile", {}).get("top_ms", {}).items())[:8]:
-            print(f"      {ms:9.1f} ms  {name[:90]}")
+    if args.variants:
+        variants = [parse_variant(text) for text in args.variants]
     result = {
         "bench": "trainer_mfu",
         "preset": args.preset,
@@ -305,11 +289,46 @@ def main() -> None:
         "model_flops_per_step": flops,
         "device": torch.cuda.get_device_name() if preset["device"] == "cuda" else "cpu",
         "torch": torch.__version__,
-        "variants": rows,
+        "variants": [],
     }
     out = args.out or REPO / "bench" / "results" / f"trainer_mfu_{args.preset}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    baseline = None
+    for variant in variants:  # each row printed and saved as it comes (a long run may be cut)
+        row = run_variant(args.preset, *variant, profile=args.profile)
+        if row["kind"] == "hf" and "error" not in row:
+            baseline = row["step_median_s"]
+        report(row, flops, preset["peak_flops"], baseline)
+        result["variants"].append(row)
+        out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def parse_variant(text: str) -> tuple[str, int, int]:
+    """ "KIND:MICRO_TOKENS:CHUNK_TOKENS" (e.g. verst:16384:4096; hf:0:0)."""
+    kind, micro, chunk = text.split(":")
+    return kind, int(micro), int(chunk)
+
+
+def report(row: dict, flops: float, peak_flops: float | None, baseline: float | None) -> None:
+    """Add the row's rates (and its speed against the HF loop's `baseline` step) and print it."""
+    name = f"{row['kind']:5} micro {row['micro_tokens']:6} chunk {row['chunk_tokens']:5}"
+    if "error" in row:
+        print(f"{name}: {row['error']}")
+        return
+    row["tflops_per_s"] = flops / row["step_median_s"] / 1e12
+    if peak_flops:
+        row["mfu"] = flops / row["step_median_s"] / peak_flops
+    row["speed_vs_hf"] = baseline / row["step_median_s"] if baseline else None
+    versus = f" | {row['speed_vs_hf']:.2f}x the HF loop" if baseline else ""
+    mfu = f" | MFU {row['mfu']:.1%}" if "mfu" in row else ""
+    memory = f" | peak {row['peak_memory_gb']:.1f} GB" if "peak_memory_gb" in row else ""
+    print(
+        f"{name} | {row['step_median_s']:.3f} s/step | {row['tflops_per_s']:.1f} TFLOP/s"
+        f"{mfu}{memory}{versus}",
+        flush=True,
+    )
+    for op, ms in list(row.get("profile", {}).get("top_ms", {}).items())[:12]:
+        print(f"      {ms:9.1f} ms  {op[:90]}", flush=True)
 
 
 if __name__ == "__main__":
