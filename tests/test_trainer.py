@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -107,6 +108,16 @@ def test_step_moves_weights_and_reports_metrics() -> None:
         "train/lr",
     ):
         assert key in metrics
+
+
+def test_a_step_returns_no_view_from_the_wrapped_model() -> None:
+    """FSDP2 warns at every step when its root module returns a view (the scoring head's
+    output was one); an in-place op on such an output would drop its pre-backward hook."""
+    trainer = make_trainer(tiny_model())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.step(items(), step=1)
+    assert not [w for w in caught if "returned a view tensor" in str(w.message)]
 
 
 def test_a_batch_without_signal_leaves_the_weights_where_they_are() -> None:

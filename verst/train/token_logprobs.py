@@ -134,7 +134,10 @@ def _scoring_forward(head: torch.nn.Linear, hidden_B_T_H: Tensor) -> Tensor:
         request.temperature,
         request.chunk_tokens,
     )
-    return torch.stack([logprobs_N, entropy_N], dim=-1).view(width_b, width_t, 2)
+    # a new tensor, not a view: FSDP2 warns at every step of a wrapped module's view output
+    # (an in-place op on one would drop its pre-backward hook)
+    shape = (width_b, width_t)
+    return torch.stack([logprobs_N.view(shape), entropy_N.view(shape)], dim=-1)
 
 
 @contextmanager
