@@ -17,6 +17,9 @@ position t; over measured step time and the device's dense bf16 peak.
     python bench/trainer_mfu.py --preset h200 --megatron --kinds hf megatron   # those two only
     python bench/trainer_mfu.py --preset h200 --profile   # and where each variant's time goes
 
+A kind with the suffix `-liger` (`--variants verst-liger:16384:4096`) first patches Qwen2's
+RMSNorm, SwiGLU MLP and rotary embedding with Liger's Triton kernels (`pip install liger-kernel`).
+
 `--profile` runs one more step of each variant under `torch.profiler` and stores its kernels'
 device time by operator (the top 25), beside the step's total, in the variant's row.
 """
@@ -179,10 +182,16 @@ def hf_steps(preset: dict, device: torch.device):
 def worker(spec: dict) -> dict:
     preset = PRESETS[spec["preset"]]
     device = torch.device(preset["device"])
-    if spec["kind"] == "hf":
+    kind = spec["kind"]
+    if kind.endswith("-liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE in Qwen2's classes
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+        apply_liger_kernel_to_qwen2(fused_linear_cross_entropy=False)
+        kind = kind.removesuffix("-liger")
+    if kind == "hf":
         step = hf_steps(preset, device)
     else:
-        backend = "megatron" if spec["kind"] == "megatron" else "fsdp2"
+        backend = "megatron" if kind == "megatron" else "fsdp2"
         step = verst_steps(preset, backend, spec["micro_tokens"], spec["chunk_tokens"], device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -197,7 +206,7 @@ def worker(spec: dict) -> dict:
     result = {"step_s": times, "step_median_s": statistics.median(timed), "losses": losses}
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    if spec.get("profile"):
+    if spec.get("profiled"):
         result["profile"] = profile_step(step, len(times) + 1, device)
     return result
 
@@ -231,7 +240,7 @@ def run_variant(
         kind=kind,
         micro_tokens=micro_tokens,
         chunk_tokens=chunk_tokens,
-        profile=profile,
+        profiled=profile,
     )
     out = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True
