@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,11 @@ import transformers
 
 from tests.servers import LoopThread
 from verst.engine.kv_pool import KVPool
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the suite runs in one pytest-xdist worker per core (README): a worker's own torch work
+    # takes one thread, or the workers' thread pools would contend for the cores
+    torch.set_num_threads(1)
 
 
 def tiny_qwen3() -> transformers.Qwen3ForCausalLM:
