@@ -197,16 +197,26 @@ def test_torchrun_two_ranks_on_gloo(tmp_path: Path) -> None:
     assert report.ok and report.complete_epochs == [0], report.summary()
 
 
+def reward_one(sample: object) -> float:
+    return 1.0
+
+
 @pytest.mark.slow
-def test_torchrun_reference_starts_from_the_warm_started_policy(tmp_path: Path) -> None:
-    """Two FSDP2 ranks, a warm start, then a KL loss: a full state dict is rank 0's alone, so
-    the reference reaches rank 1 by broadcast (rank 1 had an empty one and stopped)."""
+def test_torchrun_reference_and_critic_start_from_the_warm_started_policy(tmp_path: Path) -> None:
+    """Two FSDP2 ranks, a warm start, then PPO with a KL loss: a full state dict is rank 0's
+    alone, so the reference and the critic's body reach rank 1 by broadcast (rank 1 had an empty
+    one and stopped); the critic's value head, in its root's parameter group, is unsharded for
+    its backward (it was read freed: "setStorage ... storage of size 0")."""
     run_dir = tmp_path / "run"
     args = [*SMALL, "loss.kl_loss_coef=0.1", "loss.entropy_coef=0.05", "num_steps=2"]
+    args += ["loss.advantage_estimator=ppo", "rollout.reward=tests.test_loop:reward_one"]
     torchrun_train([*args, "eval.interval_steps=0"], run_dir)
     rows = records(run_dir)
-    assert rows[0]["warm_start/steps"] == 2
+    assert rows[0]["warm_start/steps"] >= 1  # its dev check scores with reward_one: 1 step
     assert [r["step"] for r in rows if r.get("train/kl_loss", 0) > 0] == [2]
+    # every return is 1 and the zero head starts every value at 0; then the values move
+    assert rows[1]["train/value_loss"] > 0 and rows[1]["train/critic_grad_norm"] > 0
+    assert rows[1]["train/values_mean"] == 0 < rows[2]["train/values_mean"]
 
 
 def test_custom_data_and_reward_example_runs(tmp_path: Path, monkeypatch) -> None:

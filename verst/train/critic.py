@@ -7,10 +7,9 @@ It is called exactly like a causal LM (`cached_forward`), and its "logits" are v
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
-
 import torch
 from transformers import PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
 
 from verst.models.forward import cache_argument
 
@@ -33,7 +32,7 @@ class ValueModel(torch.nn.Module):
         cache: object = None,
         use_cache: bool = True,
         logits_to_keep: int = 0,
-    ) -> SimpleNamespace:
+    ) -> CausalLMOutput:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -44,7 +43,10 @@ class ValueModel(torch.nn.Module):
         hidden = outputs.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return SimpleNamespace(logits=self.value_head(hidden).float())
+        # a ModelOutput, which torch's pytree walks: FSDP2 finds the values there and hooks the
+        # unsharding of the head's parameters before backward (in a SimpleNamespace it did not:
+        # the backward of two sharded ranks read the freed head)
+        return CausalLMOutput(logits=self.value_head(hidden).float())
 
 
 def policy_body_weights(policy_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
