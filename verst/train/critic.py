@@ -7,6 +7,7 @@ It is called exactly like a causal LM (`cached_forward`), and its "logits" are v
 from __future__ import annotations
 
 import copy
+
 import torch
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
