@@ -264,6 +264,29 @@ def test_warm_start_that_overshoots_goes_back_to_the_check_nearer_the_target() -
     assert not all(torch.equal(final[k], seen[6][k]) for k in final)
 
 
+@pytest.mark.slow
+def test_warm_start_on_two_ranks_goes_back_to_the_nearer_check(tmp_path: Path) -> None:
+    """`tests/warm_start_ranks.py` under torchrun: the kept check's weights are rank 0's full
+    state dict, loaded on both ranks (rank 1's was empty and it stopped); rank 1 draws items of
+    one-token responses, whose micro-batch must take the others' collectives (it hung)."""
+    import os
+    import subprocess
+    import sys
+
+    from verst.fleet.launcher import free_port
+
+    out = tmp_path / "result.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "tests.warm_start_ranks",
+               str(out)]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["warm_start/steps"] == 4 and result["warm_start/dev_accuracy"] == 0.18
+    assert result["back"] and result["moved_since"]
+
+
 def test_warm_start_keeps_the_check_that_reached_the_target_when_it_is_nearer() -> None:
     result, seen, final = _warm_start_run([0.0, 0.1, 0.35], keep_nearest=True)
     assert result["warm_start/steps"] == 6 and result["warm_start/dev_accuracy"] == 0.35

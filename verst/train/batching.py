@@ -121,7 +121,10 @@ def collate(items: list[TrainItem], pad_token_id: int, device: torch.device) -> 
         prompt = tuple(item.tokens[: len(item.tokens) - item.response_length])
         prompt_index.append(prompts.setdefault(prompt, len(prompts)))
     width_l = max(len(p) for p in prompts)
-    width_t = max(1, max(item.response_length for item in items))
+    # at least 2: a batch of one-token responses would take `response_outputs`'s prompt-only
+    # path, one forward fewer than the others, and under FSDP another rank's micro-batch then
+    # waits on collectives this rank never joins (the padded column is masked out)
+    width_t = max(2, max(item.response_length for item in items))
     responses = [item.tokens[len(item.tokens) - item.response_length :] for item in items]
     advantages_B = torch.tensor([item.advantage for item in items], dtype=torch.float32)
     tensors = (

@@ -563,8 +563,13 @@ class Trainer:
 
     def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
         """Weights as `full_state_dict` gave them, or with LoRA the adapters alone (the frozen
-        base is the one the model was built with)."""
-        options = StateDictOptions(full_state_dict=True, strict=not self.lora)
+        base is the one the model was built with). Rank 0's are loaded on every rank: a full
+        state dict is rank 0's alone (the others' may be empty)."""
+        options = StateDictOptions(
+            full_state_dict=True,
+            strict=not self.lora,
+            broadcast_from_rank0=distributed.world_size() > 1,
+        )
         set_model_state_dict(self.model, weights, options=options)
         if optimizer_state is not None:
             set_optimizer_state_dict(
