@@ -55,13 +55,7 @@ from verst.train.objective import (
 )
 from verst.train.on_policy import invariant_scores
 from verst.train.routing_replay import RoutingReplay, require_moe, routed_calls
-from verst.train.sft_loss import (
-    EVAL_SUMS,
-    SFT_TEMPERATURE,
-    eval_metrics,
-    eval_sums,
-    nll_loss,
-)
+from verst.train.sft_loss import EVAL_SUMS, SFT_TEMPERATURE, eval_metrics, eval_sums, nll_loss
 from verst.train.token_logprobs import response_scores
 from verst.train.trainer_config import (
     NonFiniteLossError,

@@ -43,13 +43,7 @@ from verst.train.objective import (
     set_token_advantages,
     whiten_globally,
 )
-from verst.train.sft_loss import (
-    EVAL_SUMS,
-    SFT_TEMPERATURE,
-    eval_metrics,
-    eval_sums,
-    nll_loss,
-)
+from verst.train.sft_loss import EVAL_SUMS, SFT_TEMPERATURE, eval_metrics, eval_sums, nll_loss
 from verst.train.trainer_config import NonFiniteLossError, TrainerConfig, _lr_lambda, compute_dtype
 
 
