@@ -294,3 +294,41 @@ def test_warm_start_keeps_the_check_that_reached_the_target_when_it_is_nearer() 
     result, seen, final = _warm_start_run([0.0, 0.18, 0.74], keep_nearest=False)
     assert result["warm_start/steps"] == 6 and result["warm_start/dev_accuracy"] == 0.74
     assert all(torch.equal(final[k], seen[6][k]) for k in final)
+
+
+def test_supervised_steps_fit_the_model_whatever_temperature_the_rollout_samples_at() -> None:
+    """A warm start runs on the RL trainer, built with `rollout.temperature`; its NLL is still
+    the model's own (temperature 1), so sampling at T < 1 afterwards sharpens what it fitted."""
+    from tests.test_trainer import CPU, TINY, items, tiny_model, weights
+    from verst.models.tiny import build_tiny_model
+    from verst.train.algorithms import LossConfig
+    from verst.train.trainer import Trainer, TrainerConfig
+
+    def trainer_at(temperature: float) -> Trainer:
+        cfg = TrainerConfig(lr=1e-2, device="cpu")
+        return Trainer(
+            tiny_model(), cfg, LossConfig(), total_steps=10, pad_token_id=0, device=CPU,
+            temperature=temperature,
+        )  # fmt: skip
+
+    batch = items()
+    model = build_tiny_model(TINY, vocab_size=40, seed=0)
+    nll = torch.stack([
+        -torch.log_softmax(model(torch.tensor([item.tokens])).logits[0].float(), -1)[
+            torch.arange(len(item.tokens) - item.response_length - 1, len(item.tokens) - 1),
+            torch.tensor(item.tokens[len(item.tokens) - item.response_length :]),
+        ].sum()
+        for item in batch
+    ]).sum().item() / sum(item.response_length for item in batch)  # fmt: skip
+    runs = []
+    for temperature in (0.5, 1.0):
+        trainer = trainer_at(temperature)
+        held_out = trainer.sft_eval(batch)
+        step = trainer.sft_step(batch, trainer.make_optimizer(1e-2), step=1)
+        runs.append((held_out, step, weights(trainer)))
+    (eval_half, step_half, after_half), (eval_one, step_one, after_one) = runs
+    assert step_half["loss"] == pytest.approx(nll, rel=1e-5)
+    assert step_one["loss"] == pytest.approx(nll, rel=1e-5)
+    assert eval_half == pytest.approx(eval_one)
+    assert eval_one["eval/loss"] == pytest.approx(nll, rel=1e-5)
+    assert all(torch.equal(after_half[k], after_one[k]) for k in after_one)

@@ -10,6 +10,11 @@ import torch
 from verst.train.batching import MicroBatch
 from verst.train.losses import logprobs_from_logits
 
+# Supervised steps score the model itself, not the rollout's tempered policy: a warm start before
+# RL sampled at T = 0.5 would otherwise fit softmax(z / 0.5) to the data, leaving logits z half
+# the size, so sampling at 0.5 would sharpen nothing (and T = 1 would be near uniform).
+SFT_TEMPERATURE = 1.0
+
 
 def nll_loss(logprobs_B_T: torch.Tensor, mask_B_T: torch.Tensor, token_norm: float):
     """This micro-batch's share of the step's mean negative log-likelihood."""

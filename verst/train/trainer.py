@@ -55,7 +55,7 @@ from verst.train.objective import (
 )
 from verst.train.on_policy import invariant_scores
 from verst.train.routing_replay import RoutingReplay, require_moe, routed_calls
-from verst.train.sft_loss import EVAL_SUMS, eval_metrics, eval_sums, nll_loss
+from verst.train.sft_loss import EVAL_SUMS, SFT_TEMPERATURE, eval_metrics, eval_sums, nll_loss
 from verst.train.token_logprobs import response_scores
 from verst.train.trainer_config import (
     NonFiniteLossError,
@@ -239,23 +239,35 @@ class Trainer:
         calls = micro.routed_calls
         return routing.feeding(calls) if routing and calls else contextlib.nullcontext()
 
-    def _logits(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-        """Temperature-scaled fp32 logits [B, T, V]; position j predicts response token j."""
+    def _logits(
+        self, model: torch.nn.Module, micro: MicroBatch, temperature: float | None = None
+    ) -> torch.Tensor:
+        """fp32 logits [B, T, V] at `temperature` (default: the sampling one); position j
+        predicts response token j."""
         with self._replaying(model, micro):
-            return response_outputs(model, micro).float() / self.temperature
+            return response_outputs(model, micro).float() / (temperature or self.temperature)
 
     def _scores(
-        self, model: torch.nn.Module, micro: MicroBatch, *, entropy_grad: bool = False
+        self,
+        model: torch.nn.Module,
+        micro: MicroBatch,
+        *,
+        entropy_grad: bool = False,
+        temperature: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 (log-prob, entropy) [B, T] of each response token at the sampling temperature."""
+        """fp32 (log-prob, entropy) [B, T] of each response token at `temperature` (default:
+        the sampling one)."""
+        temperature = temperature or self.temperature
         if self.cfg.true_on_policy:
-            return invariant_scores(model, micro, self.temperature, self.pad_token_id)
+            return invariant_scores(model, micro, temperature, self.pad_token_id)
         chunk = self.cfg.logprob_chunk_tokens
         with self._replaying(model, micro):
-            return response_scores(model, micro, self.temperature, chunk, entropy_grad=entropy_grad)
+            return response_scores(model, micro, temperature, chunk, entropy_grad=entropy_grad)
 
-    def _logprobs(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
-        return self._scores(model, micro)[0]
+    def _logprobs(
+        self, model: torch.nn.Module, micro: MicroBatch, temperature: float | None = None
+    ) -> torch.Tensor:
+        return self._scores(model, micro, temperature=temperature)[0]
 
     def _micro_batches(
         self, items: list[TrainItem], *, rl: bool = False
@@ -475,16 +487,17 @@ class Trainer:
         step: int,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     ) -> dict[str, float]:
-        """One supervised step: mean negative log-likelihood of the masked tokens over all
-        ranks; returns `loss`, `grad_norm` and `tokens` (masked tokens, all ranks), with this
-        rank's `perf/train_{forward,backward,optimizer}_time_s`."""
+        """One supervised step: mean NLL of the masked tokens over all ranks at temperature 1
+        (whatever the rollout samples at); returns `loss`, `grad_norm`, `tokens` (all ranks')
+        and this rank's `perf/train_{forward,backward,optimizer}_time_s`."""
         timer = self.timer = PhaseTimer(device=self.device, step=step, cat="train")
         token_norm, _ = self._global_counts(items)
         total = 0.0
         for is_last, micro in self._micro_batches(items):
             self.model.set_requires_gradient_sync(is_last)
             with timer("train_forward"):
-                loss = nll_loss(self._logprobs(self.model, micro), micro.loss_mask_B_T, token_norm)
+                logprobs_B_T = self._logprobs(self.model, micro, SFT_TEMPERATURE)
+                loss = nll_loss(logprobs_B_T, micro.loss_mask_B_T, token_norm)
             with timer("train_backward"):
                 loss.backward()
             total += loss.item()
@@ -509,7 +522,8 @@ class Trainer:
         sums = dict.fromkeys(EVAL_SUMS, 0.0)
         self.model.eval()
         for _, micro in self._micro_batches(items):
-            for key, value in eval_sums(self._logits(self.model, micro), micro).items():
+            logits_B_T_V = self._logits(self.model, micro, SFT_TEMPERATURE)
+            for key, value in eval_sums(logits_B_T_V, micro).items():
                 sums[key] += value
         # a forward without a backward leaves the parameters unsharded (no post-backward hook
         # reshards them): the optimiser and the next forward must see the sharded ones
@@ -562,14 +576,10 @@ class Trainer:
         return state
 
     def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
-        """Weights as `full_state_dict` gave them, or with LoRA the adapters alone (the frozen
-        base is the one the model was built with). Rank 0's are loaded on every rank: a full
-        state dict is rank 0's alone (the others' may be empty)."""
-        options = StateDictOptions(
-            full_state_dict=True,
-            strict=not self.lora,
-            broadcast_from_rank0=distributed.world_size() > 1,
-        )
+        """Weights as `full_state_dict` gave them (rank 0's, on every rank: the others' may be
+        empty), or with LoRA the adapters alone (the base is the one the model was built with)."""
+        full = dict(full_state_dict=True, broadcast_from_rank0=distributed.world_size() > 1)
+        options = StateDictOptions(**full, strict=not self.lora)
         set_model_state_dict(self.model, weights, options=options)
         if optimizer_state is not None:
             set_optimizer_state_dict(

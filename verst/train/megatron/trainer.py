@@ -43,7 +43,7 @@ from verst.train.objective import (
     set_token_advantages,
     whiten_globally,
 )
-from verst.train.sft_loss import EVAL_SUMS, eval_metrics, eval_sums, nll_loss
+from verst.train.sft_loss import EVAL_SUMS, SFT_TEMPERATURE, eval_metrics, eval_sums, nll_loss
 from verst.train.trainer_config import NonFiniteLossError, TrainerConfig, _lr_lambda, compute_dtype
 
 
@@ -266,8 +266,11 @@ class MegatronTrainer:
         )
         return stored[0] if stored else {}
 
-    def logits(self, output: torch.Tensor, inputs: Any) -> torch.Tensor:
-        return response_logits(output, inputs, self.vocab) / self.temperature
+    def logits(
+        self, output: torch.Tensor, inputs: Any, temperature: float | None = None
+    ) -> torch.Tensor:
+        """fp32 response logits at `temperature` (default: the sampling one)."""
+        return response_logits(output, inputs, self.vocab) / (temperature or self.temperature)
 
     def _rl_loss(
         self,
@@ -348,7 +351,8 @@ class MegatronTrainer:
         } | self.timer.metrics()
 
     def _sft_loss(self, output: torch.Tensor, *, micro: MicroBatch, inputs: Any, token_norm: float):
-        logprobs_B_T = logprobs_from_logits(self.logits(output, inputs), micro.response_ids_B_T)
+        logits_B_T_V = self.logits(output, inputs, SFT_TEMPERATURE)
+        logprobs_B_T = logprobs_from_logits(logits_B_T_V, micro.response_ids_B_T)
         loss = nll_loss(logprobs_B_T, micro.loss_mask_B_T, token_norm)
         return loss, {"loss": loss.item()}
 
@@ -358,7 +362,8 @@ class MegatronTrainer:
         sums = dict.fromkeys(EVAL_SUMS, 0.0)
 
         def keep(output: torch.Tensor, *, micro: MicroBatch, inputs: Any) -> tuple:
-            return output.new_zeros(()), eval_sums(self.logits(output, inputs), micro)
+            logits_B_T_V = self.logits(output, inputs, SFT_TEMPERATURE)
+            return output.new_zeros(()), eval_sums(logits_B_T_V, micro)
 
         self.model.eval()
         for micro in self._micro_batches(gather.data_parallel_share(items)):
