@@ -3,7 +3,6 @@ steps of a smaller model), each episode in a bubblewrap sandbox of its own."""
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,9 +41,10 @@ def assert_no_tito_bug(row: dict) -> None:
 def test_python_tool_example_trains_through_the_cli(tmp_path: Path) -> None:
     if (problem := bubblewrap_problem()) is not None:
         pytest.skip(f"bwrap fails its probe here: {problem}")
-    before = set(Path(tempfile.gettempdir()).glob("verst-sbx-*"))
+    work_root = tmp_path / "sandboxes"  # this run's own: other tests' sandboxes may be open
     run_dir = tmp_path / "run"
-    assert main(["train", EXAMPLE, *QUICK, "--run-dir", str(run_dir)]) == 0
+    overrides = [*QUICK, f"env.sandbox.work_root={work_root}"]
+    assert main(["train", EXAMPLE, *overrides, "--run-dir", str(run_dir)]) == 0
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
@@ -54,7 +54,7 @@ def test_python_tool_example_trains_through_the_cli(tmp_path: Path) -> None:
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-4
         assert_no_tito_bug(row)
     # the sandboxes the pool still held were closed at the end of the run
-    assert set(Path(tempfile.gettempdir()).glob("verst-sbx-*")) - before == set()
+    assert list(work_root.iterdir()) == []
 
 
 TERMINAL_QUICK = [
