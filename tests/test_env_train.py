@@ -3,6 +3,8 @@ steps of a smaller model), each episode in a bubblewrap sandbox of its own."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -41,10 +43,17 @@ def assert_no_tito_bug(row: dict) -> None:
 def test_python_tool_example_trains_through_the_cli(tmp_path: Path) -> None:
     if (problem := bubblewrap_problem()) is not None:
         pytest.skip(f"bwrap fails its probe here: {problem}")
-    work_root = tmp_path / "sandboxes"  # this run's own: other tests' sandboxes may be open
+    # this run's own (other tests' sandboxes may be open beside it), in the system temp: the
+    # uid commands run as under root must pass through it, which pytest's tmp_path forbids
+    work_root = Path(tempfile.mkdtemp(prefix="verst-test-sandboxes-"))
+    work_root.chmod(0o711)
     run_dir = tmp_path / "run"
     overrides = [*QUICK, f"env.sandbox.work_root={work_root}"]
-    assert main(["train", EXAMPLE, *overrides, "--run-dir", str(run_dir)]) == 0
+    try:
+        assert main(["train", EXAMPLE, *overrides, "--run-dir", str(run_dir)]) == 0
+        left = list(work_root.iterdir())
+    finally:
+        shutil.rmtree(work_root, ignore_errors=True)
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
@@ -54,7 +63,7 @@ def test_python_tool_example_trains_through_the_cli(tmp_path: Path) -> None:
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-4
         assert_no_tito_bug(row)
     # the sandboxes the pool still held were closed at the end of the run
-    assert list(work_root.iterdir()) == []
+    assert left == []
 
 
 TERMINAL_QUICK = [
