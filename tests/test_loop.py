@@ -144,8 +144,8 @@ def test_malformed_jsonl_names_file_and_line(tmp_path: Path, capsys) -> None:
     assert "prompts.jsonl" in err and ":2" in err or "line 2" in err
 
 
-def torchrun_train(args: list[str], run_dir: Path, nproc: int = 2, command: str = "train") -> None:
-    """`verst COMMAND ARGS` under torchrun with `nproc` ranks (gloo on the CPU); asserts
+def torchrun_module(module: str, args: list[str], nproc: int = 2) -> None:
+    """`python -m MODULE ARGS` under torchrun with `nproc` ranks (gloo on the CPU); asserts
     success."""
     import os
     import subprocess
@@ -155,10 +155,14 @@ def torchrun_train(args: list[str], run_dir: Path, nproc: int = 2, command: str 
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    cmd += ["--master-port", str(free_port()), "-m", "verst", command, *args]
-    cmd += ["--run-dir", str(run_dir)]
+    cmd += ["--master-port", str(free_port()), "-m", module, *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-4000:]}"
+
+
+def torchrun_train(args: list[str], run_dir: Path, nproc: int = 2, command: str = "train") -> None:
+    """`verst COMMAND ARGS` under torchrun with `nproc` ranks; asserts success."""
+    torchrun_module("verst", [command, *args, "--run-dir", str(run_dir)], nproc)
 
 
 def test_torchrun_two_ranks_on_gloo(tmp_path: Path) -> None:

@@ -151,19 +151,11 @@ def test_data_parallel_ranks_match_fsdp2_on_the_same_global_batch(tmp_path) -> N
     whitening over the DP group, metrics from the loss ranks) against FSDP2 sharded over the
     same two ranks (`tests/megatron_data_parallel.py`)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from verst.fleet.launcher import free_port
+    from tests.test_loop import torchrun_module
 
     out = tmp_path / "result.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "tests.megatron_data_parallel",
-               str(out)]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun_module("tests.megatron_data_parallel", [str(out)])
     result = json.loads(out.read_text())
     assert result["world"] == 2
     assert result["loss"] < 2e-6 and result["eval"] < 1e-5, result

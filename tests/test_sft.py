@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_loop import torchrun_train
+from tests.test_loop import torchrun_module, torchrun_train
 from verst.cli import main
 from verst.data.source import DataSource, DataSourceConfig
 from verst.models.tiny import build_char_tokenizer
@@ -269,19 +269,8 @@ def test_warm_start_on_two_ranks_goes_back_to_the_nearer_check(tmp_path: Path) -
     """`tests/warm_start_ranks.py` under torchrun: the kept check's weights are rank 0's full
     state dict, loaded on both ranks (rank 1's was empty and it stopped); rank 1 draws items of
     one-token responses, whose micro-batch must take the others' collectives (it hung)."""
-    import os
-    import subprocess
-    import sys
-
-    from verst.fleet.launcher import free_port
-
     out = tmp_path / "result.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "tests.warm_start_ranks",
-               str(out)]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun_module("tests.warm_start_ranks", [str(out)])
     result = json.loads(out.read_text())
     assert result["warm_start/steps"] == 4 and result["warm_start/dev_accuracy"] == 0.18
     assert result["back"] and result["moved_since"]
