@@ -28,7 +28,9 @@ from statistics import mean
 
 def _commit() -> str:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+    # the results written so far are not the code under test
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":(exclude)bench/results"],
                            capture_output=True, text=True).stdout.strip()  # fmt: skip
     return out.stdout.strip() + ("+dirty" if dirty else "")
 
