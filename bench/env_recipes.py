@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -88,6 +89,9 @@ def summarise(run_dir: Path, window: int) -> dict:
 
 
 def main() -> int:
+    # a SIGTERM (`timeout`, `kill`) exits through Python, so `subprocess.run` stops the child
+    # run too instead of leaving it training on
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="dotted overrides for verst train")
