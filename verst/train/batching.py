@@ -53,7 +53,8 @@ class MicroBatch:
 
     Samples of one group share their prompt, so the prompt is run once and its KV cache is
     shared by all B responses: the forward and backward cost of the prompt is paid per group,
-    not per sample. Per-token fields are [B, T], aligned with `response_ids_B_T`.
+    not per sample. Per-token fields are [B, T], aligned with `response_ids_B_T`; T >= 2
+    (`collate` pads), so every micro-batch takes the same two forwards.
     """
 
     prompt_ids_K_L: torch.Tensor
@@ -159,8 +160,6 @@ def response_outputs(model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
     it, so only tokens 0..T-2 are fed.
     """
     first_B_1_X, cache = prompt_outputs(model, micro)
-    if micro.response_ids_B_T.shape[1] == 1:
-        return first_B_1_X
     return torch.cat([first_B_1_X, continuation_outputs(model, micro, cache)], dim=1)
 
 
@@ -179,8 +178,7 @@ def prompt_outputs(
         cache,
         last_only=True,
     )
-    if micro.response_ids_B_T.shape[1] > 1:
-        cache.batch_select_indices(micro.prompt_index_B)
+    cache.batch_select_indices(micro.prompt_index_B)
     return last_K_1_X[micro.prompt_index_B], cache
 
 

@@ -180,11 +180,10 @@ def response_scores(
         return logprobs_from_logits(logits_B_T_V, targets_B_T), entropy_B_T
     first_B_1_V, cache = prompt_outputs(model, micro)
     first_B_1_V = first_B_1_V.float() / temperature
-    logprobs = [logprobs_from_logits(first_B_1_V, targets_B_T[:, :1])]
-    entropy = [entropy_from_logits(first_B_1_V)]
-    if targets_B_T.shape[1] > 1:
-        with scoring_tokens(model, targets_B_T[:, 1:], temperature, chunk_tokens):
-            rest_B_T_2 = continuation_outputs(model, micro, cache)
-        logprobs.append(rest_B_T_2[..., 0])
-        entropy.append(rest_B_T_2[..., 1])
-    return torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1)
+    with scoring_tokens(model, targets_B_T[:, 1:], temperature, chunk_tokens):
+        rest_B_T_2 = continuation_outputs(model, micro, cache)
+    logprobs_B_T = torch.cat(
+        [logprobs_from_logits(first_B_1_V, targets_B_T[:, :1]), rest_B_T_2[..., 0]], 1
+    )
+    entropy_B_T = torch.cat([entropy_from_logits(first_B_1_V), rest_B_T_2[..., 1]], 1)
+    return logprobs_B_T, entropy_B_T
