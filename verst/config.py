@@ -131,6 +131,9 @@ def check_megatron(cfg: RunConfig) -> None:
         "gate/up, see docs/training_backends.md)": cfg.model.lora.enabled,
         f"loss.advantage_estimator={cfg.loss.advantage_estimator} (a PPO critic: no Megatron "
         "value model yet)": cfg.loss.needs_critic,
+        "trainer.gradient_checkpointing (not wired to Megatron's recompute yet)": (
+            cfg.trainer.gradient_checkpointing
+        ),
     }
     for field, on in unsupported.items():
         if on:
@@ -181,6 +184,11 @@ def check_routing_replay(cfg: RunConfig) -> None:
     path is checked when the trainer is built."""
     if not cfg.loss.routing_replay:
         return
+    if cfg.trainer.gradient_checkpointing:
+        raise ValueError(
+            "loss.routing_replay with trainer.gradient_checkpointing: the backward's replay of "
+            "a layer would route its tokens again instead of replaying the rollout's experts"
+        )
     tiny = cfg.model.tiny
     if tiny is not None and tiny.family not in MOE_FAMILIES:
         raise ValueError(
@@ -220,6 +228,9 @@ def check_true_on_policy(cfg: RunConfig) -> None:
         )
         and cfg.trainer.device != "auto",
         "model.kind=diffusion": cfg.model.kind == "diffusion",
+        "trainer.gradient_checkpointing (the invariant forward keeps its activations)": (
+            cfg.trainer.gradient_checkpointing
+        ),
     }
     for field, on in refusals.items():
         if on:

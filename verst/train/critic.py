@@ -46,8 +46,9 @@ class ValueModel(torch.nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         # a ModelOutput, which torch's pytree walks: FSDP2 finds the values there and hooks the
         # unsharding of the head's parameters before backward (in a SimpleNamespace it did not:
-        # the backward of two sharded ranks read the freed head)
-        return CausalLMOutput(logits=self.value_head(hidden).float())
+        # the backward of two sharded ranks read the freed head); a copy, not the linear's
+        # view, which FSDP2 warns of at every step
+        return CausalLMOutput(logits=self.value_head(hidden).to(torch.float32, copy=True))
 
 
 def policy_body_weights(policy_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -19,9 +19,6 @@ import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -34,6 +31,7 @@ from verst.models.moe import routing_shape
 from verst.monitor.mfu import mfu_metrics
 from verst.monitor.timer import PhaseTimer
 from verst.sync.buckets import full_parameters
+from verst.train.activation_checkpointing import checkpoint_layers
 from verst.train.algorithms import LossConfig
 from verst.train.batching import (
     MicroBatch,
@@ -44,6 +42,7 @@ from verst.train.batching import (
     pack_micro_batches,
     response_outputs,
 )
+from verst.train.checkpoint_state import CheckpointState
 from verst.train.critic import ValueModel, policy_body_weights
 from verst.train.losses import aggregate, kl_penalty, value_loss
 from verst.train.objective import (
@@ -80,7 +79,7 @@ def _shard(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> 
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=sharded)
 
 
-class Trainer:
+class Trainer(CheckpointState):
     """Owns the sharded policy, its optimiser and schedule, an optional frozen reference, and
     for PPO a sharded critic with its own optimiser."""
 
@@ -117,6 +116,8 @@ class Trainer:
         self.routing = None
         if self.routing_shape is not None:
             self.routing = RoutingReplay(model, replay=loss_cfg.routing_replay)
+        if cfg.gradient_checkpointing:
+            checkpoint_layers(model)
         model.to(device=device, dtype=torch.float32)  # master weights stay fp32
         model.train()
         # with LoRA (`verst.models.lora.apply_lora`), the adapted modules' scales; else empty
@@ -191,6 +192,8 @@ class Trainer:
         """Train `critic` (unsharded; its body starts as the policy's current body, rank 0's
         full state dict broadcast to every rank before sharding) for PPO."""
         critic.load_state_dict(policy_body_weights(self.full_state_dict()), strict=False)
+        if self.cfg.gradient_checkpointing:
+            checkpoint_layers(critic.model)
         critic.to(device=self.device, dtype=torch.float32).train()
         distributed.broadcast_from_rank0(critic)
         _shard(critic, self.dtype, self.device)
@@ -547,53 +550,3 @@ class Trainer:
                 "the weights were not updated"
             )
         return grad_norm
-
-    # --- checkpoint state -----------------------------------------------------------------------
-
-    def optimizer_state(self) -> dict:
-        """Optimiser and schedule state (and the critic's weights and optimiser, for PPO)."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = {
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
-            "scheduler": self.scheduler.state_dict(),
-        }
-        if self.adapter_optimizers:
-            state["adapters"] = {
-                name: {
-                    "optimizer": get_optimizer_state_dict(self.model, optimizer, options=options),
-                    "scheduler": scheduler.state_dict(),
-                }
-                for name, (optimizer, scheduler) in self.adapter_optimizers.items()
-            }
-        if self.critic is not None:
-            state["critic"] = {
-                "weights": get_model_state_dict(self.critic, options=options),
-                "optimizer": get_optimizer_state_dict(
-                    self.critic, self.critic_optimizer, options=options
-                ),
-                "scheduler": self.critic_scheduler.state_dict(),
-            }
-        return state
-
-    def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
-        """Weights as `full_state_dict` gave them (rank 0's, on every rank: the others' may be
-        empty), or with LoRA the adapters alone (the base is the one the model was built with)."""
-        full = dict(full_state_dict=True, broadcast_from_rank0=distributed.world_size() > 1)
-        options = StateDictOptions(**full, strict=not self.lora)
-        set_model_state_dict(self.model, weights, options=options)
-        if optimizer_state is not None:
-            set_optimizer_state_dict(
-                self.model, self.optimizer, optimizer_state["optimizer"], options=options
-            )
-            self.scheduler.load_state_dict(optimizer_state["scheduler"])
-        for name, saved in (optimizer_state or {}).get("adapters", {}).items():
-            optimizer, scheduler = self.adapter_optimizers[name]
-            set_optimizer_state_dict(self.model, optimizer, saved["optimizer"], options=options)
-            scheduler.load_state_dict(saved["scheduler"])
-        critic_state = (optimizer_state or {}).get("critic")
-        if self.critic is not None and critic_state is not None:
-            set_model_state_dict(self.critic, critic_state["weights"], options=options)
-            set_optimizer_state_dict(
-                self.critic, self.critic_optimizer, critic_state["optimizer"], options=options
-            )
-            self.critic_scheduler.load_state_dict(critic_state["scheduler"])

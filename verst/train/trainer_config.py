@@ -44,6 +44,11 @@ class TrainerConfig(ConfigBase):
         description="tokens whose full-vocabulary logits exist at once when the trainer scores "
         "responses (log-probs, entropy; recomputed in the backward); 0 = a micro-batch's at once",
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in the backward: about a third "
+        "more compute for far less activation memory (fsdp2 backend)",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype; auto = bfloat16 on CUDA, float32 on CPU"
     )
