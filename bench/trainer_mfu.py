@@ -17,8 +17,10 @@ position t; over measured step time and the device's dense bf16 peak.
     python bench/trainer_mfu.py --preset h200 --megatron --kinds hf megatron   # those two only
     python bench/trainer_mfu.py --preset h200 --profile   # and where each variant's time goes
 
-A kind with the suffix `-liger` (`--variants verst-liger:16384:4096`) first patches Qwen2's
-RMSNorm, SwiGLU MLP and rotary embedding with Liger's Triton kernels (`pip install liger-kernel`).
+Suffixes of a kind switch options on: `-liger` (`--variants verst-liger:16384:4096`) runs
+Liger's Triton RMSNorm, SwiGLU MLP and rotary kernels (`trainer.kernels=liger`; for `hf`, patched
+into Qwen2's classes; `pip install liger-kernel`), `-ckpt` the trainer's
+`gradient_checkpointing` (`verst-liger-ckpt:65536:4096` both).
 
 `--profile` runs one more step of each variant under `torch.profiler` and stores its kernels'
 device time by operator (the top 25), beside the step's total, in the variant's row.
@@ -128,7 +130,12 @@ def sync(device: torch.device) -> None:
 
 
 def verst_steps(
-    preset: dict, backend: str, micro_tokens: int, chunk_tokens: int, device: torch.device
+    preset: dict,
+    backend: str,
+    micro_tokens: int,
+    chunk_tokens: int,
+    device: torch.device,
+    options: set[str],
 ):
     from verst.train.algorithms import LossConfig
     from verst.train.trainer import Trainer, TrainerConfig
@@ -138,6 +145,8 @@ def verst_steps(
         micro_batch_tokens=micro_tokens,
         logprob_chunk_tokens=chunk_tokens,
         backend=backend,
+        kernels="liger" if "liger" in options else "torch",
+        gradient_checkpointing="ckpt" in options,
     )
     common = dict(total_steps=100, pad_token_id=0, device=device)
     if backend == "megatron":
@@ -182,17 +191,20 @@ def hf_steps(preset: dict, device: torch.device):
 def worker(spec: dict) -> dict:
     preset = PRESETS[spec["preset"]]
     device = torch.device(preset["device"])
-    kind = spec["kind"]
-    if kind.endswith("-liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE in Qwen2's classes
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
-
-        apply_liger_kernel_to_qwen2(fused_linear_cross_entropy=False)
-        kind = kind.removesuffix("-liger")
+    kind, *suffixes = spec["kind"].split("-")
+    options = set(suffixes)
+    if options - {"liger", "ckpt"} or (kind == "hf" and "ckpt" in options):
+        raise SystemExit(f"unknown kind {spec['kind']}")
     if kind == "hf":
+        if "liger" in options:  # Liger's Triton RMSNorm, SwiGLU and RoPE in Qwen2's classes
+            from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+            apply_liger_kernel_to_qwen2(fused_linear_cross_entropy=False)
         step = hf_steps(preset, device)
     else:
         backend = "megatron" if kind == "megatron" else "fsdp2"
-        step = verst_steps(preset, backend, spec["micro_tokens"], spec["chunk_tokens"], device)
+        micro, chunk = spec["micro_tokens"], spec["chunk_tokens"]
+        step = verst_steps(preset, backend, micro, chunk, device, options)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []

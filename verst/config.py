@@ -134,6 +134,7 @@ def check_megatron(cfg: RunConfig) -> None:
         "trainer.gradient_checkpointing (not wired to Megatron's recompute yet)": (
             cfg.trainer.gradient_checkpointing
         ),
+        "trainer.kernels=liger (Megatron's layers are its own)": cfg.trainer.kernels == "liger",
     }
     for field, on in unsupported.items():
         if on:
@@ -230,6 +231,9 @@ def check_true_on_policy(cfg: RunConfig) -> None:
         "model.kind=diffusion": cfg.model.kind == "diffusion",
         "trainer.gradient_checkpointing (the invariant forward keeps its activations)": (
             cfg.trainer.gradient_checkpointing
+        ),
+        "trainer.kernels=liger (the invariant forward runs its own kernels)": (
+            cfg.trainer.kernels == "liger"
         ),
     }
     for field, on in refusals.items():

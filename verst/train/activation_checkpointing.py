@@ -51,9 +51,14 @@ def _checkpointed_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> 
     return checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a PEFT wrapper, or `model` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of a Hugging Face causal LM or of its body (a PEFT wrapper too)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     layers = getattr(base, "layers", None)
     if layers is None and hasattr(base, "get_decoder"):
         layers = getattr(base.get_decoder(), "layers", None)

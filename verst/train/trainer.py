@@ -44,6 +44,7 @@ from verst.train.batching import (
 )
 from verst.train.checkpoint_state import CheckpointState
 from verst.train.critic import ValueModel, policy_body_weights
+from verst.train.liger import apply_liger
 from verst.train.losses import aggregate, kl_penalty, value_loss
 from verst.train.objective import (
     Normalisers,
@@ -118,6 +119,8 @@ class Trainer(CheckpointState):
             self.routing = RoutingReplay(model, replay=loss_cfg.routing_replay)
         if cfg.gradient_checkpointing:
             checkpoint_layers(model)
+        if cfg.kernels == "liger":
+            apply_liger(model, device)
         model.to(device=device, dtype=torch.float32)  # master weights stay fp32
         model.train()
         # with LoRA (`verst.models.lora.apply_lora`), the adapted modules' scales; else empty

@@ -49,6 +49,11 @@ class TrainerConfig(ConfigBase):
         description="recompute each decoder layer's activations in the backward: about a third "
         "more compute for far less activation memory (fsdp2 backend)",
     )
+    kernels: Literal["torch", "liger"] = Field(
+        "torch",
+        description="liger: Liger's Triton RMSNorm, SwiGLU and rotary kernels in the policy's "
+        "layers (CUDA; pip install 'verst[liger]')",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype; auto = bfloat16 on CUDA, float32 on CPU"
     )
