@@ -135,6 +135,7 @@ def check_megatron(cfg: RunConfig) -> None:
             cfg.trainer.gradient_checkpointing
         ),
         "trainer.kernels=liger (Megatron's layers are its own)": cfg.trainer.kernels == "liger",
+        "trainer.offload (Megatron's optimizer is its own)": cfg.trainer.offload != "none",
     }
     for field, on in unsupported.items():
         if on:
@@ -375,6 +376,11 @@ def check_placement(cfg: RunConfig) -> None:
         raise ValueError(
             "rollout.function owns a whole synchronous step, and mode=fully_async has none: "
             "use rollout.generate_function (one sample), or mode=sync"
+        )
+    if placement.sleep_engines and placement.engines != "embedded":
+        raise ValueError(
+            f"placement.sleep_engines releases the embedded engine's memory; engines placed "
+            f"{placement.engines} keep theirs (use placement.engines=embedded)"
         )
     agents = cfg.plays_agents
     if cfg.env.name is not None and cfg.rollout.agent_function:

@@ -106,8 +106,11 @@ def load_policy(
     torch.manual_seed(cfg.seed)
     if cfg.trainer.backend == "megatron":  # a layout that cannot fit fails before any weights load
         check_layout(cfg.trainer.megatron, load_model_config(cfg.model), distributed.world_size())
-    model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed, device=device)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, seed=cfg.seed)
+    # the shell stays in host memory: it only lends its structure to saves, the reference and
+    # the critic, and a device copy would hold a whole fp32 model of device memory for that
     shell = copy.deepcopy(model)
+    model.to(device)
     if cfg.model.lora.enabled:
         apply_lora(model, cfg.model.lora)
     return device, model, shell, tokenizer

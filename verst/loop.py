@@ -17,6 +17,7 @@ generating, so its rollout phase is a wait (`perf/wait_time_s`).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from verst import distributed, launch
@@ -24,6 +25,7 @@ from verst.config import RunConfig, dump_config
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
 from verst.rundir import check_writable
+from verst.sync.embedded import EmbeddedSync
 from verst.train.algorithms import LossConfig, sample_advantages
 from verst.train.batching import TrainItem
 from verst.train.checkpoint import remove_partial_checkpoints
@@ -106,7 +108,7 @@ def begin(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, versio
 
 def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, version: int) -> int:
     """One step; returns the weight version the engines hold after it."""
-    timer = PhaseTimer(step=step)
+    timer = PhaseTimer(step=step, memory_device=run.device)
     rollout_phase = "wait" if cfg.mode == "fully_async" else "rollout"
     with timer(rollout_phase):
         groups, metrics = run.rollout.groups(version)
@@ -121,8 +123,8 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
                 metrics |= run.teacher.score_groups(trainable, run.device)
         with timer("advantages"):
             items = train_items(trainable, cfg.loss)
-        with timer("train"):
-            metrics |= train_step(run, items, step, version)
+        with timer("train"), engine_asleep(cfg, run) as released:
+            metrics |= train_step(run, items, step, version) | released
         version += 1
         with timer("sync"):
             metrics |= run.sync.push(version)
@@ -148,6 +150,13 @@ def rl_step(cfg: RunConfig, run: launch.Run, log: MetricsLogger, step: int, vers
     for record in run.evals.finished():  # snapshot evaluations, at the steps they measured
         log.log(record)
     return version
+
+
+def engine_asleep(cfg: RunConfig, run: launch.Run) -> AbstractContextManager[dict[str, float]]:
+    """`placement.sleep_engines`: the embedded engine's memory is the trainer's inside."""
+    if cfg.placement.sleep_engines and isinstance(run.sync, EmbeddedSync):
+        return run.sync.sleeping()
+    return nullcontext({})
 
 
 def train_step(run: launch.Run, items: list[TrainItem], step: int, version: int) -> dict:

@@ -283,6 +283,14 @@ class ModelRunner:
             logits = self._decode_eager(meta, adapted, windowed)
         self._graphs[(size, windowed)] = _Graph(graph, logits)
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and its memory pool (the KV pool or the weights move)."""
+        if self._graph_pool is not None:
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+        self._meta = None
+        self._graph_pool = None
+
     def _drop_graphs_of_old_adapters(self) -> None:
         """Graphs read the adapters' stacked buffers by address: capture again once the
         registry made new ones (or holds its first adapter)."""

@@ -31,6 +31,7 @@ from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterError, AdapterReg
 from verst.engine.grammar import Constraint, Grammars
 from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.logprob_extras import LogprobRecord, record_step, score_prompt
+from verst.engine.memory import EngineMemory
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.penalties import PenaltySlots
 from verst.engine.prompt_sharing import PromptSharing
@@ -79,6 +80,9 @@ class Scheduler(PromptSharing):
             true_on_policy=true_on_policy,
         )
         self.cache = RadixCache(pool) if enable_prefix_cache else None
+        self.memory = EngineMemory(
+            self.runner, pool, self.cache, lambda: len(self.running) + len(self.waiting)
+        )
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_running = max_running
@@ -120,6 +124,11 @@ class Scheduler(PromptSharing):
     # --- requests -----------------------------------------------------------------------------
 
     def submit(self, request: GenerateRequest) -> Running:
+        if self.memory.released:
+            raise RuntimeError(
+                f"the engine's {', '.join(self.memory.released)} memory is released: resume "
+                "it (and update released weights) before generating"
+            )
         request.sampling_params.validate()
         if not request.input_ids:
             raise ValueError(f"input_ids must be non-empty (rid {request.rid})")

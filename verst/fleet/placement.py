@@ -52,6 +52,11 @@ class PlacementConfig(ConfigBase):
         description="CPU scheduling niceness of the engine processes; 0 = the trainer's, "
         "higher = they yield the CPU to it",
     )
+    sleep_engines: bool = Field(
+        False,
+        description="the embedded engine gives its KV cache, CUDA graphs and weights' device "
+        "memory back while the trainer trains (colocated on one GPU)",
+    )
     max_batch_size: int = Field(256, ge=1, description="most running requests per engine")
     startup_timeout_s: float = Field(
         300.0, gt=0, description="seconds an engine process may take to become healthy"

@@ -20,10 +20,20 @@ from verst.monitor import trace
 class PhaseTimer:
     """Seconds per phase of one step; a phase entered twice adds up."""
 
-    def __init__(self, *, device: Any = None, step: int | None = None, cat: str = "step") -> None:
+    def __init__(
+        self,
+        *,
+        device: Any = None,
+        step: int | None = None,
+        cat: str = "step",
+        memory_device: Any = None,
+    ) -> None:
         """`device`: a torch.device; on CUDA, phases are timed on the GPU. `step`, `cat`: what
-        the trace's spans are labelled with."""
+        the trace's spans are labelled with. `memory_device` (CUDA): each phase's peak of
+        allocated device memory, `perf/<phase>_peak_memory_gb`."""
         self.seconds: dict[str, float] = {}
+        self.peak_bytes: dict[str, int] = {}
+        self._memory = memory_device if getattr(memory_device, "type", None) == "cuda" else None
         self._cuda = device is not None and device.type == "cuda"
         self._events: list[tuple[str, Any, Any]] = []
         self._trace_args = {} if step is None else {"step": step}
@@ -36,12 +46,19 @@ class PhaseTimer:
 
             begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             begin.record()
+        if self._memory is not None:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self._memory)
         started = time.perf_counter()
         traced = trace.now()
         try:
             yield
         finally:
             trace.complete(phase, traced, cat=self._cat, **self._trace_args)
+            if self._memory is not None:
+                peak = torch.cuda.max_memory_allocated(self._memory)
+                self.peak_bytes[phase] = max(self.peak_bytes.get(phase, 0), peak)
             if self._cuda:
                 end.record()
                 self._events.append((phase, begin, end))
@@ -62,6 +79,8 @@ class PhaseTimer:
             self._add(phase, begin.elapsed_time(end) / 1000)
         self._events = []
         metrics = {f"perf/{phase}_time_s": s for phase, s in self.seconds.items()}
+        for phase, peak in self.peak_bytes.items():
+            metrics[f"perf/{phase}_peak_memory_gb"] = peak / 1e9
         if step_phases is not None:
             step_s = sum(self.seconds.get(p, 0.0) for p in step_phases)
             metrics["perf/step_time_s"] = step_s

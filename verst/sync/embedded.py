@@ -17,6 +17,8 @@ protocol of serving engines (`verst.sync.protocol`) is not needed.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from verst.engine import Scheduler
 from verst.models.lora import LoraConfig, is_adapter
@@ -62,6 +64,19 @@ class EmbeddedSync:
             "sync/bytes": float(sent_bytes),
             "perf/sync_send_time_s": time.perf_counter() - started,
         }
+
+    @contextmanager
+    def sleeping(self) -> Iterator[dict[str, float]]:
+        """`placement.sleep_engines`: the engine's KV cache, CUDA graphs and (unless they are
+        the trainer's own tensors) weights give their device memory back inside, for the
+        trainer; after, the memory returns and a `push` must follow before the engine
+        generates. The dict it yields gets `perf/engine_released_bytes`."""
+        tags = ["kv_cache", "cuda_graph"] + ([] if self.zero_copy else ["weights"])
+        metrics = {"perf/engine_released_bytes": float(self.engine.memory.release(tags))}
+        try:
+            yield metrics
+        finally:
+            self.engine.memory.resume(tags)
 
     def _push_adapters(self) -> int:
         """Multi-LoRA: the adapters the last step trained (all of them before the first) into

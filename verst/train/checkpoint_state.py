@@ -3,6 +3,9 @@ state and, for PPO, the critic's weights and optimiser (a mixin of `Trainer`).""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -15,6 +18,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from verst import distributed
+from verst.train.offload import OptimizerOffload
+
+
+def _state_on_device(method: Callable) -> Callable:
+    """Run `method` with offloaded optimizer state (`trainer.offload`) back on the device."""
+
+    @functools.wraps(method)
+    def with_state(self: CheckpointState, *args: Any, **kwargs: Any) -> Any:
+        with self.offload.on_device() if self.offload is not None else nullcontext():
+            return method(self, *args, **kwargs)
+
+    return with_state
 
 
 class CheckpointState:
@@ -28,7 +43,9 @@ class CheckpointState:
     critic_optimizer: torch.optim.Optimizer
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler
     lora: bool
+    offload: OptimizerOffload | None
 
+    @_state_on_device
     def optimizer_state(self) -> dict:
         """Optimiser and schedule state (and the critic's weights and optimiser, for PPO)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -54,6 +71,7 @@ class CheckpointState:
             }
         return state
 
+    @_state_on_device
     def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
         """Weights as `full_state_dict` gave them (rank 0's, on every rank: the others' may be
         empty), or with LoRA the adapters alone (the base is the one the model was built with)."""

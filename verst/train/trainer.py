@@ -53,6 +53,7 @@ from verst.train.objective import (
     set_token_advantages,
     whiten_globally,
 )
+from verst.train.offload import OptimizerOffload
 from verst.train.on_policy import invariant_scores
 from verst.train.routing_replay import RoutingReplay, require_moe, routed_calls
 from verst.train.sft_loss import EVAL_SUMS, SFT_TEMPERATURE, eval_metrics, eval_sums, nll_loss
@@ -143,10 +144,28 @@ class Trainer(CheckpointState):
             name: self._adapter_optimizer(name, lr) for name, lr in (adapter_lrs or {}).items()
         }
         self.stepped_adapters: list[str] = []  # multi-LoRA: the adapters the last step trained
+        self.offload = self._optimizer_offload(cfg, device)
         self.reference: torch.nn.Module | None = None
         self.critic: torch.nn.Module | None = None
         # the current step's forward / backward / optimizer times (`perf/train_*_time_s`)
         self.timer = PhaseTimer(device=device)
+
+    def _optimizer_offload(
+        self, cfg: TrainerConfig, device: torch.device
+    ) -> OptimizerOffload | None:
+        if cfg.offload == "none":
+            return None
+        if device.type != "cuda":
+            raise ValueError(
+                f"trainer.offload={cfg.offload} moves optimizer state off the GPU; on the "
+                f"{device.type} it is in host memory already"
+            )
+        return OptimizerOffload(self._optimizers, device)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        adapters = [optimizer for optimizer, _ in self.adapter_optimizers.values()]
+        critic = [self.critic_optimizer] if self.critic is not None else []
+        return [self.optimizer, *adapters, *critic]
 
     def make_optimizer(
         self,
@@ -425,6 +444,8 @@ class Trainer(CheckpointState):
         step: int,
     ) -> dict[str, float]:
         """Clip, check and step the policy's (and the critic's) optimizer and schedule."""
+        if self.offload is not None:
+            self.offload.to_device()
         grad_norm = self._clip_and_check(self.model, optimizer, sums["loss"], step)
         metrics = {"train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0]}
         if self.critic is not None:
@@ -444,6 +465,8 @@ class Trainer(CheckpointState):
             self.critic_optimizer.step()
             self.critic_optimizer.zero_grad(set_to_none=True)
             self.critic_scheduler.step()
+        if self.offload is not None:
+            metrics["perf/offloaded_bytes"] = float(self.offload.to_host())
         return metrics
 
     def _require_reference(self) -> torch.nn.Module:

@@ -49,6 +49,11 @@ class TrainerConfig(ConfigBase):
         description="recompute each decoder layer's activations in the backward: about a third "
         "more compute for far less activation memory (fsdp2 backend)",
     )
+    offload: Literal["none", "optimizer"] = Field(
+        "none",
+        description="optimizer: AdamW's state waits in host memory between steps, on the "
+        "device only for the optimizer step (CUDA; frees twice the weights' memory)",
+    )
     kernels: Literal["torch", "liger"] = Field(
         "torch",
         description="liger: Liger's Triton RMSNorm, SwiGLU and rotary kernels in the policy's "
