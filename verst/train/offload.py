@@ -38,7 +38,7 @@ class OptimizerOffload:
             for p, param in enumerate(params):
                 for name, value in optimizer.state.get(param, {}).items():
                     local = value.to_local() if isinstance(value, DTensor) else value
-                    if isinstance(local, torch.Tensor) and local.device == self.device:
+                    if isinstance(local, torch.Tensor) and _on(local, self.device):
                         yield (o, p, name), local
 
     def to_host(self) -> int:
@@ -83,6 +83,12 @@ class OptimizerOffload:
         finally:
             if offloaded:
                 self.to_host()
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether `tensor` is on `device` (`cuda` meaning the current CUDA device)."""
+    same_index = device.index is None or tensor.device.index == device.index
+    return tensor.device.type == device.type and same_index
 
 
 def _synchronize(device: torch.device) -> None:
