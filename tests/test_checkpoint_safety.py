@@ -31,3 +31,13 @@ def test_resume_refuses_a_crafted_trainer_state(tmp_path: Path, capsys) -> None:
     assert main(["train", *TINY, "--run-dir", str(run_dir), "--resume"]) == 2
     assert not marker.exists(), "the pickle's payload ran"
     assert "trainer_state.pt" in capsys.readouterr().err
+
+
+def test_checkpoint_at_end_false_with_no_interval_saves_none(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    no_saves = ["checkpoint.interval_steps=0", "checkpoint.at_end=false"]
+    assert main(["train", *TINY, "num_steps=2", *no_saves, "--run-dir", str(run_dir)]) == 0
+    assert list_checkpoints(run_dir) == []
+    every = ["checkpoint.interval_steps=1", "checkpoint.at_end=false"]
+    assert main(["train", *TINY, "num_steps=2", *every, "--run-dir", str(tmp_path / "b")]) == 0
+    assert [p.name for p in list_checkpoints(tmp_path / "b")] == ["step_000001", "step_000002"]

@@ -35,8 +35,10 @@ def test_offloaded_optimizer_steps_equal_plain_ones() -> None:
         plain.step(_items(), step=step)
         metrics = offloaded.step(_items(), step=step)
         torch.cuda.synchronize()
+    state = [v for s in plain.optimizer.state.values() for v in s.values()]
+    on_device = sum(v.numel() * v.element_size() for v in state if v.is_cuda)
     params = sum(p.numel() for p in offloaded.model.parameters())
-    assert metrics["perf/offloaded_bytes"] == 2 * 4 * params  # two fp32 moments each
+    assert metrics["perf/offloaded_bytes"] == on_device >= 2 * 4 * params  # + fused's steps
     expected = plain.full_state_dict()
     for name, value in offloaded.full_state_dict().items():
         assert torch.equal(value, expected[name]), name

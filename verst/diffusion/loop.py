@@ -37,6 +37,7 @@ from verst.models.lora import LoraConfig
 from verst.monitor.metrics import MetricsLogger
 from verst.monitor.timer import PhaseTimer
 from verst.rundir import check_writable
+from verst.train.checkpoint import due as checkpoint_due
 
 
 @dataclass
@@ -244,7 +245,6 @@ def _run(cfg: RunConfig, run: DiffusionRun, run_dir: Path, start: int) -> None:
             if last or (interval and step % interval == 0):
                 metrics |= evaluate(run, step)
             log.log({"step": step, "weight_version": run.engine.weight_version} | metrics)
-            every = cfg.checkpoint.interval_steps
-            if last or (every and step % every == 0):  # after the record, as the LM loop does
+            if checkpoint_due(cfg.checkpoint, step, last=last):  # after the record, as the LM's
                 save_checkpoint(run, step)
         log.info(f"done: {cfg.num_steps} steps; samples and checkpoints in {run_dir}")

@@ -42,6 +42,17 @@ class CheckpointConfig(ConfigBase):
         0, ge=0, description="save every N steps (and at the end); 0 = only at the end"
     )
     keep_last: int = Field(2, ge=1, description="how many checkpoints to keep on disk")
+    at_end: bool = Field(
+        True,
+        description="save after the last step; false with interval_steps 0 = no checkpoints "
+        "(a benchmark's run)",
+    )
+
+
+def due(cfg: CheckpointConfig, step: int, *, last: bool) -> bool:
+    """Whether a checkpoint is written after `step` (`last`: the run's final step)."""
+    every = cfg.interval_steps
+    return (last and cfg.at_end) or bool(every and step % every == 0)
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -178,7 +189,7 @@ class Checkpointer:
         self.engine_generator = engine_generator  # serving engines keep their own RNG
 
     def due(self, step: int, *, last: bool) -> bool:
-        return last or bool(self.cfg.interval_steps and step % self.cfg.interval_steps == 0)
+        return due(self.cfg, step, last=last)
 
     def save(self, step: int, version: int, *, keep_existing: bool = False) -> Path:
         """Save the current state as checkpoint `step` (collective: every rank calls it)."""
