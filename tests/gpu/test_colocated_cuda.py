@@ -75,6 +75,7 @@ def test_a_colocated_run_with_every_memory_lever(tmp_path: Path) -> None:
         "placement.sleep_engines=true",
         "trainer.offload=optimizer",
         "trainer.gradient_checkpointing=true",
+        "loss.entropy_coef=0.01",  # a gradient (and AdamW state) with no reward yet
         "--run-dir",
         str(tmp_path / "run"),
     ]
