@@ -36,7 +36,9 @@ torch.set_num_threads(args["threads"])
 cfg = load_config(None, args["overrides"])
 run_dir = train(cfg, Path(args["run_dir"]))
 rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-print(json.dumps([r["perf/step_time_s"] for r in rows if r["step"] > 0]))
+steps = [r for r in rows if r["step"] > 0]
+print(json.dumps({"step_times_s": [r["perf/step_time_s"] for r in steps],
+                  "response_len_mean_per_step": [r["rollout/response_len_mean"] for r in steps]}))
 """
 
 TRL_SIDE = """
@@ -88,7 +90,7 @@ def main() -> None:
         )
     )
 
-    verst_times = json.loads(
+    verst_side = json.loads(
         _run(
             VERST_SIDE,
             {
@@ -130,11 +132,12 @@ def main() -> None:
         )
     )
 
+    verst_times = verst_side["step_times_s"]
     verst_mean = statistics.mean(verst_times[WARMUP_STEPS:])
     trl_mean = statistics.mean(trl["step_times_s"][WARMUP_STEPS:])
     result = {
         "ratio_verst_over_trl": verst_mean / trl_mean,
-        "verst": {"mean_step_time_s": verst_mean, "step_times_s": verst_times},
+        "verst": {"mean_step_time_s": verst_mean} | verst_side,
         "trl": trl,
         "workload": vars(args) | {"out": str(args.out)},
         "machine": {
@@ -145,9 +148,12 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+    verst_len = statistics.mean(verst_side["response_len_mean_per_step"][WARMUP_STEPS:])
+    trl_len = statistics.mean(trl["completion_tokens_mean_per_step"][WARMUP_STEPS:])
     print(
-        f"verst {verst_mean:.3f} s/step | TRL {trl_mean:.3f} s/step | "
-        f"verst / TRL = {verst_mean / trl_mean:.2f}x  (saved {args.out})"
+        f"verst {verst_mean:.3f} s/step ({verst_len:.1f} tokens a response) | TRL "
+        f"{trl_mean:.3f} s/step ({trl_len:.1f}) | verst / TRL = {verst_mean / trl_mean:.2f}x"
+        f"  (saved {args.out})"
     )
 
 

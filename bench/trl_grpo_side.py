@@ -2,7 +2,8 @@
 
 `run_trl_grpo` trains a local HF model directory with `trl.GRPOTrainer` (CPU, plain
 `model.generate`, no vLLM, no reference model) on raw-string prompts with an exact-match
-reward, and returns the wall-clock time of every optimizer step, generation included.
+reward, and returns the wall-clock time of every optimizer step, generation included, and the
+mean completion length of each step (the work its generation did).
 
 One optimizer step = `prompts_per_step` prompts × `num_generations` completions, generated in
 one `generate` call and trained in one pass (`num_iterations=1`, so the old log-probs are
@@ -79,7 +80,12 @@ def run_trl_grpo(
         {"prompt": (prompts * reps)[:rows], "label": (labels * reps)[:rows]}
     )
 
-    def exact_match(completions: list[str], label: list[str], **_: Any) -> list[float]:
+    lengths_per_call: list[float] = []  # mean completion tokens of each reward call (a step)
+
+    def exact_match(
+        completions: list[str], label: list[str], completion_ids: list[list[int]], **_: Any
+    ) -> list[float]:
+        lengths_per_call.append(statistics.mean(len(ids) for ids in completion_ids))
         return [float(c.strip() == y) for c, y in zip(completions, label, strict=True)]
 
     class StepTimer(TrainerCallback):
@@ -165,6 +171,7 @@ def run_trl_grpo(
         "median_step_time_s": statistics.median(measured_s),
         "min_step_time_s": min(measured_s),
         "warmup_steps": WARMUP_STEPS,
+        "completion_tokens_mean_per_step": lengths_per_call,
         "trl_version": trl.__version__,
         "torch_threads": torch.get_num_threads(),
         "config": {

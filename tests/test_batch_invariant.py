@@ -54,10 +54,12 @@ def test_log_softmax_rows_do_not_depend_on_the_batch():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [16, 32, 64])  # 32 and 64 failed while a product was strided
-def test_attention_of_a_query_ignores_later_keys_and_other_rows(dtype, D):
+@pytest.mark.parametrize("trim_keys", [True, False])
+def test_attention_of_a_query_ignores_later_keys_and_other_rows(dtype, D, trim_keys):
     """A decode query over its keys 0..p equals that query inside a full causal pass over a
-    longer sequence, in a batch with other rows."""
-    check_attention(dtype, D, 37, range(37))
+    longer sequence, in a batch with other rows; with `trim_keys` off, the unset keys past it
+    (garbage: huge keys, NaN values) are read and add exact zeros (a CUDA graph's way)."""
+    check_attention(dtype, D, 37, range(37), trim_keys)
 
 
 def test_attention_over_long_sequences():
@@ -65,7 +67,7 @@ def test_attention_over_long_sequences():
     check_attention(torch.float32, 32, 600, [0, 17, 255, 256, 511, 599])
 
 
-def check_attention(dtype: torch.dtype, D: int, T: int, queries) -> None:
+def check_attention(dtype: torch.dtype, D: int, T: int, queries, trim_keys: bool = True) -> None:
     torch.manual_seed(0)
     B, H, G = 3, 4, 2
     q = torch.randn(B, T, H, D).to(dtype)
@@ -78,7 +80,7 @@ def check_attention(dtype: torch.dtype, D: int, T: int, queries) -> None:
         keys_v = torch.cat([v[1:2, : p + 1], torch.full((1, 9, G, D), float("nan"))], dim=1)
         one = bi.attention(
             q[1:2, p : p + 1], keys_k, keys_v.to(dtype), torch.tensor([[p]]),
-            torch.tensor([p + 1]), 0.25,
+            torch.tensor([p + 1]), 0.25, trim_keys,
         )  # fmt: skip
         assert torch.equal(one[0, 0], full[1, p])
 

@@ -54,18 +54,21 @@ def test_engine_logprobs_equal_the_trainers_whatever_the_batch(family, dtype):
     """Sampled together (continuous batching, prompts of 1 to 17 tokens) or one request at a
     time, the engine's log-probs are the trainer's for the same tokens, bitwise."""
     model = tiny(family, dtype)
+    for max_running in (8, 1):
+        check_logprobs_equal_the_trainers(model, engine(model, max_running))
+
+
+def check_logprobs_equal_the_trainers(model: torch.nn.Module, scheduler: Scheduler) -> None:
     params = SamplingParams(max_new_tokens=12, temperature=0.8, ignore_eos=True)
-    together = engine(model, 8).generate([GenerateRequest(list(p), params) for p in PROMPTS])
-    alone = engine(model, 1).generate([GenerateRequest(list(p), params) for p in PROMPTS])
-    for outputs in (together, alone):
-        items = [
-            TrainItem(p + o.output_ids, len(o.output_ids), [1] * 12, o.output_token_logprobs, 0.0)
-            for p, o in zip(PROMPTS, outputs, strict=True)
-        ]
-        micro = collate(items, 0, torch.device("cpu"))
-        with torch.no_grad():
-            logprobs_B_T, _ = invariant_scores(model, micro, 0.8, 0)
-        assert torch.equal(logprobs_B_T, micro.rollout_logprobs_B_T)
+    outputs = scheduler.generate([GenerateRequest(list(p), params) for p in PROMPTS])
+    items = [
+        TrainItem(p + o.output_ids, len(o.output_ids), [1] * 12, o.output_token_logprobs, 0.0)
+        for p, o in zip(PROMPTS, outputs, strict=True)
+    ]
+    micro = collate(items, 0, next(model.parameters()).device)
+    with torch.no_grad():
+        logprobs_B_T, _ = invariant_scores(model, micro, 0.8, 0)
+    assert torch.equal(logprobs_B_T, micro.rollout_logprobs_B_T)
 
 
 def records(run_dir: Path) -> list[dict]:

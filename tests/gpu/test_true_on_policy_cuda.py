@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests import test_batch_invariant as cpu_tests
-from tests.test_true_on_policy import RUN, records
+from tests.test_true_on_policy import RUN, check_logprobs_equal_the_trainers, engine, records
 from verst.cli import main
 from verst.models import batch_invariant as bi
 from verst.models.invariant_cuda import matmul
@@ -68,7 +68,12 @@ def test_the_invariant_gemm_has_gradients():
     "check",
     [
         lambda: [cpu_tests.test_linear_rows_do_not_depend_on_the_batch(d) for d in DTYPES],
-        lambda: [cpu_tests.check_attention(d, D, 37, range(37)) for d in DTYPES for D in (32, 64)],
+        lambda: [
+            cpu_tests.check_attention(d, D, 37, range(37), trim)
+            for d in DTYPES
+            for D in (32, 64)
+            for trim in (True, False)
+        ],
         cpu_tests.test_attention_over_long_sequences,
     ],
     ids=["linear", "attention", "long_attention"],
@@ -83,6 +88,19 @@ def test_the_cpu_op_checks_hold_on_cuda(check):
 def test_forward_incremental_equals_whole_sequence_on_cuda(family, dtype):
     with torch.device("cuda"):
         cpu_tests.test_forward_incremental_equals_whole_sequence(family, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_engine_replays_invariant_decode_graphs_with_the_trainers_logprobs(dtype):
+    """The invariant decode replays CUDA graphs (one per batch bucket and span of pages),
+    reading every key of its span: the log-probs stay the trainer's, bitwise."""
+    with torch.device("cuda"):
+        model = cpu_tests.tiny("qwen3", dtype)
+    for max_running in (8, 1):
+        scheduler = engine(model, max_running)
+        check_logprobs_equal_the_trainers(model, scheduler)
+        spans = {span for _, _, span in scheduler.runner._graphs}
+        assert scheduler.runner.cuda_graphs and len(spans) >= 2, spans
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,8 @@ class ModelRunner:
         true_on_policy: bool = False,
     ) -> None:
         """`true_on_policy`: every forward (decode and prefill) through the batch-invariant
-        forward the trainer runs too (`invariant_forward`): no kernels, graphs or packing."""
+        forward the trainer runs too (`invariant_forward`): no fused kernels or packing; its
+        decode steps on CUDA replay graphs too, one per batch bucket and span of pages read."""
         self.model = model
         self.pool = pool
         self.pad_token_id = pad_token_id
@@ -95,15 +96,15 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         self.invariant = InvariantDecoder(model) if true_on_policy else None
         if true_on_policy:
-            lean = fused_kernels = cuda_graphs = False
+            lean = fused_kernels = False
         self.use_triton = on_cuda and triton is not None and not true_on_policy
-        self.cuda_graphs = (
-            self.use_triton if cuda_graphs is None else (cuda_graphs and self.use_triton)
-        )
+        # the invariant forward's GEMMs are Triton kernels too (`invariant_cuda`)
+        graphable = self.use_triton or (on_cuda and true_on_policy)
+        self.cuda_graphs = graphable if cuda_graphs is None else (cuda_graphs and graphable)
         self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
         max_len = graph_max_len or int(getattr(config, "max_position_embeddings", 0) or 4096)
         self.graph_pages = -(-max_len // pool.page_size)
-        self._graphs: dict[tuple[int, bool], _Graph] = {}  # by (bucket, windowed)
+        self._graphs: dict[tuple[int, bool, int], _Graph] = {}  # by (bucket, windowed, span)
         self._graph_pool = None
         self._meta: torch.Tensor | None = None  # static inputs of the graphs
         # fused kernels: C on the CPU (norms, rotary, decode attention; `cpu_kernels`), Triton
@@ -180,11 +181,12 @@ class ModelRunner:
     @torch.no_grad()
     def capture_graphs(self, max_batch: int) -> None:
         """Capture the decode graphs of every bucket up to `max_batch` now (else on first use)."""
-        if not self.cuda_graphs:
-            return
+        if not self.cuda_graphs or self.invariant is not None:
+            return  # the invariant decode's graphs depend on the span too: captured as met
+        span = self._span(1)
         for size in reversed(self.graph_batch_sizes):
-            if size <= self._bucket(max_batch) and (size, False) not in self._graphs:
-                self._capture(size, False)
+            if size <= self._bucket(max_batch) and (size, False, span) not in self._graphs:
+                self._capture(size, False, span)
 
     # --- decode ---------------------------------------------------------------------------------
 
@@ -215,11 +217,12 @@ class ModelRunner:
         meta_B_M = torch.tensor(meta, dtype=torch.long)
         if graphed:
             self._drop_graphs_of_old_adapters()
-            if (bucket, windowed) not in self._graphs:
-                self._capture(bucket, windowed)
+            key = (bucket, windowed, self._span(width))
+            if key not in self._graphs:
+                self._capture(*key)
             assert self._meta is not None
             self._meta[:size, : _META + width].copy_(meta_B_M, non_blocking=True)
-            entry = self._graphs[(bucket, windowed)]
+            entry = self._graphs[key]
             entry.graph.replay()
             return entry.logits_B_V[:B]
         meta_B_M = meta_B_M.to(self.device, non_blocking=True)
@@ -230,9 +233,20 @@ class ModelRunner:
         """Whether a sequence of `longest` tokens reaches past the model's shortest window."""
         return self.window is not None and longest > self.window
 
-    def _decode_eager(self, meta_B_M: torch.Tensor, adapted: bool, windowed: bool) -> torch.Tensor:
+    def _span(self, width: int) -> int:
+        """Pages of page table a decode graph reads for rows of at most `width` pages: all of
+        them for the paged kernel (it stops at each row's length); for the invariant forward,
+        which reads every page it is given, `width` rounded up to a power of two."""
+        if self.invariant is None:
+            return self.graph_pages
+        return min(self.graph_pages, 1 << (width - 1).bit_length())
+
+    def _decode_eager(
+        self, meta_B_M: torch.Tensor, adapted: bool, windowed: bool, trim_keys: bool = True
+    ) -> torch.Tensor:
         """One decode step from its meta rows; `adapted`: run the adapters' terms (rows whose
-        adapter column is the base slot get zero from them); `windowed`: see `PagedStep`."""
+        adapter column is the base slot get zero from them); `windowed`: see `PagedStep`;
+        `trim_keys`: see `batch_invariant.attention` (False in a graph)."""
         ids_B_1 = meta_B_M[:, 0:1]
         positions_B_1 = meta_B_M[:, 1:2]
         seq_lens_B = meta_B_M[:, 3].contiguous()
@@ -248,7 +262,9 @@ class ModelRunner:
             decode_kernel=self.decode_kernel,
         )
         adapters = self._adapter_rows(meta_B_M[:, 4]) if adapted else None
-        hidden_B_1_E = self._run_decoder(ids_B_1, positions_B_1, step, adapters, seq_lens_B)
+        hidden_B_1_E = self._run_decoder(
+            ids_B_1, positions_B_1, step, adapters, seq_lens_B, trim_keys
+        )
         return self._logits(hidden_B_1_E[:, 0])
 
     def _bucket(self, batch: int) -> int | None:
@@ -257,14 +273,14 @@ class ModelRunner:
                 return size
         return None
 
-    def _capture(self, size: int, windowed: bool) -> None:
+    def _capture(self, size: int, windowed: bool, span: int) -> None:
         if self._meta is None:
             rows = self.graph_batch_sizes[-1]
             self._meta = torch.zeros(
                 (rows, _META + self.graph_pages), dtype=torch.long, device=self.device
             )
             self._graph_pool = torch.cuda.graph_pool_handle()
-        meta = self._meta[:size]
+        meta = self._meta[:size, : _META + span]
         meta.zero_()
         meta[:, 2] = self.pool.scratch_slot
         meta[:, 3] = 1
@@ -274,14 +290,14 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up (Triton compiles, cuBLAS picks kernels)
             for _ in range(2):
-                self._decode_eager(meta, adapted, windowed)
+                self._decode_eager(meta, adapted, windowed, trim_keys=False)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads (another in-process engine, the trainer) may sync the
         # device while this one captures
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            logits = self._decode_eager(meta, adapted, windowed)
-        self._graphs[(size, windowed)] = _Graph(graph, logits)
+            logits = self._decode_eager(meta, adapted, windowed, trim_keys=False)
+        self._graphs[(size, windowed, span)] = _Graph(graph, logits)
 
     def drop_graphs(self) -> None:
         """Forget every captured graph and its memory pool (the KV pool or the weights move)."""
@@ -377,12 +393,14 @@ class ModelRunner:
         step: PagedStep,
         adapters: AdapterRows | None = None,
         key_lens_B: torch.Tensor | None = None,
+        trim_keys: bool = True,
     ) -> torch.Tensor:
         """Final-norm hidden states [B, T, E]; `key_lens_B`: each row's tokens in the pool once
         this step's are written (read by the true on-policy forward)."""
         if self.invariant is not None:
             assert key_lens_B is not None
-            return self.invariant.hidden(ids_B_T, positions_B_T, self._pool_keys(step, key_lens_B))
+            keys = self._pool_keys(step, key_lens_B)
+            return self.invariant.hidden(ids_B_T, positions_B_T, keys, trim_keys)
         if self.lean is not None:
             return self.lean.hidden(ids_B_T, positions_B_T, step, adapters)
         self._step_slots_N = step.slots_N

@@ -142,9 +142,12 @@ def attention(
     q_positions_B_T: torch.Tensor,
     key_lens_B: torch.Tensor,
     scaling: float,
+    trim_keys: bool = True,
 ) -> torch.Tensor:
     """Causal attention [B, T, H, D]: the query at position p of row b sees that row's keys at
     positions 0..p (key s sits at position s; keys at or past `key_lens_B[b]` are unset).
+    `trim_keys`: leave out the keys past every query (reading the latest position costs a
+    host sync, which a CUDA graph's capture cannot have; the result is the same either way).
 
     The R = H / G query heads that share a KV head are rows of one GEMM with that head's keys
     (no copy of K or V per query head). Scores are GEMMs over the head dimension (a fixed
@@ -154,7 +157,9 @@ def attention(
     B, T, H, D = q_B_T_H_D.shape
     G = k_B_S_G_D.shape[2]
     R, M = H // G, H // G * T
-    S = min(k_B_S_G_D.shape[1], int(q_positions_B_T.max()) + 1)
+    S = k_B_S_G_D.shape[1]
+    if trim_keys:
+        S = min(S, int(q_positions_B_T.max()) + 1)
     width = -(-S // KEY_CHUNK) * KEY_CHUNK
     keys_S = torch.arange(width, device=q_B_T_H_D.device)
     k_B_G_S_D = _heads_first(k_B_S_G_D[:, :S], width)

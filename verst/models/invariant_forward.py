@@ -71,17 +71,24 @@ class InvariantDecoder:
         self.inv_freq_D2 = 1.0 / (theta**steps)
 
     def hidden(
-        self, ids_B_T: torch.Tensor, positions_B_T: torch.Tensor, keys: KeySource
+        self,
+        ids_B_T: torch.Tensor,
+        positions_B_T: torch.Tensor,
+        keys: KeySource,
+        trim_keys: bool = True,
     ) -> torch.Tensor:
-        """The final-norm hidden states [B, T, E] of the fed tokens."""
+        """The final-norm hidden states [B, T, E] of the fed tokens (`trim_keys`: see
+        `batch_invariant.attention`; False in a CUDA graph's capture)."""
         decoder = self.model.get_decoder()
         x_B_T_E = decoder.embed_tokens(ids_B_T)
-        cos, sin = bi.rotary_tables(
-            positions_B_T, self.inv_freq_D2, decoder.rotary_emb.attention_scaling, x_B_T_E.dtype
-        )
+        inv_freq_D2 = self._inv_freq(positions_B_T.device)
+        scaling = decoder.rotary_emb.attention_scaling
+        cos, sin = bi.rotary_tables(positions_B_T, inv_freq_D2, scaling, x_B_T_E.dtype)
         for index, layer in enumerate(decoder.layers):
             h_B_T_E = _norm(layer.input_layernorm, x_B_T_E)
-            attn = self._attention(index, layer.self_attn, h_B_T_E, cos, sin, positions_B_T, keys)
+            attn = self._attention(
+                index, layer.self_attn, h_B_T_E, (cos, sin), positions_B_T, keys, trim_keys
+            )
             x_B_T_E = x_B_T_E + attn
             h_B_T_E = _norm(layer.post_attention_layernorm, x_B_T_E)
             x_B_T_E = x_B_T_E + (
@@ -93,16 +100,24 @@ class InvariantDecoder:
         """fp32 logits [N, V] of hidden states."""
         return _linear(self.model.get_output_embeddings(), hidden_N_E).float()
 
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The rotary frequencies on `device`, copied there once (a CUDA graph's capture
+        cannot copy from the host)."""
+        if self.inv_freq_D2.device != device:
+            self.inv_freq_D2 = self.inv_freq_D2.to(device)
+        return self.inv_freq_D2
+
     def _attention(
         self,
         index: int,
         attn: torch.nn.Module,
         h_B_T_E: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         positions_B_T: torch.Tensor,
         keys: KeySource,
+        trim_keys: bool,
     ) -> torch.Tensor:
+        cos, sin = rotary
         B, T, _ = h_B_T_E.shape
         D = self.head_dim
         q = _linear(attn.q_proj, h_B_T_E).view(B, T, self.heads, D)
@@ -112,7 +127,9 @@ class InvariantDecoder:
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
         q, k = bi.apply_rotary(q, cos, sin), bi.apply_rotary(k, cos, sin)
         k_B_S_G_D, v_B_S_G_D, key_lens_B = keys(index, k, v)
-        out = bi.attention(q, k_B_S_G_D, v_B_S_G_D, positions_B_T, key_lens_B, attn.scaling)
+        out = bi.attention(
+            q, k_B_S_G_D, v_B_S_G_D, positions_B_T, key_lens_B, attn.scaling, trim_keys
+        )
         return _linear(attn.o_proj, out.reshape(B, T, -1))
 
 
