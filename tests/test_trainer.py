@@ -13,7 +13,7 @@ from verst.engine import GenerateRequest, SamplingParams, Scheduler
 from verst.models.tiny import TinyModelConfig, build_tiny_model
 from verst.sync.embedded import EmbeddedSync
 from verst.train.algorithms import LossConfig
-from verst.train.batching import TrainItem, balance_micro_batches, pack_micro_batches
+from verst.train.batching import TrainItem, micro_batch_indices, pack_micro_batches
 from verst.train.trainer import NonFiniteLossError, Trainer, TrainerConfig
 
 CPU = torch.device("cpu")
@@ -68,11 +68,14 @@ def test_pack_micro_batches_respects_the_budget() -> None:
     assert pack_micro_batches([30], token_budget=8) == [[0]]  # a long sequence still trains
 
 
-def test_balance_micro_batches_spreads_tokens_and_allows_empty_groups() -> None:
-    groups = balance_micro_batches([9, 8, 2, 2, 1], count=2)
-    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
-    assert sorted(sum([9, 8, 2, 2, 1][i] for i in g) for g in groups) == [11, 11]
-    assert balance_micro_batches([5], count=3)[1:] == [[], []]
+def test_micro_batches_are_runs_of_similar_lengths_split_up_to_the_count() -> None:
+    lengths = [9, 2, 8, 2, 1, 9]
+    runs = [[0, 5], [2, 1], [3, 4]]  # 9 9 | 8 2 | 2 1: each within the budget
+    assert micro_batch_indices(lengths, token_budget=18, count=1) == runs
+    split = micro_batch_indices(lengths, token_budget=18, count=4)  # the most padded run, 9 9
+    assert split == [[0], [5], [2, 1], [3, 4]]
+    assert micro_batch_indices([5], token_budget=18, count=3) == [[0], [], []]
+    assert micro_batch_indices([], token_budget=18, count=2) == [[], []]
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")

@@ -2,7 +2,7 @@
 
 A micro-batch holds each distinct prompt once (left-padded) and the responses that continue
 it (right-padded), so a group's shared prompt is run once per micro-batch, not per sample.
-Micro-batches are sized by a padded-token budget and balanced by tokens.
+Micro-batches are sized by a padded-token budget, each a run of similar lengths.
 """
 
 from __future__ import annotations
@@ -88,16 +88,20 @@ def pack_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     return batches
 
 
-def balance_micro_batches(lengths: list[int], count: int) -> list[list[int]]:
-    """`count` groups of indices with near-equal token totals (longest first, into the
-    lightest group); groups stay empty when there are fewer items than `count`."""
-    groups: list[list[int]] = [[] for _ in range(count)]
-    totals = [0] * count
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        lightest = totals.index(min(totals))
-        groups[lightest].append(index)
-        totals[lightest] += lengths[index]
-    return groups
+def micro_batch_indices(lengths: list[int], token_budget: int, count: int) -> list[list[int]]:
+    """`count` groups of indices, one per micro-batch: runs of the lengths sorted longest first
+    (`pack_micro_batches`), so each pads its rows little past their own lengths. With fewer
+    runs than `count` (another rank's items need more), the run of most padded tokens is split
+    in two until there are `count`; groups stay empty when there are fewer items than that."""
+    batches = pack_micro_batches(lengths, token_budget)
+    while len(batches) < count:
+        if not batches or all(len(batch) < 2 for batch in batches):
+            batches.append([])
+            continue
+        largest = max(batches, key=lambda batch: lengths[batch[0]] * len(batch))
+        at, half = batches.index(largest), len(largest) // 2
+        batches[at : at + 1] = [largest[:half], largest[half:]]
+    return batches
 
 
 def masked_out(item: TrainItem) -> TrainItem:

@@ -36,9 +36,9 @@ from verst.train.algorithms import LossConfig
 from verst.train.batching import (
     MicroBatch,
     TrainItem,
-    balance_micro_batches,
     collate,
     masked_out,
+    micro_batch_indices,
     pack_micro_batches,
     response_outputs,
 )
@@ -307,12 +307,11 @@ class Trainer(CheckpointState):
         masked-out stand-in whose response, of two tokens, takes the prompt-then-response path
         of `response_outputs` that real rows take, so the ranks' FSDP collectives match)."""
         lengths = [len(item.tokens) for item in items]
-        count = distributed.all_reduce_max(
-            len(pack_micro_batches(lengths, self.cfg.micro_batch_tokens)), self.device
-        )
+        budget = self.cfg.micro_batch_tokens
+        count = distributed.all_reduce_max(len(pack_micro_batches(lengths, budget)), self.device)
         pad = self.pad_token_id
         stand_in = masked_out(items[0]) if items else TrainItem([pad] * 3, 2, [0, 0], [0.0] * 2, 0)
-        for position, indices in enumerate(balance_micro_batches(lengths, count)):
+        for position, indices in enumerate(micro_batch_indices(lengths, budget, count)):
             batch = [items[i] for i in indices] or [stand_in]
             micro = collate(batch, self.pad_token_id, self.device)
             recorded = [item.routed_experts is not None for item in batch]

@@ -25,9 +25,9 @@ from verst.train.algorithms import LossConfig
 from verst.train.batching import (
     MicroBatch,
     TrainItem,
-    balance_micro_batches,
     collate,
     masked_out,
+    micro_batch_indices,
     pack_micro_batches,
 )
 from verst.train.losses import entropy_from_logits, kl_penalty, logprobs_from_logits
@@ -207,12 +207,11 @@ class MegatronTrainer:
         """As the FSDP2 trainer's: every rank runs the same number (a short rank repeats a
         masked-out item), since each micro-batch is a round of collectives."""
         lengths = [len(item.tokens) for item in items]
-        count = distributed.all_reduce_max(
-            len(pack_micro_batches(lengths, self.cfg.micro_batch_tokens)), self.device
-        )
+        budget = self.cfg.micro_batch_tokens
+        count = distributed.all_reduce_max(len(pack_micro_batches(lengths, budget)), self.device)
         pad = self.pad_token_id
         stand_in = masked_out(items[0]) if items else TrainItem([pad] * 3, 2, [0, 0], [0.0] * 2, 0)
-        for indices in balance_micro_batches(lengths, count):
+        for indices in micro_batch_indices(lengths, budget, count):
             yield collate([items[i] for i in indices] or [stand_in], pad, self.device)
 
     def _forward_backward(
