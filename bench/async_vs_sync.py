@@ -77,12 +77,24 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, fl
     seconds = sum(r["perf/step_time_s"] for r in steps)
     trajectories = len(steps) * args.prompts * args.n
     lengths = [r["rollout/response_len_mean"] for r in steps]
+    trained_tokens = sum(lengths) * args.prompts * args.n
+    # every step trains the same number of samples: the mean of the steps' means is the run's
+    trained_mean = statistics.fmean(lengths)
     return {
         "seconds_per_1k_trajectories": 1000 * seconds / trajectories,
+        "trained_tokens_per_s": trained_tokens / seconds,
         "measured_steps": len(steps),
         "measured_seconds": seconds,
         "wall_seconds_with_startup": wall,
-        "response_len_mean": statistics.fmean(lengths),
+        "response_len_mean": trained_mean,
+        "response_len_mean_per_step": lengths,
+        # what the engines generated over the whole run (sync trains all of it)
+        "generated_response_len_mean": rows[-1].get(
+            "buffer/generated_response_len_mean", trained_mean
+        ),
+        "dropped_stale_response_len_mean": rows[-1].get(
+            "buffer/dropped_stale_response_len_mean", 0.0
+        ),
         "staleness_max": max((r.get("buffer/staleness_max", 0.0) for r in steps), default=0.0),
         "dropped_stale": max((r.get("buffer/dropped_stale", 0.0) for r in steps), default=0.0),
         # where a step's time goes (means over the measured steps, where the mode logs them)
@@ -122,8 +134,11 @@ def main() -> None:
         for mode in args.modes:
             results[mode] = run_mode(mode, args, Path(tmp) / mode)
             print(
-                f"{mode:>11}: {results[mode]['seconds_per_1k_trajectories']:.1f} s / 1k traj "
-                f"(mean length {results[mode]['response_len_mean']:.1f})",
+                f"{mode:>11}: {results[mode]['seconds_per_1k_trajectories']:.1f} s / 1k traj, "
+                f"{results[mode]['trained_tokens_per_s']:.0f} trained tokens/s (mean length "
+                f"trained {results[mode]['response_len_mean']:.1f}, generated "
+                f"{results[mode]['generated_response_len_mean']:.1f}, dropped as stale "
+                f"{results[mode]['dropped_stale_response_len_mean']:.1f})",
                 flush=True,
             )
     if set(results) != {"sync", "fully_async"}:
@@ -132,7 +147,10 @@ def main() -> None:
         results["sync"]["seconds_per_1k_trajectories"]
         / results["fully_async"]["seconds_per_1k_trajectories"]
     )
-    print(f"speedup fully_async / sync: {speedup:.2f}x")
+    token_speedup = (
+        results["fully_async"]["trained_tokens_per_s"] / results["sync"]["trained_tokens_per_s"]
+    )
+    print(f"speedup fully_async / sync: {speedup:.2f}x trajectories, {token_speedup:.2f}x tokens")
     device_name = (
         torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor()
     )
@@ -142,6 +160,7 @@ def main() -> None:
         "config": vars(args) | {"out": None},
         "results": results,
         "speedup": speedup,
+        "speedup_trained_tokens": token_speedup,
     }
     tag = "cpu" if args.device == "cpu" else "cuda"
     out = args.out or Path(__file__).parent / "results" / f"async_vs_sync_{tag}.json"

@@ -148,6 +148,27 @@ def test_stale_groups_dropped_at_take_pessimistically() -> None:
     run(main())
 
 
+def test_generated_and_dropped_stale_lengths_are_counted() -> None:
+    """What the engines generated, beside what the stale rule dropped: a length bias shows."""
+
+    def lengths(g: Group, n: int) -> Group:
+        for sample in g:
+            sample.response_length = n
+        return g
+
+    async def main() -> None:
+        buffer = DataBuffer(4, max_staleness=1)
+        await buffer.put(lengths(group(1, 1), 30))  # long: goes stale
+        await buffer.put(lengths(group(3, 3), 10))
+        await buffer.put(lengths(group(3, 3, status=Status.ABORTED), 99))  # not generated
+        await buffer.take(1, current_version=3)
+        m = buffer.metrics()
+        assert m["buffer/generated_response_len_mean"] == 20.0
+        assert m["buffer/dropped_stale_response_len_mean"] == 30.0
+
+    run(main())
+
+
 def test_stale_check_covers_every_waiting_group_and_frees_room() -> None:
     async def main() -> None:
         buffer = DataBuffer(2, max_staleness=0)

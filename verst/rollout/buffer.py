@@ -70,6 +70,9 @@ class DataBuffer:
       (the per-step count is the difference between consecutive steps); also cumulative
       `buffer/put_groups` (accepted at put) and `buffer/taken_groups`;
     - `buffer/staleness_{mean,max}`: over the groups served by the last take;
+    - `buffer/generated_response_len_mean`, `buffer/dropped_stale_response_len_mean`: mean
+      response tokens of every scored sample put so far, and of those dropped as stale (the
+      trained ones are `rollout/response_len_mean`);
     - `buffer/waiting_staleness_{mean,max}`: over the groups still waiting, at the last take's
       version (0 when none wait);
     - `buffer/take_wait_s`: how long the last take waited for groups;
@@ -109,6 +112,10 @@ class DataBuffer:
         self.dropped_stale = 0
         self.put_groups = 0
         self.taken_groups = 0
+        # response tokens and samples of every scored group that arrived, and of the stale ones
+        # dropped: what the engines generated, beside what training got (a length bias shows)
+        self._generated = _Lengths()
+        self._stale = _Lengths()
         self._last_version: int | None = None
         self._last_staleness: list[int] = []
         self._last_wait_s = 0.0
@@ -127,6 +134,7 @@ class DataBuffer:
             self.dropped_aborted += 1
             self._unused([group])
             return
+        self._generated.add(group)
         if self.group_filter is not None and not self.group_filter(group):
             self.dropped_filtered += 1
             return
@@ -183,6 +191,8 @@ class DataBuffer:
             "buffer/waiting_staleness_mean": _mean(waiting),
             "buffer/waiting_staleness_max": float(max(waiting, default=0)),
             "buffer/take_wait_s": self._last_wait_s,
+            "buffer/generated_response_len_mean": self._generated.mean(),
+            "buffer/dropped_stale_response_len_mean": self._stale.mean(),
             "buffer/rollout_bound": float(rollout_bound),
             "buffer/trainer_bound": float(trainer_bound),
         }
@@ -237,6 +247,8 @@ class DataBuffer:
             return False
         self._waiting = fresh
         self.dropped_stale += len(stale)
+        for group in stale:
+            self._stale.add(group)
         self._unused(stale)
         return True
 
@@ -248,6 +260,22 @@ class DataBuffer:
         if len(self._recent) < self.advisory_window:
             return False, False
         return all(w for w, _ in self._recent), all(f for _, f in self._recent)
+
+
+class _Lengths:
+    """Response tokens and samples of the scored samples of the groups added (cumulative)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.samples = 0
+
+    def add(self, group: Group) -> None:
+        scored = [sample for sample in group if sample.scored]
+        self.tokens += sum(sample.response_length for sample in scored)
+        self.samples += len(scored)
+
+    def mean(self) -> float:
+        return self.tokens / self.samples if self.samples else 0.0
 
 
 def _known_staleness(groups: list[Group], version: int) -> list[int]:
