@@ -142,7 +142,7 @@ def test_fp8_engine_log_probs_are_close_to_the_bf16_forward() -> None:
 def perturbed(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return {
-        name: p.detach() + 0.5 * p.detach().std() * torch.randn(p.shape, generator=gen)
+        name: p.detach() + 0.5 * p.detach().std() * torch.randn(p.shape, generator=gen).to(p)
         for name, p in model.named_parameters()
         if name.endswith(("q_proj.weight", "down_proj.weight", "gate_proj.weight"))
     }
