@@ -1,7 +1,7 @@
-"""FP8 rollout on CUDA (sm89+): cuBLAS's row-wise fp8 GEMM within the error of its quantized
-inputs, the fp8 engine (decode CUDA graphs on) close to the bf16 forward and equal to itself
-without graphs, and a weight update, copied in or written in place, quantized again into the
-memory the captured graphs read."""
+"""FP8 rollout on CUDA (sm89+): the Triton activation quantization bit-equal to PyTorch's,
+cuBLAS's row-wise fp8 GEMM within the error of its quantized inputs, the fp8 engine (decode CUDA
+graphs on) close to the bf16 forward and equal to itself without graphs, and a weight update,
+copied in or written in place, quantized again into the memory the captured graphs read."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ import torch
 from tests.conftest import tiny_qwen3
 from tests.test_fp8_rollout import NEW_TOKENS, greedy, logprob_gap, perturbed
 from tests.test_lean_decoder import build
-from verst.engine.kernels.fp8_linear import Fp8Weight, fp8_linear, max_error
+from verst.engine.kernels.fp8_linear import (
+    Fp8Weight,
+    fp8_linear,
+    max_error,
+    quantize_rows,
+    quantize_rows_triton,
+)
 from verst.engine.kv_pool import KVPool
 from verst.engine.paged_attention import triton
 from verst.engine.scheduler import Scheduler
@@ -45,6 +51,20 @@ def engine(model: torch.nn.Module, quantization: str = "fp8", **kw) -> Scheduler
 
 def ids(outputs) -> list[list[int]]:
     return [o.output_ids for o in outputs]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("depth", [64, 896, 4864])
+def test_the_triton_quantization_equals_pytorchs(dtype, depth) -> None:
+    """One kernel, the same bits: amax, IEEE divisions, round to nearest even."""
+    torch.manual_seed(0)
+    x = (torch.randn(33, 2 * depth, device="cuda") * 3).to(dtype)[:, ::2]  # strided rows
+    x[5] = 0.0
+    x[7] *= 1e-6
+    q, scale = quantize_rows_triton(x)
+    want_q, want_scale = quantize_rows(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize(("rows", "depth", "width"), [(1, 896, 4864), (64, 4864, 896)])

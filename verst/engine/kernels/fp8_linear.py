@@ -21,6 +21,11 @@ from typing import NamedTuple
 
 import torch
 
+from verst.engine.paged_attention import triton
+
+if triton is not None:
+    import triton.language as tl
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 MANTISSA_BITS = 3
@@ -54,6 +59,20 @@ def quantize_rows(x_N_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x_N_K / scale_N_1).to(FP8), scale_N_1
 
 
+def quantize_rows_triton(x_N_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` as one Triton kernel (CUDA): the activations of every projection of a
+    decode step, where PyTorch's five ops a call each cost their launch."""
+    x_N_K = x_N_K if x_N_K.stride(-1) == 1 else x_N_K.contiguous()
+    N, K = x_N_K.shape
+    q_N_K = torch.empty((N, K), dtype=FP8, device=x_N_K.device)
+    scale_N_1 = torch.empty((N, 1), dtype=torch.float32, device=x_N_K.device)
+    block = min(triton.next_power_of_2(K), 1024)
+    _quantize_rows_kernel[(N,)](
+        x_N_K, q_N_K, scale_N_1, x_N_K.stride(0), K, FP8_MAX, SCALE_FLOOR, BLOCK=block
+    )
+    return q_N_K, scale_N_1
+
+
 def dequantize(q_N_K: torch.Tensor, scale_N_1: torch.Tensor) -> torch.Tensor:
     return q_N_K.float() * scale_N_1
 
@@ -70,7 +89,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """`F.linear(x, w, bias)` with x quantized per token and w the fp8 copy; x's dtype out."""
     x_N_K = x.reshape(-1, x.shape[-1])
-    q_N_K, scale_N_1 = quantize_rows(x_N_K)
+    quantize = quantize_rows_triton if x.is_cuda and triton is not None else quantize_rows
+    q_N_K, scale_N_1 = quantize(x_N_K)
     out_N_O = torch._scaled_mm(
         q_N_K,
         weight.weight_O_I.t(),
@@ -109,3 +129,24 @@ def check_device(device: torch.device, dtype: torch.dtype) -> None:
             f"scaling); this engine runs {dtype}: set trainer.dtype=bfloat16 (verst serve "
             "--dtype bfloat16)"
         )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(X, Q, Scale, stride_x, K, fp8_max, floor, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = X + row * stride_x
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        # IEEE divisions (Triton's `/` is approximate), as PyTorch's ops round
+        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), fp8_max), floor)
+        tl.store(Scale + row, scale)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
+            q = tl.div_rn(x, scale).to(Q.dtype.element_ty)
+            tl.store(Q + row * K + offs, q, mask=offs < K)
