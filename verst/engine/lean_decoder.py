@@ -14,14 +14,17 @@ layers, reading the same parameters, with:
 - without kernels, RMSNorm as `F.rms_norm` then the weight multiply, and rotary as one `flip`
   and three elementwise ops per tensor (HF's `rotate_half` is a `cat` of a negated half; the
   sign moves onto a per-step copy of `sin`, which is exact);
-- attention through `paged_attention.attend`, the kernel HF's attention hook calls.
+- attention through `paged_attention.attend`, the kernel HF's attention hook calls;
+- with `fp8` (`engine.quantization`), the projections as fp8 GEMMs on quantized copies of their
+  weights (`fp8_linear`); embeddings, norms and the LM head stay in the model's dtype.
 
 It serves the architectures whose layers it can read (`LeanDecoder.of` returns None for any
 other model, which then runs HF's forward): Llama, Mistral, Qwen2 and Qwen3 with SiLU MLPs and
 plain `nn.Linear` projections, or peft LoRA layers over them (the adapters run in this forward,
 beside the frozen base), and the LoRA adapters of the engine's own registry (`adapters`), a
-row's adapter chosen per request. Derived weights (packed, concatenated) are cached in
-`DerivedWeights` and made again whenever a source weight changes. A layer's sliding window
+row's adapter chosen per request. Derived weights (packed, concatenated, quantized) are cached
+in `DerivedWeights` and made again whenever a source weight changes (the fp8 copies in their own
+memory, before the forward that first needs them: `refresh`). A layer's sliding window
 (Mistral's, or a Qwen layer's marked "sliding_attention") goes to `attend` as HF's does.
 """
 
