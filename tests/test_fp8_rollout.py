@@ -242,7 +242,7 @@ TINY_RUN = [
 ]
 
 
-@pytest.mark.parametrize("engines", ["embedded", "in_process"])
+@pytest.mark.parametrize("engines", ["embedded", "in_process", "processes"])
 def test_a_train_run_with_fp8_engines_and_tis_logs_the_gap(tmp_path: Path, engines: str) -> None:
     run_dir = tmp_path / "run"
     args = [*TINY_RUN, "engine.quantization=fp8", f"placement.engines={engines}"]
@@ -251,6 +251,6 @@ def test_a_train_run_with_fp8_engines_and_tis_logs_the_gap(tmp_path: Path, engin
     steps = [r for r in rows if "train/grad_norm" in r]
     assert len(steps) == 2
     for row in steps:
-        # fp8 rollout, fp32 training: a gap, small, and TIS weighs it
-        assert 0 < row["train/train_rollout_logprob_abs_diff"] < 0.1
+        # fp8 rollout, fp32 training: a gap (fp32 engines leave ~1e-7), small, TIS weighs it
+        assert 1e-3 < row["train/train_rollout_logprob_abs_diff"] < 0.1
         assert "train/tis_mean" in row
