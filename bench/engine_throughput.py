@@ -185,14 +185,25 @@ def run_penalties_ab(model, args, preset, dtype, device) -> list[dict]:
 
 
 def new_scheduler(
-    model, dtype, device, budget_bytes: int, eos_token_ids: tuple[int, ...] = (), tokenizer=None
+    model,
+    dtype,
+    device,
+    budget_bytes: int,
+    eos_token_ids: tuple[int, ...] = (),
+    tokenizer=None,
+    **options,
 ) -> Scheduler:
-    """`tokenizer` enables constrained decoding."""
+    """`tokenizer` enables constrained decoding; `options` go to the `Scheduler`."""
     pool = KVPool.from_budget(
         model.config, budget_bytes=budget_bytes, page_size=16, dtype=dtype, device=device
     )
     return Scheduler(
-        model, pool, eos_token_ids=list(eos_token_ids), pad_token_id=0, tokenizer=tokenizer
+        model,
+        pool,
+        eos_token_ids=list(eos_token_ids),
+        pad_token_id=0,
+        tokenizer=tokenizer,
+        **options,
     )
 
 

@@ -21,6 +21,7 @@ from verst.chat.families import FAMILIES as CHAT_FAMILIES
 from verst.chat.tool_parsers import TOOL_PARSERS
 from verst.config import ConfigError, help_text, load_config
 from verst.diffusion import cli as diffusion_cli
+from verst.engine.config import QUANTIZATIONS
 from verst.envs.sandbox import cli as sandbox_cli
 from verst.fleet.ray_cluster import PLACEMENT_GROUP_ENV
 from verst.http_limits import add_limit_flags, limits_from_args
@@ -176,6 +177,13 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run every forward through the batch-invariant forward the trainer's true "
         "on-policy mode runs (log-probs bitwise equal to the trainer's)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="fp8: the projections' weights in e4m3 with per-channel scales, made again at "
+        "every weight update; GEMMs through torch._scaled_mm (default: %(default)s)",
     )
     parser.add_argument(
         "--num-threads", type=int, help="torch CPU threads (default: torch's own choice)"
@@ -445,6 +453,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_loras=args.max_loras_per_batch,
         lora_paths=_lora_paths(args.lora_paths),
         true_on_policy=args.true_on_policy,
+        quantization=args.quantization,
     )
     return 0
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
 from verst.diffusion.config import DiffusionConfig
+from verst.engine.config import EngineConfig
 from verst.envs.runner import EnvConfig
 from verst.eval.config import EvalConfig
 from verst.fleet.health import FaultToleranceConfig
@@ -62,6 +63,9 @@ class RunConfig(ConfigBase):
     placement: PlacementConfig = Field(
         default_factory=PlacementConfig, description="where the rollout engines run"
     )
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="how verst's rollout engines compute"
+    )
     sync: SyncConfig = Field(default_factory=SyncConfig, description="weight transport")
     warm_start: WarmStartConfig = Field(
         default_factory=WarmStartConfig, description="optional SFT before RL"
@@ -105,6 +109,12 @@ class RunConfig(ConfigBase):
         check_megatron(self)
         check_routing_replay(self)
         check_true_on_policy(self)
+        self.engine.check(
+            true_on_policy=self.trainer.true_on_policy,
+            kind=self.model.kind,
+            family=self.model.tiny.family if self.model.tiny else None,
+            fp32_on_cuda=self.trainer.dtype == "float32" and self.trainer.device.startswith("cuda"),
+        )
         return self
 
     @property

@@ -373,6 +373,7 @@ def build_engine(
             seed=cfg.seed + distributed.rank(),
             tokenizer=tokenizer,
             true_on_policy=cfg.trainer.true_on_policy,
+            quantization=cfg.engine.quantization,
         )
         return scheduler, EmbeddedSync(trainer, scheduler, lora=cfg.model.lora), None
     fleet = None
@@ -434,4 +435,5 @@ def start_fleet(
         seed=cfg.seed,
         fault_tolerance=cfg.fault_tolerance,
         true_on_policy=cfg.trainer.true_on_policy,
+        quantization=cfg.engine.quantization,
     )

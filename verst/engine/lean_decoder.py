@@ -14,14 +14,17 @@ layers, reading the same parameters, with:
 - without kernels, RMSNorm as `F.rms_norm` then the weight multiply, and rotary as one `flip`
   and three elementwise ops per tensor (HF's `rotate_half` is a `cat` of a negated half; the
   sign moves onto a per-step copy of `sin`, which is exact);
-- attention through `paged_attention.attend`, the kernel HF's attention hook calls.
+- attention through `paged_attention.attend`, the kernel HF's attention hook calls;
+- with `fp8` (`engine.quantization`), the projections as fp8 GEMMs on quantized copies of their
+  weights (`fp8_linear`); embeddings, norms and the LM head stay in the model's dtype.
 
 It serves the architectures whose layers it can read (`LeanDecoder.of` returns None for any
 other model, which then runs HF's forward): Llama, Mistral, Qwen2 and Qwen3 with SiLU MLPs and
 plain `nn.Linear` projections, or peft LoRA layers over them (the adapters run in this forward,
 beside the frozen base), and the LoRA adapters of the engine's own registry (`adapters`), a
-row's adapter chosen per request. Derived weights (packed, concatenated) are cached in
-`DerivedWeights` and made again whenever a source weight changes. A layer's sliding window
+row's adapter chosen per request. Derived weights (packed, concatenated, quantized) are cached
+in `DerivedWeights` and made again whenever a source weight changes (the fp8 copies in their own
+memory, before the forward that first needs them: `refresh`). A layer's sliding window
 (Mistral's, or a Qwen layer's marked "sliding_attention") goes to `attend` as HF's does.
 """
 
@@ -35,6 +38,8 @@ import torch.nn.functional as F
 from verst.engine.adapters import AdapterRows
 from verst.engine.kernels.cpu import CpuKernels
 from verst.engine.kernels.cuda import CudaKernels
+from verst.engine.kernels.fp8_linear import Fp8Weight, fp8_linear
+from verst.engine.kernels.fp8_linear import check_shape as check_fp8_shape
 from verst.engine.kernels.fused_norm import FUSABLE
 from verst.engine.kernels.packed_linear import DerivedWeights, pack_weight, packable, packed_linear
 from verst.engine.kv_pool import attention_shape
@@ -42,11 +47,14 @@ from verst.engine.paged_attention import PagedStep, attend
 from verst.models.lora import ADAPTER, is_lora_layer
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+# the tiny families (`verst.models.families`) whose models it reads
+LEAN_FAMILIES = ("qwen3", "qwen2", "llama", "llama3", "mistral")
 
 
 class _Linears:
     """One or more `nn.Linear`s over the same input, run as one packed oneDNN call when the
-    weights are packable (bf16, CPU), else one `F.linear` each; returns one output each.
+    weights are packable (bf16, CPU), as one fp8 GEMM on their quantized concatenation with
+    `fp8`, else one `F.linear` each; returns one output each.
 
     A LoRA layer (peft's, `verst.models.lora`) runs as its frozen base linear here, plus its
     adapter's low-rank update added to that output, in peft's order (base + B(A(x)) · scale),
@@ -58,13 +66,17 @@ class _Linears:
         modules: list[torch.nn.Module],
         derived: DerivedWeights,
         module_names: list[str] | None = None,
+        fp8: bool = False,
     ):
         self.name, self.derived = name, derived
         self.module_names = module_names or []  # HF's names, for the engine's adapter registry
         self.modules = [m.base_layer if is_lora_layer(m) else m for m in modules]
         self.adapted = [m if is_lora_layer(m) else None for m in modules]
         self.sizes = [m.out_features for m in self.modules]
-        self.packed = packable(self.modules[0].weight)
+        self.fp8 = fp8
+        self.packed = not fp8 and packable(self.modules[0].weight)
+        if fp8:
+            check_fp8_shape(name, sum(self.sizes), self.modules[0].in_features)
 
     def __call__(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> list[torch.Tensor]:
         outs = self._base(x)
@@ -79,21 +91,46 @@ class _Linears:
                     outs[i] = outs[i] + delta
         return outs
 
-    def _base(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if not self.packed:
-            return [F.linear(x, m.weight, m.bias) for m in self.modules]
+    def fp8_weight(self) -> Fp8Weight:
+        """The quantized concatenation of the weights (per-channel scales equal each one's)."""
         weights = [m.weight for m in self.modules]
-        biases = [m.bias for m in self.modules if m.bias is not None]
-        packed = self.derived.get(
-            self.name, weights, lambda: pack_weight(torch.cat([w.detach() for w in weights]))
+        return self.derived.get(
+            self.name,
+            weights,
+            lambda: Fp8Weight.of(_joined(weights)),
+            lambda copy: copy.refill(_joined(weights)),
         )
-        bias = None
-        if biases:
-            bias = self.derived.get(
-                self.name + ".bias", biases, lambda: torch.cat([b.detach() for b in biases])
-            )
-        out = packed_linear(x, packed, bias)
+
+    def bias(self) -> torch.Tensor | None:
+        biases = [m.bias for m in self.modules if m.bias is not None]
+        if not biases:
+            return None
+        if len(biases) == 1:
+            return biases[0]
+        return self.derived.get(
+            self.name + ".bias",
+            biases,
+            lambda: _joined(biases),
+            lambda copy: copy.copy_(_joined(biases)),
+        )
+
+    def _base(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.fp8:
+            out = fp8_linear(x, self.fp8_weight(), self.bias())
+        elif self.packed:
+            weights = [m.weight for m in self.modules]
+            packed = self.derived.get(self.name, weights, lambda: pack_weight(_joined(weights)))
+            out = packed_linear(x, packed, self.bias())
+        else:
+            return [F.linear(x, m.weight, m.bias) for m in self.modules]
         return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated along their first dimension (one alone is itself, detached)."""
+    if len(tensors) == 1:
+        return tensors[0].detach()
+    return torch.cat([t.detach() for t in tensors])
 
 
 @dataclass
@@ -136,12 +173,20 @@ class _Layer:
 
 class LeanDecoder:
     def __init__(
-        self, model: torch.nn.Module, kernels: CpuKernels | CudaKernels | None = None
+        self,
+        model: torch.nn.Module,
+        kernels: CpuKernels | CudaKernels | None = None,
+        fp8: bool = False,
     ) -> None:
+        """`fp8`: the projections (Q/K/V, O, gate/up, down) run on fp8 copies of their weights;
+        embeddings, norms and the LM head stay in the model's dtype."""
         self.kernels = kernels
+        self.fp8 = fp8
         self.decoder = model.get_decoder()
         self.heads, self.kv_heads, self.head_dim = attention_shape(model.config)
         self.derived = DerivedWeights()
+        self.quantized = DerivedWeights()  # the fp8 copies, apart: the engine's memory tags them
+        self._quantized_fresh = False
         self.module_names = {id(m): name for name, m in model.named_modules()}
         self.layers = [self._layer(i, layer) for i, layer in enumerate(self.decoder.layers)]
         self.final_norm = self._norm(self.decoder.norm)
@@ -149,15 +194,31 @@ class LeanDecoder:
 
     @classmethod
     def of(
-        cls, model: torch.nn.Module, kernels: CpuKernels | CudaKernels | None = None
+        cls,
+        model: torch.nn.Module,
+        kernels: CpuKernels | CudaKernels | None = None,
+        fp8: bool = False,
     ) -> LeanDecoder | None:
-        """The lean forward of `model` (norms and rotary by `kernels` where given), or None when
-        its architecture is not one it reads."""
-        return cls(model, kernels) if readable(model) else None
+        """The lean forward of `model` (norms and rotary by `kernels` where given, projections
+        in fp8 with `fp8`), or None when its architecture is not one it reads."""
+        return cls(model, kernels, fp8) if readable(model) else None
 
     def stale(self) -> None:
         """The weights changed: derived copies are made again before the next use."""
         self.derived.stale()
+        self.quantized.stale()
+        self._quantized_fresh = False
+
+    def refresh(self) -> None:
+        """Quantize the weights changed since `stale` now, into the fp8 copies' own memory: a
+        replayed CUDA graph reads them by address, without asking."""
+        if not self.fp8 or self._quantized_fresh:
+            return
+        for layer in self.layers:
+            for linears in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                linears.fp8_weight()
+                linears.bias()
+        self._quantized_fresh = True
 
     def hidden(
         self,
@@ -216,7 +277,8 @@ class LeanDecoder:
 
     def _linears(self, name: str, modules: list[torch.nn.Module]) -> _Linears:
         names = [self.module_names[id(m)] for m in modules]
-        return _Linears(name, modules, self.derived, names)
+        derived = self.quantized if self.fp8 else self.derived
+        return _Linears(name, modules, derived, names, fp8=self.fp8)
 
     def _norm(self, module: torch.nn.Module) -> _Norm:
         return _Norm(module, self.kernels)

@@ -71,6 +71,7 @@ class EngineMemory:
     def _tensors(self, tag: str) -> Iterator[torch.Tensor]:
         if tag == "weights":
             yield from self.runner.model.parameters()
+            yield from self.runner.quantized_tensors()
             return
         pool = self.pool
         yield from pool.k

@@ -27,13 +27,15 @@ from dataclasses import dataclass
 import torch
 
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry, AdapterRows
+from verst.engine.config import QUANTIZATIONS, Quantization
 from verst.engine.kernels.cpu import CpuKernels
 from verst.engine.kernels.cpu import load as load_cpu_kernels
 from verst.engine.kernels.cuda import CudaKernels
+from verst.engine.kernels.fp8_linear import check_device as check_fp8_device
 from verst.engine.kernels.fused_norm import fusable_norms, fused_norms
 from verst.engine.kernels.packed_linear import PackedLinears
 from verst.engine.kv_pool import KVPool
-from verst.engine.lean_decoder import LeanDecoder
+from verst.engine.lean_decoder import SUPPORTED_MODEL_TYPES, LeanDecoder
 from verst.engine.paged_attention import (
     PagedStep,
     model_window,
@@ -79,10 +81,13 @@ class ModelRunner:
         fused_kernels: bool = True,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         true_on_policy: bool = False,
+        quantization: Quantization = "none",
     ) -> None:
         """`true_on_policy`: every forward (decode and prefill) through the batch-invariant
         forward the trainer runs too (`invariant_forward`): no fused kernels or packing; its
-        decode steps on CUDA replay graphs too, one per batch bucket and span of pages read."""
+        decode steps on CUDA replay graphs too, one per batch bucket and span of pages read.
+        `quantization` fp8: the lean forward's projections on fp8 weights (`fp8_linear`)."""
+        check_quantization(quantization, pool, lean=lean, true_on_policy=true_on_policy)
         self.model = model
         self.pool = pool
         self.pad_token_id = pad_token_id
@@ -107,13 +112,7 @@ class ModelRunner:
         self._graphs: dict[tuple[int, bool, int], _Graph] = {}  # by (bucket, windowed, span)
         self._graph_pool = None
         self._meta: torch.Tensor | None = None  # static inputs of the graphs
-        # fused kernels: C on the CPU (norms, rotary, decode attention; `cpu_kernels`), Triton
-        # on CUDA (norms, rotary, SiLU-and-multiply; `cuda_kernels`)
-        self.kernels: CpuKernels | CudaKernels | None = None
-        if fused_kernels and on_cuda and self.use_triton and CudaKernels.fits(config, pool.dtype):
-            self.kernels = CudaKernels()
-        elif fused_kernels and not on_cuda and CpuKernels.fits(config, pool.dtype):
-            self.kernels = load_cpu_kernels()
+        self.kernels = self._fused_kernels(config) if fused_kernels else None
         # decode attention reads each row's pages in place where a kernel does it
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
         # (latent attention's K and V heads differ in width; the kernels read one width)
@@ -125,7 +124,7 @@ class ModelRunner:
         # Llama-family models run the engine's own forward (`lean_decoder`); others run HF's,
         # with the RMSNorms as one Triton kernel each on CUDA (`fused_norm`) and the bf16
         # linear layers on weights packed once for oneDNN on the CPU
-        self.lean = LeanDecoder.of(model, self.kernels) if lean else None
+        self.lean = self._lean_forward(quantization) if lean else None
         hf = self.lean is None
         self.fused = fusable_norms(model) if hf and self.use_triton else []
         self.packed = PackedLinears.of(model) if hf and not on_cuda and not true_on_policy else None
@@ -146,11 +145,35 @@ class ModelRunner:
             # CUDA graph capture"), so MoE decode runs eagerly
             self.cuda_graphs = False
 
+    def _fused_kernels(self, config) -> CpuKernels | CudaKernels | None:
+        """C on the CPU (norms, rotary, decode attention; `cpu_kernels`), Triton on CUDA (norms,
+        rotary, SiLU-and-multiply; `cuda_kernels`), where they fit the model."""
+        dtype = self.pool.dtype
+        if self.device.type == "cuda":
+            return CudaKernels() if self.use_triton and CudaKernels.fits(config, dtype) else None
+        return load_cpu_kernels() if CpuKernels.fits(config, dtype) else None
+
+    def _lean_forward(self, quantization: Quantization) -> LeanDecoder | None:
+        """The engine's own forward of the model, or None where it runs HF's layers; fp8
+        projections run only in the former."""
+        fp8 = quantization == "fp8"
+        lean = LeanDecoder.of(self.model, self.kernels, fp8)
+        if lean is None and fp8:
+            raise ValueError(
+                f"engine.quantization=fp8 runs in the engine's lean forward, which does not "
+                f"read {self.model.config.model_type!r} models (it reads "
+                f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} with SiLU MLPs and plain linear "
+                "projections); use engine.quantization=none"
+            )
+        return lean
+
     # --- public ---------------------------------------------------------------------------------
 
     @torch.no_grad()
     def forward(self, rows: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """(last-position logits [B, V], {row: logits [n, V]} of all_logits rows), float32."""
+        if self.lean is not None:
+            self.lean.refresh()
         with self.packed.swapped() if self.packed is not None else contextlib.nullcontext():
             return self._forward_rows(rows)
 
@@ -161,6 +184,10 @@ class ModelRunner:
             self.packed.stale()
         if self.lean is not None:
             self.lean.stale()
+
+    def quantized_tensors(self) -> list[torch.Tensor]:
+        """The fp8 copies of the weights (`engine.quantization`): weights too, to the memory."""
+        return list(self.lean.quantized.tensors()) if self.lean is not None else []
 
     def _forward_rows(self, rows: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         decoding = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
@@ -183,6 +210,8 @@ class ModelRunner:
         """Capture the decode graphs of every bucket up to `max_batch` now (else on first use)."""
         if not self.cuda_graphs or self.invariant is not None:
             return  # the invariant decode's graphs depend on the span too: captured as met
+        if self.lean is not None:
+            self.lean.refresh()
         span = self._span(1)
         for size in reversed(self.graph_batch_sizes):
             if size <= self._bucket(max_batch) and (size, False, span) not in self._graphs:
@@ -445,3 +474,21 @@ class ModelRunner:
         if self.softcap:
             logits_N_V = torch.tanh(logits_N_V / self.softcap) * self.softcap
         return logits_N_V
+
+
+def check_quantization(
+    quantization: str, pool: KVPool, *, lean: bool, true_on_policy: bool
+) -> None:
+    """Refuse a quantization the engine cannot run as asked, naming what stands in the way."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}: one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return
+    if true_on_policy:
+        raise ValueError(
+            "engine.quantization=fp8 with trainer.true_on_policy: fp8 weights cannot give the "
+            "trainer's log-probs bit for bit"
+        )
+    if not lean:
+        raise ValueError("engine.quantization=fp8 runs in the engine's lean forward (lean=True)")
+    check_fp8_device(pool.device, pool.dtype)

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterError, AdapterRegistry
+from verst.engine.config import Quantization
 from verst.engine.grammar import Constraint, Grammars
 from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.logprob_extras import LogprobRecord, record_step, score_prompt
@@ -65,8 +66,10 @@ class Scheduler(PromptSharing):
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         tokenizer: Any = None,
         true_on_policy: bool = False,
+        quantization: Quantization = "none",
     ) -> None:
-        """`tokenizer` (HF's) enables constrained decoding; `true_on_policy`: see `ModelRunner`."""
+        """`tokenizer` (HF's) enables constrained decoding; `true_on_policy` and
+        `quantization`: see `ModelRunner`."""
         self.model = model
         self.pool = pool
         self.runner = ModelRunner(
@@ -78,6 +81,7 @@ class Scheduler(PromptSharing):
             fused_kernels=fused_kernels,
             max_adapters=max_adapters,
             true_on_policy=true_on_policy,
+            quantization=quantization,
         )
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.memory = EngineMemory(

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS
+from verst.engine.config import Quantization
 from verst.engine.metrics import EngineMetrics
 from verst.engine.requests import GenerateOutput, GenerateRequest
 from verst.engine.results import DetokenizeParams, GenerateResult, ResultShaper
@@ -132,6 +133,7 @@ class ServingEngine(WeightUpdates):
         page_size: int = 16,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         true_on_policy: bool = False,
+        quantization: Quantization = "none",
     ) -> ServingEngine:
         """Load a local HF directory behind a scheduler that stops on the model's EOS ids.
 
@@ -154,6 +156,7 @@ class ServingEngine(WeightUpdates):
             model_path=model_path,
             max_adapters=max_adapters,
             true_on_policy=true_on_policy,
+            quantization=quantization,
         )
 
     @classmethod
@@ -170,10 +173,11 @@ class ServingEngine(WeightUpdates):
         model_path: str = "",
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         true_on_policy: bool = False,
+        quantization: Quantization = "none",
     ) -> ServingEngine:
         """Serve a loaded model (its device and dtype); the scheduler stops on its EOS ids.
         It can hold up to `max_adapters` LoRA adapters (`load_lora_adapter`); `true_on_policy`:
-        the batch-invariant forward (`Scheduler`)."""
+        the batch-invariant forward, `quantization`: fp8 projections (`Scheduler`)."""
         from verst.models.loading import eos_token_ids
 
         eos = eos_token_ids(model, tokenizer)
@@ -189,6 +193,7 @@ class ServingEngine(WeightUpdates):
             max_adapters=max_adapters,
             tokenizer=tokenizer,
             true_on_policy=true_on_policy,
+            quantization=quantization,
         )
         return cls(scheduler, tokenizer, batch_wait_s=batch_wait_s, model_path=model_path)
 

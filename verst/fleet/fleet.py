@@ -38,6 +38,7 @@ import torch
 
 from verst.auth import ApiKeys, generate_key
 from verst.engine import GenerateOutput, GenerateRequest
+from verst.engine.config import Quantization
 from verst.engine.serving import ServingEngine
 from verst.fleet.bodies import output_from_body, request_body
 from verst.fleet.client import HttpEngineClient, InProcessEngineClient
@@ -140,9 +141,10 @@ class Fleet:
         seed: int,
         fault_tolerance: FaultToleranceConfig | None = None,
         true_on_policy: bool = False,
+        quantization: Quantization = "none",
     ) -> Fleet:
         """Bring up `cfg.num_engines` engines with `model`'s weights (`true_on_policy`: each
-        runs the batch-invariant forward, `Scheduler`).
+        runs the batch-invariant forward; `quantization` fp8: fp8 projections; `Scheduler`).
 
         `model` is the engine's copy (its device and dtype) for in-process engines; engine
         processes load `model_dir`, which must hold the same weights.
@@ -155,14 +157,16 @@ class Fleet:
         try:
             if cfg.engines == "in_process":
                 clients, runners = loop.run(
-                    _start_in_process(cfg, model, tokenizer, seed, keys, true_on_policy)
+                    _start_in_process(
+                        cfg, model, tokenizer, seed, keys, true_on_policy, quantization
+                    )
                 )
                 return cls(loop, clients, tokenizer=tokenizer, runners=runners, api_keys=keys)
             devices = _devices(cfg, trainer_device)
             if true_on_policy:
                 _same_kind_as_trainer(devices, trainer_device)
             processes = _engine_processes(
-                cfg, model_dir, devices, dtype, seed, keys, true_on_policy
+                cfg, model_dir, devices, dtype, seed, keys, true_on_policy, quantization
             )
             processes.start_all()
             clients = {e.url: HttpEngineClient(e.url, api_keys=keys) for e in processes.engines}
@@ -490,6 +494,7 @@ async def _start_in_process(
     seed: int,
     keys: ApiKeys,
     true_on_policy: bool,
+    quantization: Quantization,
 ) -> tuple[dict[str, EngineClient], list[Any]]:
     """Engines on the trainer's device; the first uses `model` itself, the others copies."""
     import copy
@@ -506,6 +511,7 @@ async def _start_in_process(
             seed=seed + i,
             max_batch_size=cfg.max_batch_size,
             true_on_policy=true_on_policy,
+            quantization=quantization,
         )
         await serving.start()
         app = make_app(serving, tokenizer, served_model_name="policy", api_keys=keys)
@@ -523,10 +529,12 @@ def _engine_processes(
     seed: int,
     keys: ApiKeys,
     true_on_policy: bool,
+    quantization: Quantization,
 ) -> EngineProcesses:
     """`verst serve` processes, one per device (started by `start_all`)."""
     common = ["--dtype", str(dtype).removeprefix("torch."), "--max-batch-size"]
     common += [str(cfg.max_batch_size)] + (["--true-on-policy"] if true_on_policy else [])
+    common += ["--quantization", quantization]
     if cfg.engine_threads is not None:
         common += ["--num-threads", str(cfg.engine_threads)]
     kwargs: dict[str, Any] = dict(

@@ -7,9 +7,9 @@ step. `PackedLinears.swapped()` routes the model's bf16 `nn.Linear`s through the
 for the duration of an engine forward (a trainer sharing the model keeps `F.linear`).
 
 A packed weight is a copy, so it must never outlive the weights it was made from: the runner
-drops every packed copy whenever it is told the weights changed (each weight update and each
-version bump, which is all a zero-copy colocated update does), and a weight modified in place
-since it was packed (its version counter moved) is packed again before use. Float32 stays on
+marks every packed copy stale whenever it is told the weights changed (each weight update and
+each version bump, which is all a zero-copy colocated update does), and a weight modified in
+place since it was packed (its version counter moved) is packed again before use. Float32 stays on
 `F.linear`: packing measured slower there for small shapes.
 """
 
@@ -18,9 +18,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from functools import cache
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
+
+T = TypeVar("T")
 
 
 @cache
@@ -57,25 +60,41 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class DerivedWeights:
-    """Copies made from model weights (packed, concatenated), each kept until one of its source
-    tensors changes: replaced (identity or storage) or written in place (version counter)."""
+    """Copies made from model weights (packed, concatenated, quantized), each kept until one of
+    its source tensors changes: replaced (identity or storage) or written in place (version
+    counter). A copy is a tensor, or a tuple of tensors (a quantized weight and its scales)."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self._entries: dict[str, tuple[tuple | None, Any]] = {}
 
     def stale(self) -> None:
         """The weights changed: make every copy again before its next use."""
-        self._entries.clear()
+        self._entries = {name: (None, copy) for name, (_, copy) in self._entries.items()}
 
     def get(
-        self, name: str, sources: list[torch.Tensor], make: Callable[[], torch.Tensor]
-    ) -> torch.Tensor:
+        self,
+        name: str,
+        sources: list[torch.Tensor],
+        make: Callable[[], T],
+        refill: Callable[[T], None] | None = None,
+    ) -> T:
+        """The copy `name` of `sources`, made by `make`; once they changed, `refill` makes it
+        again in the old copy's memory where given (CUDA graphs read it by address)."""
         key = tuple((id(t), t.data_ptr(), t._version) for t in sources)
         entry = self._entries.get(name)
-        if entry is None or entry[0] != key:
-            entry = (key, make())
-            self._entries[name] = entry
-        return entry[1]
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        if entry is not None and refill is not None:
+            refill(entry[1])
+            copy = entry[1]
+        else:
+            copy = make()
+        self._entries[name] = (key, copy)
+        return copy
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for _, copy in self._entries.values():
+            yield from copy if isinstance(copy, tuple) else (copy,)
 
 
 class PackedLinears:

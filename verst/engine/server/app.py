@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from verst.auth import ApiKeys, auth_middleware, warn_if_open
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, read_adapter_dir
+from verst.engine.config import Quantization
 from verst.engine.serving import ServingEngine
 from verst.http_limits import HttpLimits, limited_app
 
@@ -162,6 +163,7 @@ def run_server(
     lora_paths: dict[str, str] | None = None,
     tool_call_parser: str | None = None,
     true_on_policy: bool = False,
+    quantization: Quantization = "none",
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
@@ -181,6 +183,7 @@ def run_server(
         max_batch_size=max_batch_size,
         max_adapters=max_loras,
         true_on_policy=true_on_policy,
+        quantization=quantization,
     )
     for name, path in (lora_paths or {}).items():  # the operator's own: no directory limit
         config, tensors = read_adapter_dir(Path(path))
