@@ -68,7 +68,7 @@ def quantize_rows_triton(x_N_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     scale_N_1 = torch.empty((N, 1), dtype=torch.float32, device=x_N_K.device)
     block = min(triton.next_power_of_2(K), 1024)
     _quantize_rows_kernel[(N,)](
-        x_N_K, q_N_K, scale_N_1, x_N_K.stride(0), K, FP8_MAX, SCALE_FLOOR, BLOCK=block
+        x_N_K, q_N_K, scale_N_1, x_N_K.stride(0), K, 1.0 / FP8_MAX, SCALE_FLOOR, BLOCK=block
     )
     return q_N_K, scale_N_1
 
@@ -134,7 +134,7 @@ def check_device(device: torch.device, dtype: torch.dtype) -> None:
 if triton is not None:
 
     @triton.jit
-    def _quantize_rows_kernel(X, Q, Scale, stride_x, K, fp8_max, floor, BLOCK: tl.constexpr):
+    def _quantize_rows_kernel(X, Q, Scale, stride_x, K, inv_fp8_max, floor, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         base = X + row * stride_x
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -142,8 +142,9 @@ if triton is not None:
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(base + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        # IEEE divisions (Triton's `/` is approximate), as PyTorch's ops round
-        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), fp8_max), floor)
+        # as PyTorch rounds: its division by a scalar multiplies by the scalar's fp32
+        # reciprocal; its division by the scale tensor is IEEE's (Triton's `/` is approximate)
+        scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, floor)
         tl.store(Scale + row, scale)
         for start in range(0, K, BLOCK):
             offs = start + tl.arange(0, BLOCK)
