@@ -26,7 +26,7 @@ from verst.envs.sandbox import (
     docker_problem,
     make_sandbox,
 )
-from verst.envs.sandbox.limits import marked_pids
+from verst.envs.sandbox.limits import marked_pids, sandbox_uid
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = dict(timeout_s=5.0, cpu_time_s=5, memory_bytes=256 << 20, max_processes=16)
@@ -164,6 +164,17 @@ def test_bwrap_writes_only_in_the_work_directory(bwrap_box) -> None:
     assert bwrap_box.run_sync(["touch", "/sandbox/ok", "/tmp/ok"]).ok
     assert bwrap_box.get("ok") == b""
     assert not Path("/usr/verst-probe").exists()
+
+
+def test_bwrap_commands_run_as_the_sandbox_uid_without_groups_or_capabilities(bwrap_box) -> None:
+    status = bwrap_box.run_sync(["cat", "/proc/self/status"]).stdout
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    uid = sandbox_uid(bwrap_box.cfg)
+    assert fields["Uid"].split() == [str(uid)] * 4
+    assert int(fields["CapEff"], 16) == 0
+    if os.getuid() == 0:  # root's commands run as run_as_uid, its group and no other
+        assert fields["Gid"].split() == [str(uid)] * 4
+        assert fields["Groups"].strip() == ""
 
 
 def test_bwrap_has_no_network_not_even_the_hosts_loopback() -> None:

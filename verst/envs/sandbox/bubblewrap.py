@@ -23,14 +23,16 @@ from pathlib import Path
 
 from verst.envs.sandbox.base import Sandbox, SandboxError
 from verst.envs.sandbox.config import SandboxConfig
-from verst.envs.sandbox.limits import drop_root, prlimit_argv
+from verst.envs.sandbox.limits import drop_root_argv, prlimit_argv
 
 _MERGED_USR = ("/bin", "/lib", "/lib64", "/sbin")
 
 
 def bwrap_argv(cfg: SandboxConfig, workdir: Path, tmpdir: Path) -> list[str]:
-    """The `bwrap` command line up to the command itself (which follows `prlimit --`)."""
+    """The `bwrap` command line up to the command itself (which follows `prlimit --`), run as
+    `run_as_uid` when verst runs as root."""
     argv = [
+        *drop_root_argv(cfg),
         "bwrap",
         "--unshare-all",  # user, ipc, pid, net, uts, cgroup
         "--unshare-user",
@@ -79,16 +81,14 @@ class BubblewrapSandbox(Sandbox):
     async def _spawn(
         self, argv: list[str], env: dict[str, str], timeout_s: float
     ) -> asyncio.subprocess.Process:
-        cfg = self.cfg
         return await asyncio.create_subprocess_exec(
-            *bwrap_argv(cfg, self.workdir, self.tmpdir),
+            *bwrap_argv(self.cfg, self.workdir, self.tmpdir),
             *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
             start_new_session=True,
-            preexec_fn=lambda: drop_root(cfg),
         )
 
 
@@ -111,7 +111,6 @@ def _probe(cfg_json: str) -> str | None:
                 text=True,
                 timeout=30,
                 env={"PATH": "/usr/bin:/bin"},
-                preexec_fn=lambda: drop_root(cfg),
             )
         except (OSError, subprocess.TimeoutExpired) as error:
             return f"bwrap could not run: {error}"
