@@ -90,6 +90,9 @@ def test_actions_from_the_session_servers_answers() -> None:
     unparsed = parse_action({"content": '<tool_call>{"name": "python", </tool_call>'})
     assert unparsed.tool_calls == [] and "<tool_call>" in unparsed.malformed[0]
     assert parse_action({"content": "42"}) == Action(content="42")
+    # a turn cut at the token limit never ended: its calls are not run
+    cut = parse_action(call_message("python", {"code": "print(1)"}), "length")
+    assert cut.tool_calls == [] and "token limit" in cut.malformed[0]
 
 
 def test_calls_are_checked_against_the_declared_tools() -> None:

@@ -118,8 +118,8 @@ def parse_action(message: Message, finish_reason: str = "stop") -> Action:
     """An OpenAI assistant message (as the session server answers it) → an `Action`.
 
     The session server leaves a tool call it cannot read in the text; text that still holds a
-    tool-call marker of any family, and calls whose arguments are not a JSON object, go to
-    `malformed`."""
+    tool-call marker of any family, calls whose arguments are not a JSON object, and the calls
+    of a turn cut at the token limit go to `malformed`."""
     content = message.get("content") or ""
     action = Action(content=content, finish_reason=finish_reason)
     for raw in message.get("tool_calls") or []:
@@ -136,6 +136,13 @@ def parse_action(message: Message, finish_reason: str = "stop") -> Action:
     marker = next((p.start for p in TOOL_PARSERS.values() if p.start in content), None)
     if marker is not None:
         action.malformed.append(f"a {marker} tool call that is not well-formed")
+    if finish_reason == "length" and action.tool_calls:
+        # the model never ended its turn: running its calls would reward whatever it wrote up
+        # to the token limit, and RL then stops learning to end the turn
+        action.malformed.append(
+            "tool calls in a turn cut at the token limit (finish_reason length)"
+        )
+        action.tool_calls = []
     return action
 
 
