@@ -22,8 +22,9 @@ def tiny_model(dtype: torch.dtype) -> transformers.Qwen3ForCausalLM:
     return tiny_qwen3().to("cuda", dtype)
 
 
-def scheduler(model, dtype, **kw) -> Scheduler:
-    pool = KVPool(
+def pool(dtype: torch.dtype = torch.bfloat16) -> KVPool:
+    """Shaped for `tiny_qwen3` and `build("qwen3")` alike: 2 layers, 2 KV heads of 16."""
+    return KVPool(
         num_layers=2,
         num_kv_heads=2,
         head_dim=16,
@@ -32,7 +33,10 @@ def scheduler(model, dtype, **kw) -> Scheduler:
         dtype=dtype,
         device="cuda",
     )
-    return Scheduler(model, pool, eos_token_ids=[63], pad_token_id=0, **kw)
+
+
+def scheduler(model, dtype, **kw) -> Scheduler:
+    return Scheduler(model, pool(dtype), eos_token_ids=[63], pad_token_id=0, **kw)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_qwen3
+from tests.gpu.test_engine_cuda import pool
 from tests.test_fp8_rollout import NEW_TOKENS, greedy, logprob_gap, perturbed
 from tests.test_lean_decoder import build
 from verst.engine.kernels.fp8_linear import (
@@ -20,7 +21,6 @@ from verst.engine.kernels.fp8_linear import (
     quantize_rows,
     quantize_rows_triton,
 )
-from verst.engine.kv_pool import KVPool
 from verst.engine.paged_attention import triton
 from verst.engine.scheduler import Scheduler
 
@@ -28,19 +28,6 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or triton is None or torch.cuda.get_device_capability() < (8, 9),
     reason="needs CUDA with fp8 tensor cores (sm89+) and Triton",
 )
-
-
-def pool(dtype: torch.dtype = torch.bfloat16) -> KVPool:
-    """Shaped for `tiny_qwen3` and `build("qwen3")` alike: 2 layers, 2 KV heads of 16."""
-    return KVPool(
-        num_layers=2,
-        num_kv_heads=2,
-        head_dim=16,
-        page_size=4,
-        num_pages=256,
-        dtype=dtype,
-        device="cuda",
-    )
 
 
 def engine(model: torch.nn.Module, quantization: str = "fp8", **kw) -> Scheduler:
