@@ -93,11 +93,11 @@ def greedy(scheduler: Scheduler) -> list[GenerateOutput]:
 
 def logprob_gap(model: torch.nn.Module, outputs: list[GenerateOutput]) -> float:
     """Mean |engine log-prob − the model's full forward's| over the sampled tokens."""
-    gaps = []
+    gaps, device = [], next(model.parameters()).device
     with torch.no_grad():
         for prompt, out in zip(PROMPTS, outputs, strict=True):
-            ids = torch.tensor([prompt + out.output_ids])
-            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+            ids = torch.tensor([prompt + out.output_ids], device=device)
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float().cpu()
             full = logits.log_softmax(-1).gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
             gaps.append((full - torch.tensor(out.output_token_logprobs)).abs())
     return float(torch.cat(gaps).mean())
