@@ -34,9 +34,9 @@ def rlimits(cfg: SandboxConfig) -> dict[int, tuple[int, int]]:
     }
 
 
-def prlimit_argv(cfg: SandboxConfig) -> list[str]:
-    """`prlimit` (util-linux) with every limit, the process cap included, for a command run
-    inside a user namespace that is already made."""
+def prlimit_argv(cfg: SandboxConfig, max_processes: int | None = None) -> list[str]:
+    """`prlimit` (util-linux) with every limit, the process cap (`max_processes`, default the
+    config's) included, for a command run inside a user namespace that is already made."""
     names = {
         resource.RLIMIT_CPU: "cpu",
         resource.RLIMIT_AS: "as",
@@ -47,7 +47,8 @@ def prlimit_argv(cfg: SandboxConfig) -> list[str]:
     argv = ["prlimit"] + [
         f"--{names[res]}={soft}:{hard}" for res, (soft, hard) in rlimits(cfg).items()
     ]
-    return argv + [f"--nproc={cfg.max_processes}:{cfg.max_processes}", "--"]
+    cap = cfg.max_processes if max_processes is None else max_processes
+    return argv + [f"--nproc={cap}:{cap}", "--"]
 
 
 def sandbox_uid(cfg: SandboxConfig) -> int:
@@ -66,14 +67,6 @@ def drop_root_argv(cfg: SandboxConfig) -> list[str]:
         return []
     uid = cfg.run_as_uid
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-
-
-def drop_root(cfg: SandboxConfig) -> None:
-    """In a forked child: become `run_as_uid` (and its gid) when running as root."""
-    if os.getuid() == 0:
-        os.setgroups([])
-        os.setgid(cfg.run_as_uid)
-        os.setuid(cfg.run_as_uid)
 
 
 def tasks_of_uid(uid: int) -> int:
