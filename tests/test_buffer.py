@@ -8,7 +8,7 @@ import pytest
 
 from verst.data import DataSource, DataSourceConfig
 from verst.models import build_char_tokenizer
-from verst.plugins import PluginError
+from verst.plugin_loader import PluginError
 from verst.rollout.buffer import (
     DEFAULT_BUFFER,
     Buffer,

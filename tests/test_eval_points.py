@@ -25,7 +25,8 @@ from verst.eval.snapshots import collect_garbage, snapshot_dir
 from verst.fleet.fleet import Fleet
 from verst.fleet.placement import PlacementConfig
 from verst.models.tiny import TinyModelConfig, create_tiny
-from verst.plugins import EvalSkip, PluginError
+from verst.plugin_loader import PluginError
+from verst.plugins import EvalSkip
 from verst.rollout.rewards import RewardScorer, exact_match
 from verst.train.checkpoint import COMPLETE_MARKER
 from verst.types import Sample

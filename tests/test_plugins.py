@@ -12,16 +12,14 @@ from typing import Any
 import pytest
 
 from verst.models import TinyModelConfig
+from verst.plugin_loader import PluginError, load_object, load_plugin
 from verst.plugins import (
     AgentFunction,
     Buffer,
     EngineClient,
-    PluginError,
     RewardFunction,
     SampleFilter,
     WeightTransport,
-    load_object,
-    load_plugin,
 )
 from verst.rollout.buffer import DataBuffer, load_buffer_class, make_buffer
 from verst.types import Group, Sample

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from verst.plugins import PluginError
+from verst.plugin_loader import PluginError
 from verst.rollout.rewards import (
     RewardScorer,
     compute_rewards,

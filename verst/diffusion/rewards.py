@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from verst.diffusion import shapes
-from verst.plugins import load_named
+from verst.plugin_loader import load_named
 
 # the fill of a shape's bounding box: a disc covers pi/4 of its square, a triangle half
 SHAPE_FILL = {"circle": math.pi / 4, "square": 1.0, "triangle": 0.5}

@@ -43,7 +43,7 @@ from verst.envs.base import (
 from verst.envs.sandbox.base import Sandbox
 from verst.envs.sandbox.config import SandboxConfig
 from verst.envs.sandbox.pool import SandboxPool
-from verst.plugins import PluginError, load_object
+from verst.plugin_loader import PluginError, load_object
 from verst.types import Sample
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import json
 from typing import Any
 
 from verst.envs.base import Action, Environment, Message, StepResult
-from verst.plugins import load_object
+from verst.plugin_loader import load_object
 from verst.types import Sample
 
 _FINISH_REASONS = ("stop", "length", "tool_calls")

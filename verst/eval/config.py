@@ -19,7 +19,8 @@ from pydantic import Field, field_validator, model_validator
 
 from verst.configbase import ConfigBase
 from verst.data.source import DataSourceConfig
-from verst.plugins import CheckpointEvalFunction, load_plugin
+from verst.plugin_loader import load_plugin
+from verst.plugins import CheckpointEvalFunction
 from verst.rollout.rewards import load_reward_fn
 
 EvalMode = Literal["shared", "fleet", "external"]

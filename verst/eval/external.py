@@ -22,13 +22,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from verst.plugins import (
-    CheckpointEvalFunction,
-    EvalRequest,
-    EvalSkip,
-    PluginError,
-    load_plugin,
-)
+from verst.plugin_loader import PluginError, load_plugin
+from verst.plugins import CheckpointEvalFunction, EvalRequest, EvalSkip
 
 FIELD = "eval.function"
 CLOSE_TIMEOUT_S = 10.0

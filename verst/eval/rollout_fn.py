@@ -11,14 +11,8 @@ groups, every sample generated; samples it left unscored get the set's reward, a
 from __future__ import annotations
 
 from verst.engine import SamplingParams
-from verst.plugins import (
-    Decode,
-    Generator,
-    RolloutContext,
-    RolloutFunction,
-    RolloutRequest,
-    load_plugin,
-)
+from verst.plugin_loader import load_plugin
+from verst.plugins import Decode, Generator, RolloutContext, RolloutFunction, RolloutRequest
 from verst.rollout.generate import generate_groups
 from verst.rollout.rewards import RewardScorer
 from verst.rollout.source import call_rollout_function

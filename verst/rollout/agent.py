@@ -48,7 +48,8 @@ from pydantic import Field, field_validator
 
 from verst.configbase import ConfigBase
 from verst.models.moe import decode_routed_experts
-from verst.plugins import AgentFunction, load_plugin
+from verst.plugin_loader import load_plugin
+from verst.plugins import AgentFunction
 from verst.sessions.templates import MISMATCH_TYPES
 from verst.types import Group, Sample, Status
 

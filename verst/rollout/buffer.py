@@ -43,7 +43,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from verst.plugins import Buffer, PluginError, check_plugin, load_plugin
+from verst.plugin_loader import PluginError, check_plugin, load_plugin
+from verst.plugins import Buffer
 from verst.types import Group, group_staleness
 
 GiveBack = Callable[[list[Group]], None]

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from verst import distributed
-from verst.plugins import SampleFilter, load_named
+from verst.plugin_loader import load_named
+from verst.plugins import SampleFilter
 from verst.rollout.ledger import NO_VARIANCE
 from verst.types import Group
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from verst.plugins import GroupRewardFunction, PluginError, load_plugin
+from verst.plugin_loader import PluginError, load_plugin
+from verst.plugins import GroupRewardFunction
 from verst.types import Group
 
 FIELD = "rollout.group_reward"

@@ -14,13 +14,8 @@ from __future__ import annotations
 from pydantic import Field, field_validator, model_validator
 
 from verst.configbase import ConfigBase
-from verst.plugins import (
-    GenerateFunction,
-    GroupRewardFunction,
-    RolloutFunction,
-    SampleFilter,
-    load_plugin,
-)
+from verst.plugin_loader import load_plugin
+from verst.plugins import GenerateFunction, GroupRewardFunction, RolloutFunction, SampleFilter
 from verst.rollout.dynamic import load_filter
 from verst.rollout.group_reward import HTTP, load_group_reward
 

@@ -37,7 +37,8 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from verst.plugins import GroupRewardFunction, RewardFunction, load_named
+from verst.plugin_loader import load_named
+from verst.plugins import GroupRewardFunction, RewardFunction
 from verst.types import Group, Sample, Status
 
 log = logging.getLogger(__name__)

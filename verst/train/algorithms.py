@@ -23,7 +23,8 @@ from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 
 from verst.configbase import ConfigBase
-from verst.plugins import AdvantageEstimator, PolicyLoss, TokenInputs, load_plugin
+from verst.plugin_loader import load_plugin
+from verst.plugins import AdvantageEstimator, PolicyLoss, TokenInputs
 from verst.train.advantages import (
     gae,
     group_advantages,
