@@ -137,71 +137,74 @@ def _left_to_right(parts: torch.Tensor) -> torch.Tensor:
 
 def attention(
     q_B_T_H_D: torch.Tensor,
-    k_B_S_G_D: torch.Tensor,
-    v_B_S_G_D: torch.Tensor,
+    k_B_G_W_D: torch.Tensor,
+    v_B_G_W_D: torch.Tensor,
     q_positions_B_T: torch.Tensor,
-    key_lens_B: torch.Tensor,
     scaling: float,
-    trim_keys: bool = True,
 ) -> torch.Tensor:
     """Causal attention [B, T, H, D]: the query at position p of row b sees that row's keys at
-    positions 0..p (key s sits at position s; keys at or past `key_lens_B[b]` are unset).
-    `trim_keys`: leave out the keys past every query (reading the latest position costs a
-    host sync, which a CUDA graph's capture cannot have; the result is the same either way).
+    positions 0..p, key w of `k_B_G_W_D` (heads first, W a multiple of KEY_CHUNK) sitting at
+    position w. Keys past every query may hold anything in K, anything finite in V (their
+    weights are exact zeros, and NaN · 0 is NaN): see `key_width` and `heads_first`.
 
     The R = H / G query heads that share a KV head are rows of one GEMM with that head's keys
     (no copy of K or V per query head). Scores are GEMMs over the head dimension (a fixed
     depth); the weighted sum of values is a GEMM per chunk of KEY_CHUNK keys (a fixed depth),
-    the chunks then added left to right. Chunks of keys past every query (zero weights, exact
-    zero sums) are left out: the chunks that remain add in the same order."""
+    the chunks then added left to right. Keys past a query have exact zero weights, so a row's
+    result does not depend on W: chunks past every query add exact zero sums."""
     B, T, H, D = q_B_T_H_D.shape
-    G = k_B_S_G_D.shape[2]
+    G, W = k_B_G_W_D.shape[1], k_B_G_W_D.shape[2]
     R, M = H // G, H // G * T
-    S = k_B_S_G_D.shape[1]
-    if trim_keys:
-        S = min(S, int(q_positions_B_T.max()) + 1)
-    width = -(-S // KEY_CHUNK) * KEY_CHUNK
-    keys_S = torch.arange(width, device=q_B_T_H_D.device)
-    k_B_G_S_D = _heads_first(k_B_S_G_D[:, :S], width)
-    v_B_G_S_D = _heads_first(v_B_S_G_D[:, :S], width)
-    unset_B_S = keys_S >= key_lens_B.clamp(max=S)[:, None]
-    v_B_G_S_D.masked_fill_(unset_B_S[:, None, :, None], 0.0)  # any bits there: NaN · 0 is NaN
     # rows (r, t) of query head g·R + r at token t
     q_B_G_M_D = q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B, G, M, D)
-    scores_B_G_M_S = _matmul(_pad_rows(q_B_G_M_D), k_B_G_S_D.transpose(-1, -2))
-    scores_B_G_M_S = scores_B_G_M_S[:, :, :M] * scaling
-    seen_B_M_S = keys_S <= q_positions_B_T.repeat(1, R)[..., None]
-    scores_B_G_M_S = scores_B_G_M_S.float().masked_fill(~seen_B_M_S[:, None], float("-inf"))
-    top_B_G_M_1 = scores_B_G_M_S.amax(-1, keepdim=True)
-    weights_B_G_M_S = pointwise(torch.exp, scores_B_G_M_S - top_B_G_M_1)
-    probs_B_G_M_S = weights_B_G_M_S / chunked_sum(weights_B_G_M_S)[..., None]
-    out_B_G_M_D = _value_sum(_pad_rows(probs_B_G_M_S.to(v_B_G_S_D.dtype)), v_B_G_S_D)[:, :, :M]
+    scores_B_G_M_W = _matmul(_pad_rows(q_B_G_M_D), k_B_G_W_D.transpose(-1, -2))
+    scores_B_G_M_W = scores_B_G_M_W[:, :, :M].float() * scaling
+    keys_W = torch.arange(W, device=q_B_T_H_D.device)
+    unseen_B_M_W = keys_W > q_positions_B_T.repeat(1, R)[..., None]
+    scores_B_G_M_W.masked_fill_(unseen_B_M_W[:, None], float("-inf"))
+    top_B_G_M_1 = scores_B_G_M_W.amax(-1, keepdim=True)
+    weights_B_G_M_W = pointwise(torch.exp, scores_B_G_M_W - top_B_G_M_1)
+    probs_B_G_M_W = weights_B_G_M_W / chunked_sum(weights_B_G_M_W)[..., None]
+    out_B_G_M_D = _value_sum(probs_B_G_M_W.to(v_B_G_W_D.dtype), v_B_G_W_D)
     return out_B_G_M_D.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def _value_sum(probs_B_G_M_S: torch.Tensor, v_B_G_S_D: torch.Tensor) -> torch.Tensor:
-    """probs @ v [B, G, M, D]: on the CPU a GEMM per chunk of KEY_CHUNK keys, all in one call,
-    then the chunks added left to right; on CUDA one invariant GEMM over every key."""
-    if probs_B_G_M_S.is_cuda:
-        return invariant_cuda.matmul(probs_B_G_M_S.contiguous(), v_B_G_S_D)
-    # [B, G, C, M, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks
-    probs_B_G_C_M_K = probs_B_G_M_S.unflatten(-1, (-1, KEY_CHUNK)).transpose(2, 3).contiguous()
-    v_B_G_C_K_D = v_B_G_S_D.unflatten(2, (-1, KEY_CHUNK))
-    return _left_to_right(torch.matmul(probs_B_G_C_M_K, v_B_G_C_K_D).unbind(2))
+def key_width(keys: int) -> int:
+    """The W `attention` takes for `keys` keys: rounded up to whole chunks."""
+    return -(-keys // KEY_CHUNK) * KEY_CHUNK
+
+
+def heads_first(x_B_S_G_D: torch.Tensor) -> torch.Tensor:
+    """x as [B, G, W, D] for `attention`, contiguous, zero past its S keys (masked scores still
+    pass a zero gradient through them: garbage there would make it NaN)."""
+    B, S, G, D = x_B_S_G_D.shape
+    out_B_G_W_D = x_B_S_G_D.new_empty(B, G, key_width(S), D)
+    out_B_G_W_D[:, :, :S].copy_(x_B_S_G_D.transpose(1, 2))
+    out_B_G_W_D[:, :, S:].zero_()
+    return out_B_G_W_D
+
+
+def _value_sum(probs_B_G_M_W: torch.Tensor, v_B_G_W_D: torch.Tensor) -> torch.Tensor:
+    """probs @ v [B, G, M, D]: on the CPU a GEMM per chunk of KEY_CHUNK keys, all in one call
+    (of at least ROW_TILE rows), then the chunks added left to right; on CUDA one invariant
+    GEMM over every key."""
+    if probs_B_G_M_W.is_cuda:
+        return invariant_cuda.matmul(probs_B_G_M_W.contiguous(), v_B_G_W_D)
+    B, G, M, W = probs_B_G_M_W.shape
+    C = W // KEY_CHUNK
+    # [B, G, C, M, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks;
+    # the rows padded with zeros in the same copy that lays the chunks out
+    shape = (B, G, C, max(M, ROW_TILE), KEY_CHUNK)
+    fresh = probs_B_G_M_W.new_zeros if M < ROW_TILE else probs_B_G_M_W.new_empty
+    probs_B_G_C_M_K = fresh(shape)
+    probs_B_G_C_M_K[:, :, :, :M] = probs_B_G_M_W.unflatten(-1, (C, KEY_CHUNK)).transpose(2, 3)
+    v_B_G_C_K_D = v_B_G_W_D.unflatten(2, (C, KEY_CHUNK))
+    out_B_G_C_M_D = torch.matmul(probs_B_G_C_M_K, v_B_G_C_K_D)
+    return _left_to_right(out_B_G_C_M_D.unbind(2))[:, :, :M]
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return invariant_cuda.matmul(a, b) if a.is_cuda else torch.matmul(a, b)
-
-
-def _heads_first(x_B_S_G_D: torch.Tensor, width: int) -> torch.Tensor:
-    """x as [B, G, width, D], contiguous, zero past its S keys (masked scores still pass a
-    zero gradient through them: garbage there would make it NaN)."""
-    B, S, G, D = x_B_S_G_D.shape
-    out_B_G_S_D = x_B_S_G_D.new_empty(B, G, width, D)
-    out_B_G_S_D[:, :, :S].copy_(x_B_S_G_D.transpose(1, 2))
-    out_B_G_S_D[:, :, S:].zero_()
-    return out_B_G_S_D
 
 
 def _pad_rows(x_X_M_K: torch.Tensor) -> torch.Tensor:

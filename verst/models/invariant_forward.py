@@ -20,8 +20,9 @@ from verst.models import invariant_cuda
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 TRUE_ON_POLICY_FAMILIES = ("qwen3", "qwen2", "llama", "qwen3-moe")  # the tiny families it reads
 
-# (layer, new K [B, T, G, D], new V) -> (every key of each row [B, S, G, D], V, key counts [B])
-KeySource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+# (layer, new K [B, T, G, D], new V) -> every key of each row, K and V [B, G, W, D] as
+# `batch_invariant.attention` takes them
+KeySource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def covers(model: torch.nn.Module, device: torch.device | None = None) -> str | None:
@@ -75,10 +76,8 @@ class InvariantDecoder:
         ids_B_T: torch.Tensor,
         positions_B_T: torch.Tensor,
         keys: KeySource,
-        trim_keys: bool = True,
     ) -> torch.Tensor:
-        """The final-norm hidden states [B, T, E] of the fed tokens (`trim_keys`: see
-        `batch_invariant.attention`; False in a CUDA graph's capture)."""
+        """The final-norm hidden states [B, T, E] of the fed tokens."""
         decoder = self.model.get_decoder()
         x_B_T_E = decoder.embed_tokens(ids_B_T)
         inv_freq_D2 = self._inv_freq(positions_B_T.device)
@@ -86,9 +85,7 @@ class InvariantDecoder:
         cos, sin = bi.rotary_tables(positions_B_T, inv_freq_D2, scaling, x_B_T_E.dtype)
         for index, layer in enumerate(decoder.layers):
             h_B_T_E = _norm(layer.input_layernorm, x_B_T_E)
-            attn = self._attention(
-                index, layer.self_attn, h_B_T_E, (cos, sin), positions_B_T, keys, trim_keys
-            )
+            attn = self._attention(index, layer.self_attn, h_B_T_E, (cos, sin), positions_B_T, keys)
             x_B_T_E = x_B_T_E + attn
             h_B_T_E = _norm(layer.post_attention_layernorm, x_B_T_E)
             x_B_T_E = x_B_T_E + (
@@ -115,7 +112,6 @@ class InvariantDecoder:
         rotary: tuple[torch.Tensor, torch.Tensor],
         positions_B_T: torch.Tensor,
         keys: KeySource,
-        trim_keys: bool,
     ) -> torch.Tensor:
         cos, sin = rotary
         B, T, _ = h_B_T_E.shape
@@ -126,19 +122,14 @@ class InvariantDecoder:
         if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head norms
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
         q, k = bi.apply_rotary(q, cos, sin), bi.apply_rotary(k, cos, sin)
-        k_B_S_G_D, v_B_S_G_D, key_lens_B = keys(index, k, v)
-        out = bi.attention(
-            q, k_B_S_G_D, v_B_S_G_D, positions_B_T, key_lens_B, attn.scaling, trim_keys
-        )
+        k_B_G_W_D, v_B_G_W_D = keys(index, k, v)
+        out = bi.attention(q, k_B_G_W_D, v_B_G_W_D, positions_B_T, attn.scaling)
         return _linear(attn.o_proj, out.reshape(B, T, -1))
 
 
-def own_keys(positions_B_T: torch.Tensor) -> KeySource:
-    """Keys of whole sequences fed at once (the trainer): each row's own new K/V, all set."""
-    lens_B = torch.full(
-        (positions_B_T.shape[0],), positions_B_T.shape[1], device=positions_B_T.device
-    )
-    return lambda layer, k_B_T_G_D, v_B_T_G_D: (k_B_T_G_D, v_B_T_G_D, lens_B)
+def own_keys(layer: int, k_B_T_G_D: torch.Tensor, v_B_T_G_D: torch.Tensor):
+    """Keys of whole sequences fed at once (the trainer): each row's own new K/V."""
+    return bi.heads_first(k_B_T_G_D), bi.heads_first(v_B_T_G_D)
 
 
 def _is_moe(mlp: torch.nn.Module) -> bool:
