@@ -73,7 +73,9 @@ def check_attention(dtype: torch.dtype, D: int, T: int, queries, extra: int = 0)
     q = torch.randn(B, T, H, D).to(dtype)
     k, v = torch.randn(B, T, G, D).to(dtype), torch.randn(B, T, G, D).to(dtype)
     positions = torch.arange(T).expand(B, T)
-    full = bi.attention(q, bi.heads_first(k), bi.heads_first(v), positions, 0.25)
+    k_B_G_W_D, v_B_G_W_D = bi.heads_first(k), bi.heads_first(v)
+    unseen = bi.unseen_keys(positions, H // G, k_B_G_W_D.shape[2])
+    full = bi.attention(q, k_B_G_W_D, v_B_G_W_D, unseen, 0.25)
     for p in queries:
         # row 1's query at p alone, its keys padded with garbage past p
         width = bi.key_width(p + 1 + extra)
@@ -81,7 +83,8 @@ def check_attention(dtype: torch.dtype, D: int, T: int, queries, extra: int = 0)
         keys_v = torch.full((1, G, width, D), -3e4).to(dtype)
         keys_k[:, :, : p + 1] = k[1:2, : p + 1].transpose(1, 2)
         keys_v[:, :, : p + 1] = v[1:2, : p + 1].transpose(1, 2)
-        one = bi.attention(q[1:2, p : p + 1], keys_k, keys_v, torch.tensor([[p]]), 0.25)
+        unseen = bi.unseen_keys(torch.tensor([[p]]), H // G, width)
+        one = bi.attention(q[1:2, p : p + 1], keys_k, keys_v, unseen, 0.25)
         assert torch.equal(one[0, 0], full[1, p])
 
 

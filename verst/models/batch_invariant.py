@@ -10,7 +10,8 @@ ops, so both compute bit-identical log-probs. What breaks invariance on the CPU,
   scalar function, which for fp32 SiLU (and bf16 rsqrt) rounds differently from the vector
   one: `pointwise` feeds the op calls of at most `POINTWISE_CHUNK` elements (below ATen's
   grain size), each a multiple of 64 (of every vector width), so every element takes the
-  vector path;
+  vector path. fp32 rsqrt needs none of it (both paths round 1 / sqrt(x) correctly): the
+  norms, which take it in fp32, call it as is;
 - a softmax or weighted sum over a row of keys reduces in an order set by the row's length:
   `attention` reduces in fixed chunks of `KEY_CHUNK` keys (its value sum a GEMM of that fixed
   depth per chunk) and adds the chunks' sums left to right, so keys past a query (-inf
@@ -81,7 +82,7 @@ def rms_norm(x_N_E: torch.Tensor, weight_E: torch.Tensor, eps: float) -> torch.T
     """HF's Llama / Qwen RMSNorm: in fp32, rounded to the input's dtype, times the weight."""
     xf_N_E = x_N_E.float().contiguous()
     variance_N_1 = row_mean(xf_N_E * xf_N_E)[..., None]
-    normed_N_E = xf_N_E * pointwise(torch.rsqrt, variance_N_1 + eps)
+    normed_N_E = xf_N_E * torch.rsqrt(variance_N_1 + eps)  # fp32: see the module docstring
     return weight_E * normed_N_E.to(x_N_E.dtype)
 
 
@@ -139,13 +140,14 @@ def attention(
     q_B_T_H_D: torch.Tensor,
     k_B_G_W_D: torch.Tensor,
     v_B_G_W_D: torch.Tensor,
-    q_positions_B_T: torch.Tensor,
+    unseen_B_1_M_W: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
     """Causal attention [B, T, H, D]: the query at position p of row b sees that row's keys at
     positions 0..p, key w of `k_B_G_W_D` (heads first, W a multiple of KEY_CHUNK) sitting at
-    position w. Keys past every query may hold anything in K, anything finite in V (their
-    weights are exact zeros, and NaN · 0 is NaN): see `key_width` and `heads_first`.
+    position w; `unseen_keys` masks the others. Keys past every query may hold anything in K,
+    anything finite in V (their weights are exact zeros, and NaN · 0 is NaN): see `key_width`
+    and `heads_first`.
 
     The R = H / G query heads that share a KV head are rows of one GEMM with that head's keys
     (no copy of K or V per query head). Scores are GEMMs over the head dimension (a fixed
@@ -153,20 +155,25 @@ def attention(
     the chunks then added left to right. Keys past a query have exact zero weights, so a row's
     result does not depend on W: chunks past every query add exact zero sums."""
     B, T, H, D = q_B_T_H_D.shape
-    G, W = k_B_G_W_D.shape[1], k_B_G_W_D.shape[2]
+    G = k_B_G_W_D.shape[1]
     R, M = H // G, H // G * T
     # rows (r, t) of query head g·R + r at token t
     q_B_G_M_D = q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B, G, M, D)
     scores_B_G_M_W = _matmul(_pad_rows(q_B_G_M_D), k_B_G_W_D.transpose(-1, -2))
     scores_B_G_M_W = scores_B_G_M_W[:, :, :M].float() * scaling
-    keys_W = torch.arange(W, device=q_B_T_H_D.device)
-    unseen_B_M_W = keys_W > q_positions_B_T.repeat(1, R)[..., None]
-    scores_B_G_M_W.masked_fill_(unseen_B_M_W[:, None], float("-inf"))
+    scores_B_G_M_W.masked_fill_(unseen_B_1_M_W, float("-inf"))
     top_B_G_M_1 = scores_B_G_M_W.amax(-1, keepdim=True)
     weights_B_G_M_W = pointwise(torch.exp, scores_B_G_M_W - top_B_G_M_1)
     probs_B_G_M_W = weights_B_G_M_W / chunked_sum(weights_B_G_M_W)[..., None]
     out_B_G_M_D = _value_sum(probs_B_G_M_W.to(v_B_G_W_D.dtype), v_B_G_W_D)
     return out_B_G_M_D.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def unseen_keys(q_positions_B_T: torch.Tensor, R: int, W: int) -> torch.Tensor:
+    """`attention`'s mask [B, 1, R·T, W] for R query heads a KV head: True where key w lies
+    past the query of row (r, t). The same for every layer of a forward."""
+    keys_W = torch.arange(W, device=q_positions_B_T.device)
+    return (keys_W > q_positions_B_T.repeat(1, R)[..., None])[:, None]
 
 
 def key_width(keys: int) -> int:

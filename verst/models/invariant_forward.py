@@ -83,9 +83,16 @@ class InvariantDecoder:
         inv_freq_D2 = self._inv_freq(positions_B_T.device)
         scaling = decoder.rotary_emb.attention_scaling
         cos, sin = bi.rotary_tables(positions_B_T, inv_freq_D2, scaling, x_B_T_E.dtype)
+        masks: dict[int, torch.Tensor] = {}  # attention's, per key width: alike in every layer
+
+        def unseen(W: int) -> torch.Tensor:
+            if W not in masks:
+                masks[W] = bi.unseen_keys(positions_B_T, self.heads // self.kv_heads, W)
+            return masks[W]
+
         for index, layer in enumerate(decoder.layers):
             h_B_T_E = _norm(layer.input_layernorm, x_B_T_E)
-            attn = self._attention(index, layer.self_attn, h_B_T_E, (cos, sin), positions_B_T, keys)
+            attn = self._attention(index, layer.self_attn, h_B_T_E, (cos, sin), unseen, keys)
             x_B_T_E = x_B_T_E + attn
             h_B_T_E = _norm(layer.post_attention_layernorm, x_B_T_E)
             x_B_T_E = x_B_T_E + (
@@ -110,7 +117,7 @@ class InvariantDecoder:
         attn: torch.nn.Module,
         h_B_T_E: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        positions_B_T: torch.Tensor,
+        unseen: Callable[[int], torch.Tensor],
         keys: KeySource,
     ) -> torch.Tensor:
         cos, sin = rotary
@@ -123,7 +130,8 @@ class InvariantDecoder:
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
         q, k = bi.apply_rotary(q, cos, sin), bi.apply_rotary(k, cos, sin)
         k_B_G_W_D, v_B_G_W_D = keys(index, k, v)
-        out = bi.attention(q, k_B_G_W_D, v_B_G_W_D, positions_B_T, attn.scaling)
+        unseen_B_1_M_W = unseen(k_B_G_W_D.shape[2])
+        out = bi.attention(q, k_B_G_W_D, v_B_G_W_D, unseen_B_1_M_W, attn.scaling)
         return _linear(attn.o_proj, out.reshape(B, T, -1))
 
 
