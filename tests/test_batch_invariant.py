@@ -42,6 +42,28 @@ def test_pointwise_and_norm_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(bi.rms_norm(x[:rows], weight, 1e-6), whole[:rows])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_gemm_rows_from_its_tile_up_do_not_depend_on_the_count(threads, dtype):
+    """Attention's GEMMs run with at least ATTENTION_ROWS rows: a row comes out the same in a
+    GEMM of that many rows as in one of hundreds (one matrix or a batch, on 1 or 2 threads,
+    which split one matrix's rows between them), at both GEMMs' shapes (depth a head's width,
+    columns the keys; depth KEY_CHUNK, columns a head's width)."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for X, K, N in [(1, 64, 48), (1, 16, 32), (3, 128, 640), (64, 16, 64), (2, 32, 16)]:
+            b = torch.randn(X, K, N).to(dtype)
+            a = torch.randn(X, 300, K).to(dtype)
+            whole = torch.matmul(a, b)
+            for start in (0, 5, 290):
+                rows = a[:, start : start + bi.ATTENTION_ROWS]
+                assert torch.equal(torch.matmul(rows, b), whole[:, start : start + len(rows[0])])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_log_softmax_rows_do_not_depend_on_the_batch():
     """The sampler's fp32 log-softmax: what the engine reports for one row is what the
     trainer computes for that row among thousands."""

@@ -22,9 +22,11 @@ ops, so both compute bit-identical log-probs. What breaks invariance on the CPU,
 Reductions over a fixed-length last dimension (a norm's mean, a chunk's sum), GEMMs of 16+
 rows of a fixed depth (whatever their 16+ columns, batch count or operand strides) and
 `torch.log_softmax` per row were measured invariant to the number of rows
-(tests/test_batch_invariant.py). A batched fp32 GEMM of 4 or 8 rows matched too, but 3 rows
-never did and 5 rows not with one matrix on 2 threads: attention pads to 16 rows as well. A
-GEMM's column count matters below 16 in fp32, so attention's rows are queries, not keys.
+(tests/test_batch_invariant.py). So were GEMMs of 4, 8 or 12 rows, fp32 and bf16, batched
+or one matrix, on 1 and 2 threads; 2 or 3 rows never matched, and 5 or 6 rows not with one
+matrix on 2 threads (MKL splits its rows between the threads, and a share of fewer than 4
+rows takes another kernel): attention pads its rows to `ATTENTION_ROWS` = 8, 4 a thread on 2.
+A GEMM's column count matters below 16 in fp32, so attention's rows are queries, not keys.
 
 On CUDA, cuBLAS's GEMMs and PyTorch's reductions pick their kernels (and summation orders)
 from the shapes, so every GEMM and every sum over a last dimension runs through
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from verst.models import invariant_cuda
 
 ROW_TILE = 16  # fewest rows a linear runs with (the GEMM kernel of 16+ rows is row-invariant)
+ATTENTION_ROWS = 8  # fewest rows attention's GEMMs run with (decode has H / G a KV head)
 POINTWISE_CHUNK = 16384  # elements a pointwise call sees: a multiple of 64, below ATen's grain
 KEY_CHUNK = 16  # keys reduced together in attention's softmax and weighted sum
 
@@ -193,7 +196,7 @@ def heads_first(x_B_S_G_D: torch.Tensor) -> torch.Tensor:
 
 def _value_sum(probs_B_G_M_W: torch.Tensor, v_B_G_W_D: torch.Tensor) -> torch.Tensor:
     """probs @ v [B, G, M, D]: on the CPU a GEMM per chunk of KEY_CHUNK keys, all in one call
-    (of at least ROW_TILE rows), then the chunks added left to right; on CUDA one invariant
+    (of at least ATTENTION_ROWS rows), then the chunks added left to right; on CUDA one invariant
     GEMM over every key."""
     if probs_B_G_M_W.is_cuda:
         return invariant_cuda.matmul(probs_B_G_M_W.contiguous(), v_B_G_W_D)
@@ -201,8 +204,8 @@ def _value_sum(probs_B_G_M_W: torch.Tensor, v_B_G_W_D: torch.Tensor) -> torch.Te
     C = W // KEY_CHUNK
     # [B, G, C, M, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks;
     # the rows padded with zeros in the same copy that lays the chunks out
-    shape = (B, G, C, max(M, ROW_TILE), KEY_CHUNK)
-    fresh = probs_B_G_M_W.new_zeros if M < ROW_TILE else probs_B_G_M_W.new_empty
+    shape = (B, G, C, max(M, ATTENTION_ROWS), KEY_CHUNK)
+    fresh = probs_B_G_M_W.new_zeros if M < ATTENTION_ROWS else probs_B_G_M_W.new_empty
     probs_B_G_C_M_K = fresh(shape)
     probs_B_G_C_M_K[:, :, :, :M] = probs_B_G_M_W.unflatten(-1, (C, KEY_CHUNK)).transpose(2, 3)
     v_B_G_C_K_D = v_B_G_W_D.unflatten(2, (C, KEY_CHUNK))
@@ -215,9 +218,9 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_rows(x_X_M_K: torch.Tensor) -> torch.Tensor:
-    """x with zero rows appended up to ROW_TILE: a CPU GEMM of fewer rows runs another kernel
-    (CUDA's invariant GEMM does not)."""
+    """x with zero rows appended up to ATTENTION_ROWS: a CPU GEMM of fewer rows runs another
+    kernel (CUDA's invariant GEMM does not)."""
     M = x_X_M_K.shape[-2]
-    if M >= ROW_TILE or x_X_M_K.is_cuda:
+    if M >= ATTENTION_ROWS or x_X_M_K.is_cuda:
         return x_X_M_K
-    return F.pad(x_X_M_K, (0, 0, 0, ROW_TILE - M))
+    return F.pad(x_X_M_K, (0, 0, 0, ATTENTION_ROWS - M))
