@@ -150,9 +150,12 @@ def _mlp(mlp: torch.nn.Module, h_B_T_E: torch.Tensor) -> torch.Tensor:
 
 
 def _moe(block: torch.nn.Module, h_B_T_E: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE's sparse block: its router's softmax top-k (renormalised), every expert run on
-    every token (a token's rows never depend on which others chose an expert) and the experts'
-    outputs added in expert order, the unchosen ones with weight exactly 0."""
+    """Qwen3-MoE's sparse block: its router's softmax top-k (renormalised), each expert run on
+    the tokens that chose it and the experts' outputs added in expert order. A token's rows
+    come out of `bi.linear` alike whichever tokens share its expert's GEMM, and the terms left
+    out are the exact zeros of the experts it did not choose, so its bits do not depend on the
+    others. On CUDA every expert runs on every token, the unchosen ones with weight exactly 0:
+    a CUDA graph's capture cannot size an expert's rows."""
     router, experts = block.gate, block.experts
     x_N_E = h_B_T_E.reshape(-1, h_B_T_E.shape[-1])
     logits_N_X = bi.linear(x_N_E, router.weight).float()
@@ -164,10 +167,19 @@ def _moe(block: torch.nn.Module, h_B_T_E: torch.Tensor) -> torch.Tensor:
     gates_N_X = torch.zeros_like(probs_N_X).scatter(1, ids_N_K, top_N_K).to(x_N_E.dtype)
     out_N_E = torch.zeros_like(x_N_E)
     for e in range(gates_N_X.shape[1]):
-        gate, up = bi.linear(x_N_E, experts.gate_up_proj[e]).chunk(2, dim=-1)
-        y_N_E = bi.linear(bi.silu_mul(gate, up), experts.down_proj[e])
-        out_N_E = out_N_E + gates_N_X[:, e, None] * y_N_E
+        if x_N_E.is_cuda:
+            out_N_E = out_N_E + gates_N_X[:, e, None] * _expert(experts, e, x_N_E)
+            continue
+        rows_R = (ids_N_K == e).any(-1).nonzero()[:, 0]
+        if len(rows_R):
+            y_R_E = _expert(experts, e, x_N_E.index_select(0, rows_R))
+            out_N_E = out_N_E.index_add(0, rows_R, gates_N_X[rows_R, e, None] * y_R_E)
     return out_N_E.view(h_B_T_E.shape)
+
+
+def _expert(experts: torch.nn.Module, e: int, x_R_E: torch.Tensor) -> torch.Tensor:
+    gate, up = bi.linear(x_R_E, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return bi.linear(bi.silu_mul(gate, up), experts.down_proj[e])
 
 
 def _rope(config: object) -> dict:
