@@ -10,7 +10,8 @@ reward is 0 (a random tiny model): one with `trainer.true_on_policy=false`, one 
     python bench/true_on_policy.py --steps 8 --dtype bfloat16 --device cuda --prompts 32
 
 Prints per run the mean (and max) `train/train_rollout_logprob_abs_diff`, the engine's
-generation tokens/s and `perf/train_time_s` (means over steps after the first, which pays
+generation tokens/s (generated tokens over each step's wall time, training included) and
+`perf/train_time_s` (means over steps after the first, which pays
 warm-up; medians over `--repeats` alternated pairs of runs, since a shared CPU's load moves
 them), the slowdowns of true on-policy (the issue's goal: each <= 1.5), and writes
 bench/results/true_on_policy_<device>_<dtype>.json.

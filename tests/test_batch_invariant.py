@@ -42,6 +42,28 @@ def test_pointwise_and_norm_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(bi.rms_norm(x[:rows], weight, 1e-6), whole[:rows])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_gemm_rows_from_its_tile_up_do_not_depend_on_the_count(threads, dtype):
+    """Attention's GEMMs run with at least ATTENTION_ROWS rows: a row comes out the same in a
+    GEMM of that many rows as in one of hundreds (one matrix or a batch, on 1 or 2 threads,
+    which split one matrix's rows between them), at both GEMMs' shapes (depth a head's width,
+    columns the keys; depth KEY_CHUNK, columns a head's width)."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for X, K, N in [(1, 64, 48), (1, 16, 32), (3, 128, 640), (64, 16, 64), (2, 32, 16)]:
+            b = torch.randn(X, K, N).to(dtype)
+            a = torch.randn(X, 300, K).to(dtype)
+            whole = torch.matmul(a, b)
+            for start in (0, 5, 290):
+                rows = a[:, start : start + bi.ATTENTION_ROWS]
+                assert torch.equal(torch.matmul(rows, b), whole[:, start : start + len(rows[0])])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_log_softmax_rows_do_not_depend_on_the_batch():
     """The sampler's fp32 log-softmax: what the engine reports for one row is what the
     trainer computes for that row among thousands."""
@@ -54,12 +76,12 @@ def test_log_softmax_rows_do_not_depend_on_the_batch():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [16, 32, 64])  # 32 and 64 failed while a product was strided
-@pytest.mark.parametrize("trim_keys", [True, False])
-def test_attention_of_a_query_ignores_later_keys_and_other_rows(dtype, D, trim_keys):
+@pytest.mark.parametrize("extra", [0, 9, 40])
+def test_attention_of_a_query_ignores_later_keys_and_other_rows(dtype, D, extra):
     """A decode query over its keys 0..p equals that query inside a full causal pass over a
-    longer sequence, in a batch with other rows; with `trim_keys` off, the unset keys past it
-    (garbage: huge keys, NaN values) are read and add exact zeros (a CUDA graph's way)."""
-    check_attention(dtype, D, 37, range(37), trim_keys)
+    longer sequence, in a batch with other rows, however many keys past it are read (`extra`:
+    garbage there, huge keys and values, adds exact zeros; a CUDA graph reads them)."""
+    check_attention(dtype, D, 37, range(37), extra)
 
 
 def test_attention_over_long_sequences():
@@ -67,21 +89,24 @@ def test_attention_over_long_sequences():
     check_attention(torch.float32, 32, 600, [0, 17, 255, 256, 511, 599])
 
 
-def check_attention(dtype: torch.dtype, D: int, T: int, queries, trim_keys: bool = True) -> None:
+def check_attention(dtype: torch.dtype, D: int, T: int, queries, extra: int = 0) -> None:
     torch.manual_seed(0)
     B, H, G = 3, 4, 2
     q = torch.randn(B, T, H, D).to(dtype)
     k, v = torch.randn(B, T, G, D).to(dtype), torch.randn(B, T, G, D).to(dtype)
     positions = torch.arange(T).expand(B, T)
-    full = bi.attention(q, k, v, positions, torch.full((B,), T), 0.25)
+    k_B_G_W_D, v_B_G_W_D = bi.heads_first(k), bi.heads_first(v)
+    unseen = bi.unseen_keys(positions, H // G, k_B_G_W_D.shape[2])
+    full = bi.attention(q, k_B_G_W_D, v_B_G_W_D, unseen, 0.25)
     for p in queries:
         # row 1's query at p alone, its keys padded with garbage past p
-        keys_k = torch.cat([k[1:2, : p + 1], torch.full((1, 9, G, D), 1e4).to(dtype)], dim=1)
-        keys_v = torch.cat([v[1:2, : p + 1], torch.full((1, 9, G, D), float("nan"))], dim=1)
-        one = bi.attention(
-            q[1:2, p : p + 1], keys_k, keys_v.to(dtype), torch.tensor([[p]]),
-            torch.tensor([p + 1]), 0.25, trim_keys,
-        )  # fmt: skip
+        width = bi.key_width(p + 1 + extra)
+        keys_k = torch.full((1, G, width, D), 1e4).to(dtype)
+        keys_v = torch.full((1, G, width, D), -3e4).to(dtype)
+        keys_k[:, :, : p + 1] = k[1:2, : p + 1].transpose(1, 2)
+        keys_v[:, :, : p + 1] = v[1:2, : p + 1].transpose(1, 2)
+        unseen = bi.unseen_keys(torch.tensor([[p]]), H // G, width)
+        one = bi.attention(q[1:2, p : p + 1], keys_k, keys_v, unseen, 0.25)
         assert torch.equal(one[0, 0], full[1, p])
 
 
@@ -107,10 +132,10 @@ def test_forward_incremental_equals_whole_sequence(family, dtype):
     def keys(layer, k, v):
         old_k, old_v = cache.get(layer, (k[:, :0], v[:, :0]))
         cache[layer] = (torch.cat([old_k, k], 1), torch.cat([old_v, v], 1))
-        return *cache[layer], torch.tensor([cache[layer][0].shape[1]])
+        return bi.heads_first(cache[layer][0]), bi.heads_first(cache[layer][1])
 
     with torch.no_grad():
-        whole = decoder.hidden(ids, positions, own_keys(positions))
+        whole = decoder.hidden(ids, positions, own_keys)
         whole = decoder.logits(whole.reshape(B * L, -1)).view(B, L, -1)
         steps = [decoder.hidden(ids[2:3, :7], positions[2:3, :7], keys)]
         steps += [decoder.hidden(ids[2:3, t : t + 1], positions[2:3, t : t + 1], keys)

@@ -58,6 +58,17 @@ def test_engine_logprobs_equal_the_trainers_whatever_the_batch(family, dtype):
         check_logprobs_equal_the_trainers(model, engine(model, max_running))
 
 
+def test_stale_nan_in_the_kv_pool_does_not_leak():
+    """Slots a row has not written (stale pages, the page table's padding) hold NaN here: the
+    engine never lets them into a weighted sum, so the log-probs are still the trainer's."""
+    model = tiny("qwen3", torch.float32)
+    scheduler = engine(model, 8)
+    for layer in range(scheduler.pool.num_layers):
+        for store in scheduler.pool.flat(layer):
+            store.fill_(float("nan"))
+    check_logprobs_equal_the_trainers(model, scheduler)
+
+
 def check_logprobs_equal_the_trainers(model: torch.nn.Module, scheduler: Scheduler) -> None:
     params = SamplingParams(max_new_tokens=12, temperature=0.8, ignore_eos=True)
     outputs = scheduler.generate([GenerateRequest(list(p), params) for p in PROMPTS])

@@ -43,6 +43,7 @@ from verst.engine.paged_attention import (
     paged_decode_triton,
     triton,
 )
+from verst.models import batch_invariant as bi
 from verst.models.invariant_forward import InvariantDecoder, KeySource
 from verst.models.moe import hook_routers, routing_shape, use_grouped_experts
 
@@ -275,7 +276,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """One decode step from its meta rows; `adapted`: run the adapters' terms (rows whose
         adapter column is the base slot get zero from them); `windowed`: see `PagedStep`;
-        `trim_keys`: see `batch_invariant.attention` (False in a graph)."""
+        `trim_keys`: see `_pool_keys` (False in a graph)."""
         ids_B_1 = meta_B_M[:, 0:1]
         positions_B_1 = meta_B_M[:, 1:2]
         seq_lens_B = meta_B_M[:, 3].contiguous()
@@ -428,8 +429,8 @@ class ModelRunner:
         this step's are written (read by the true on-policy forward)."""
         if self.invariant is not None:
             assert key_lens_B is not None
-            keys = self._pool_keys(step, key_lens_B)
-            return self.invariant.hidden(ids_B_T, positions_B_T, keys, trim_keys)
+            keys = self._pool_keys(step, key_lens_B, trim_keys)
+            return self.invariant.hidden(ids_B_T, positions_B_T, keys)
         if self.lean is not None:
             return self.lean.hidden(ids_B_T, positions_B_T, step, adapters)
         self._step_slots_N = step.slots_N
@@ -447,20 +448,31 @@ class ModelRunner:
         if self._step_slots_N is not None:
             self.pool.record_routing(layer, self._step_slots_N, output[2])
 
-    def _pool_keys(self, step: PagedStep, key_lens_B: torch.Tensor) -> KeySource:
+    def _pool_keys(self, step: PagedStep, key_lens_B: torch.Tensor, trim_keys: bool) -> KeySource:
         """The true on-policy forward's keys: this step's K/V written into the pool, then each
-        row's pages read back whole (positions past its length are masked there)."""
-        pool, pages_N = self.pool, step.table_B_P.reshape(-1)
-        B, S = step.table_B_P.shape[0], step.table_B_P.shape[1] * pool.page_size
+        row's keys read back heads first, [B, G, W, D], in one gather per layer. Positions at
+        or past a row's length read its first key instead (a stale or never-written slot may
+        hold NaN, and NaN · 0 is NaN). `trim_keys`: W only as wide as the longest row (reading
+        its length costs a host sync, which a CUDA graph's capture cannot have); else every
+        page of the table."""
+        pool, page = self.pool, self.pool.page_size
+        B, P = step.table_B_P.shape
+        G = pool.num_kv_heads
+        W = bi.key_width(int(key_lens_B.max()) if trim_keys else P * page)
+        keys_W = torch.arange(W, device=self.device)
+        page_B_W = step.table_B_P.gather(1, (keys_W // page).clamp(max=P - 1).expand(B, W))
+        slots_B_W = page_B_W * page + keys_W % page
+        slots_B_W = torch.where(keys_W < key_lens_B[:, None], slots_B_W, slots_B_W[:, :1])
+        # row slot · G + g of the pool as [slots · G, D]: K and V come out heads first
+        rows_N = (slots_B_W[:, None] * G + torch.arange(G, device=self.device)[:, None]).view(-1)
 
         def keys(layer: int, k_B_T_G_D: torch.Tensor, v_B_T_G_D: torch.Tensor):
-            G, D = k_B_T_G_D.shape[2:]
-            k_flat, v_flat = pool.flat(layer)
-            k_flat.index_copy_(0, step.slots_N, k_B_T_G_D.reshape(-1, G, D).to(pool.dtype))
-            v_flat.index_copy_(0, step.slots_N, v_B_T_G_D.reshape(-1, G, D).to(pool.dtype))
-            k_B_S_G_D = pool.k[layer].view(pool.num_pages, -1).index_select(0, pages_N)
-            v_B_S_G_D = pool.v[layer].view(pool.num_pages, -1).index_select(0, pages_N)
-            return k_B_S_G_D.view(B, S, G, D), v_B_S_G_D.view(B, S, G, D), key_lens_B
+            out = []
+            for flat, new_B_T_G_D in zip(pool.flat(layer), (k_B_T_G_D, v_B_T_G_D), strict=True):
+                D = flat.shape[-1]
+                flat.index_copy_(0, step.slots_N, new_B_T_G_D.reshape(-1, G, D).to(pool.dtype))
+                out.append(flat.view(-1, D).index_select(0, rows_N).view(B, G, W, D))
+            return out[0], out[1]
 
         return keys
 

@@ -10,7 +10,8 @@ ops, so both compute bit-identical log-probs. What breaks invariance on the CPU,
   scalar function, which for fp32 SiLU (and bf16 rsqrt) rounds differently from the vector
   one: `pointwise` feeds the op calls of at most `POINTWISE_CHUNK` elements (below ATen's
   grain size), each a multiple of 64 (of every vector width), so every element takes the
-  vector path;
+  vector path. fp32 rsqrt needs none of it (both paths round 1 / sqrt(x) correctly): the
+  norms, which take it in fp32, call it as is;
 - a softmax or weighted sum over a row of keys reduces in an order set by the row's length:
   `attention` reduces in fixed chunks of `KEY_CHUNK` keys (its value sum a GEMM of that fixed
   depth per chunk) and adds the chunks' sums left to right, so keys past a query (-inf
@@ -21,9 +22,11 @@ ops, so both compute bit-identical log-probs. What breaks invariance on the CPU,
 Reductions over a fixed-length last dimension (a norm's mean, a chunk's sum), GEMMs of 16+
 rows of a fixed depth (whatever their 16+ columns, batch count or operand strides) and
 `torch.log_softmax` per row were measured invariant to the number of rows
-(tests/test_batch_invariant.py). A batched fp32 GEMM of 4 or 8 rows matched too, but 3 rows
-never did and 5 rows not with one matrix on 2 threads: attention pads to 16 rows as well. A
-GEMM's column count matters below 16 in fp32, so attention's rows are queries, not keys.
+(tests/test_batch_invariant.py). So were GEMMs of 4, 8 or 12 rows, fp32 and bf16, batched
+or one matrix, on 1 and 2 threads; 2 or 3 rows never matched, and 5 or 6 rows not with one
+matrix on 2 threads (MKL splits its rows between the threads, and a share of fewer than 4
+rows takes another kernel): attention pads its rows to `ATTENTION_ROWS` = 8, 4 a thread on 2.
+A GEMM's column count matters below 16 in fp32, so attention's rows are queries, not keys.
 
 On CUDA, cuBLAS's GEMMs and PyTorch's reductions pick their kernels (and summation orders)
 from the shapes, so every GEMM and every sum over a last dimension runs through
@@ -42,6 +45,7 @@ import torch.nn.functional as F
 from verst.models import invariant_cuda
 
 ROW_TILE = 16  # fewest rows a linear runs with (the GEMM kernel of 16+ rows is row-invariant)
+ATTENTION_ROWS = 8  # fewest rows attention's GEMMs run with (decode has H / G a KV head)
 POINTWISE_CHUNK = 16384  # elements a pointwise call sees: a multiple of 64, below ATen's grain
 KEY_CHUNK = 16  # keys reduced together in attention's softmax and weighted sum
 
@@ -81,7 +85,7 @@ def rms_norm(x_N_E: torch.Tensor, weight_E: torch.Tensor, eps: float) -> torch.T
     """HF's Llama / Qwen RMSNorm: in fp32, rounded to the input's dtype, times the weight."""
     xf_N_E = x_N_E.float().contiguous()
     variance_N_1 = row_mean(xf_N_E * xf_N_E)[..., None]
-    normed_N_E = xf_N_E * pointwise(torch.rsqrt, variance_N_1 + eps)
+    normed_N_E = xf_N_E * torch.rsqrt(variance_N_1 + eps)  # fp32: see the module docstring
     return weight_E * normed_N_E.to(x_N_E.dtype)
 
 
@@ -137,77 +141,86 @@ def _left_to_right(parts: torch.Tensor) -> torch.Tensor:
 
 def attention(
     q_B_T_H_D: torch.Tensor,
-    k_B_S_G_D: torch.Tensor,
-    v_B_S_G_D: torch.Tensor,
-    q_positions_B_T: torch.Tensor,
-    key_lens_B: torch.Tensor,
+    k_B_G_W_D: torch.Tensor,
+    v_B_G_W_D: torch.Tensor,
+    unseen_B_1_M_W: torch.Tensor,
     scaling: float,
-    trim_keys: bool = True,
 ) -> torch.Tensor:
     """Causal attention [B, T, H, D]: the query at position p of row b sees that row's keys at
-    positions 0..p (key s sits at position s; keys at or past `key_lens_B[b]` are unset).
-    `trim_keys`: leave out the keys past every query (reading the latest position costs a
-    host sync, which a CUDA graph's capture cannot have; the result is the same either way).
+    positions 0..p, key w of `k_B_G_W_D` (heads first, W a multiple of KEY_CHUNK) sitting at
+    position w; `unseen_keys` masks the others. Keys past every query may hold anything in K,
+    anything finite in V (their weights are exact zeros, and NaN · 0 is NaN): see `key_width`
+    and `heads_first`.
 
     The R = H / G query heads that share a KV head are rows of one GEMM with that head's keys
     (no copy of K or V per query head). Scores are GEMMs over the head dimension (a fixed
     depth); the weighted sum of values is a GEMM per chunk of KEY_CHUNK keys (a fixed depth),
-    the chunks then added left to right. Chunks of keys past every query (zero weights, exact
-    zero sums) are left out: the chunks that remain add in the same order."""
+    the chunks then added left to right. Keys past a query have exact zero weights, so a row's
+    result does not depend on W: chunks past every query add exact zero sums."""
     B, T, H, D = q_B_T_H_D.shape
-    G = k_B_S_G_D.shape[2]
+    G = k_B_G_W_D.shape[1]
     R, M = H // G, H // G * T
-    S = k_B_S_G_D.shape[1]
-    if trim_keys:
-        S = min(S, int(q_positions_B_T.max()) + 1)
-    width = -(-S // KEY_CHUNK) * KEY_CHUNK
-    keys_S = torch.arange(width, device=q_B_T_H_D.device)
-    k_B_G_S_D = _heads_first(k_B_S_G_D[:, :S], width)
-    v_B_G_S_D = _heads_first(v_B_S_G_D[:, :S], width)
-    unset_B_S = keys_S >= key_lens_B.clamp(max=S)[:, None]
-    v_B_G_S_D.masked_fill_(unset_B_S[:, None, :, None], 0.0)  # any bits there: NaN · 0 is NaN
     # rows (r, t) of query head g·R + r at token t
     q_B_G_M_D = q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B, G, M, D)
-    scores_B_G_M_S = _matmul(_pad_rows(q_B_G_M_D), k_B_G_S_D.transpose(-1, -2))
-    scores_B_G_M_S = scores_B_G_M_S[:, :, :M] * scaling
-    seen_B_M_S = keys_S <= q_positions_B_T.repeat(1, R)[..., None]
-    scores_B_G_M_S = scores_B_G_M_S.float().masked_fill(~seen_B_M_S[:, None], float("-inf"))
-    top_B_G_M_1 = scores_B_G_M_S.amax(-1, keepdim=True)
-    weights_B_G_M_S = pointwise(torch.exp, scores_B_G_M_S - top_B_G_M_1)
-    probs_B_G_M_S = weights_B_G_M_S / chunked_sum(weights_B_G_M_S)[..., None]
-    out_B_G_M_D = _value_sum(_pad_rows(probs_B_G_M_S.to(v_B_G_S_D.dtype)), v_B_G_S_D)[:, :, :M]
+    scores_B_G_M_W = _matmul(_pad_rows(q_B_G_M_D), k_B_G_W_D.transpose(-1, -2))
+    scores_B_G_M_W = scores_B_G_M_W[:, :, :M].float() * scaling
+    scores_B_G_M_W.masked_fill_(unseen_B_1_M_W, float("-inf"))
+    top_B_G_M_1 = scores_B_G_M_W.amax(-1, keepdim=True)
+    weights_B_G_M_W = pointwise(torch.exp, scores_B_G_M_W - top_B_G_M_1)
+    probs_B_G_M_W = weights_B_G_M_W / chunked_sum(weights_B_G_M_W)[..., None]
+    out_B_G_M_D = _value_sum(probs_B_G_M_W.to(v_B_G_W_D.dtype), v_B_G_W_D)
     return out_B_G_M_D.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def _value_sum(probs_B_G_M_S: torch.Tensor, v_B_G_S_D: torch.Tensor) -> torch.Tensor:
-    """probs @ v [B, G, M, D]: on the CPU a GEMM per chunk of KEY_CHUNK keys, all in one call,
-    then the chunks added left to right; on CUDA one invariant GEMM over every key."""
-    if probs_B_G_M_S.is_cuda:
-        return invariant_cuda.matmul(probs_B_G_M_S.contiguous(), v_B_G_S_D)
-    # [B, G, C, M, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks
-    probs_B_G_C_M_K = probs_B_G_M_S.unflatten(-1, (-1, KEY_CHUNK)).transpose(2, 3).contiguous()
-    v_B_G_C_K_D = v_B_G_S_D.unflatten(2, (-1, KEY_CHUNK))
-    return _left_to_right(torch.matmul(probs_B_G_C_M_K, v_B_G_C_K_D).unbind(2))
+def unseen_keys(q_positions_B_T: torch.Tensor, R: int, W: int) -> torch.Tensor:
+    """`attention`'s mask [B, 1, R·T, W] for R query heads a KV head: True where key w lies
+    past the query of row (r, t). The same for every layer of a forward."""
+    keys_W = torch.arange(W, device=q_positions_B_T.device)
+    return (keys_W > q_positions_B_T.repeat(1, R)[..., None])[:, None]
+
+
+def key_width(keys: int) -> int:
+    """The W `attention` takes for `keys` keys: rounded up to whole chunks."""
+    return -(-keys // KEY_CHUNK) * KEY_CHUNK
+
+
+def heads_first(x_B_S_G_D: torch.Tensor) -> torch.Tensor:
+    """x as [B, G, W, D] for `attention`, contiguous, zero past its S keys (masked scores still
+    pass a zero gradient through them: garbage there would make it NaN)."""
+    B, S, G, D = x_B_S_G_D.shape
+    out_B_G_W_D = x_B_S_G_D.new_empty(B, G, key_width(S), D)
+    out_B_G_W_D[:, :, :S].copy_(x_B_S_G_D.transpose(1, 2))
+    out_B_G_W_D[:, :, S:].zero_()
+    return out_B_G_W_D
+
+
+def _value_sum(probs_B_G_M_W: torch.Tensor, v_B_G_W_D: torch.Tensor) -> torch.Tensor:
+    """probs @ v [B, G, M, D]: on the CPU a GEMM per chunk of KEY_CHUNK keys, all in one call
+    (of at least ATTENTION_ROWS rows), then the chunks added left to right; on CUDA one invariant
+    GEMM over every key."""
+    if probs_B_G_M_W.is_cuda:
+        return invariant_cuda.matmul(probs_B_G_M_W.contiguous(), v_B_G_W_D)
+    B, G, M, W = probs_B_G_M_W.shape
+    C = W // KEY_CHUNK
+    # [B, G, C, M, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks;
+    # the rows padded with zeros in the same copy that lays the chunks out
+    shape = (B, G, C, max(M, ATTENTION_ROWS), KEY_CHUNK)
+    fresh = probs_B_G_M_W.new_zeros if M < ATTENTION_ROWS else probs_B_G_M_W.new_empty
+    probs_B_G_C_M_K = fresh(shape)
+    probs_B_G_C_M_K[:, :, :, :M] = probs_B_G_M_W.unflatten(-1, (C, KEY_CHUNK)).transpose(2, 3)
+    v_B_G_C_K_D = v_B_G_W_D.unflatten(2, (C, KEY_CHUNK))
+    out_B_G_C_M_D = torch.matmul(probs_B_G_C_M_K, v_B_G_C_K_D)
+    return _left_to_right(out_B_G_C_M_D.unbind(2))[:, :, :M]
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return invariant_cuda.matmul(a, b) if a.is_cuda else torch.matmul(a, b)
 
 
-def _heads_first(x_B_S_G_D: torch.Tensor, width: int) -> torch.Tensor:
-    """x as [B, G, width, D], contiguous, zero past its S keys (masked scores still pass a
-    zero gradient through them: garbage there would make it NaN)."""
-    B, S, G, D = x_B_S_G_D.shape
-    out_B_G_S_D = x_B_S_G_D.new_empty(B, G, width, D)
-    out_B_G_S_D[:, :, :S].copy_(x_B_S_G_D.transpose(1, 2))
-    out_B_G_S_D[:, :, S:].zero_()
-    return out_B_G_S_D
-
-
 def _pad_rows(x_X_M_K: torch.Tensor) -> torch.Tensor:
-    """x with zero rows appended up to ROW_TILE: a CPU GEMM of fewer rows runs another kernel
-    (CUDA's invariant GEMM does not)."""
+    """x with zero rows appended up to ATTENTION_ROWS: a CPU GEMM of fewer rows runs another
+    kernel (CUDA's invariant GEMM does not)."""
     M = x_X_M_K.shape[-2]
-    if M >= ROW_TILE or x_X_M_K.is_cuda:
+    if M >= ATTENTION_ROWS or x_X_M_K.is_cuda:
         return x_X_M_K
-    return F.pad(x_X_M_K, (0, 0, 0, ROW_TILE - M))
+    return F.pad(x_X_M_K, (0, 0, 0, ATTENTION_ROWS - M))

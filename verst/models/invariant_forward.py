@@ -20,8 +20,9 @@ from verst.models import invariant_cuda
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 TRUE_ON_POLICY_FAMILIES = ("qwen3", "qwen2", "llama", "qwen3-moe")  # the tiny families it reads
 
-# (layer, new K [B, T, G, D], new V) -> (every key of each row [B, S, G, D], V, key counts [B])
-KeySource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+# (layer, new K [B, T, G, D], new V) -> every key of each row, K and V [B, G, W, D] as
+# `batch_invariant.attention` takes them
+KeySource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def covers(model: torch.nn.Module, device: torch.device | None = None) -> str | None:
@@ -75,20 +76,23 @@ class InvariantDecoder:
         ids_B_T: torch.Tensor,
         positions_B_T: torch.Tensor,
         keys: KeySource,
-        trim_keys: bool = True,
     ) -> torch.Tensor:
-        """The final-norm hidden states [B, T, E] of the fed tokens (`trim_keys`: see
-        `batch_invariant.attention`; False in a CUDA graph's capture)."""
+        """The final-norm hidden states [B, T, E] of the fed tokens."""
         decoder = self.model.get_decoder()
         x_B_T_E = decoder.embed_tokens(ids_B_T)
         inv_freq_D2 = self._inv_freq(positions_B_T.device)
         scaling = decoder.rotary_emb.attention_scaling
         cos, sin = bi.rotary_tables(positions_B_T, inv_freq_D2, scaling, x_B_T_E.dtype)
+        masks: dict[int, torch.Tensor] = {}  # attention's, per key width: alike in every layer
+
+        def unseen(W: int) -> torch.Tensor:
+            if W not in masks:
+                masks[W] = bi.unseen_keys(positions_B_T, self.heads // self.kv_heads, W)
+            return masks[W]
+
         for index, layer in enumerate(decoder.layers):
             h_B_T_E = _norm(layer.input_layernorm, x_B_T_E)
-            attn = self._attention(
-                index, layer.self_attn, h_B_T_E, (cos, sin), positions_B_T, keys, trim_keys
-            )
+            attn = self._attention(index, layer.self_attn, h_B_T_E, (cos, sin), unseen, keys)
             x_B_T_E = x_B_T_E + attn
             h_B_T_E = _norm(layer.post_attention_layernorm, x_B_T_E)
             x_B_T_E = x_B_T_E + (
@@ -113,9 +117,8 @@ class InvariantDecoder:
         attn: torch.nn.Module,
         h_B_T_E: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        positions_B_T: torch.Tensor,
+        unseen: Callable[[int], torch.Tensor],
         keys: KeySource,
-        trim_keys: bool,
     ) -> torch.Tensor:
         cos, sin = rotary
         B, T, _ = h_B_T_E.shape
@@ -126,19 +129,15 @@ class InvariantDecoder:
         if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head norms
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
         q, k = bi.apply_rotary(q, cos, sin), bi.apply_rotary(k, cos, sin)
-        k_B_S_G_D, v_B_S_G_D, key_lens_B = keys(index, k, v)
-        out = bi.attention(
-            q, k_B_S_G_D, v_B_S_G_D, positions_B_T, key_lens_B, attn.scaling, trim_keys
-        )
+        k_B_G_W_D, v_B_G_W_D = keys(index, k, v)
+        unseen_B_1_M_W = unseen(k_B_G_W_D.shape[2])
+        out = bi.attention(q, k_B_G_W_D, v_B_G_W_D, unseen_B_1_M_W, attn.scaling)
         return _linear(attn.o_proj, out.reshape(B, T, -1))
 
 
-def own_keys(positions_B_T: torch.Tensor) -> KeySource:
-    """Keys of whole sequences fed at once (the trainer): each row's own new K/V, all set."""
-    lens_B = torch.full(
-        (positions_B_T.shape[0],), positions_B_T.shape[1], device=positions_B_T.device
-    )
-    return lambda layer, k_B_T_G_D, v_B_T_G_D: (k_B_T_G_D, v_B_T_G_D, lens_B)
+def own_keys(layer: int, k_B_T_G_D: torch.Tensor, v_B_T_G_D: torch.Tensor):
+    """Keys of whole sequences fed at once (the trainer): each row's own new K/V."""
+    return bi.heads_first(k_B_T_G_D), bi.heads_first(v_B_T_G_D)
 
 
 def _is_moe(mlp: torch.nn.Module) -> bool:
@@ -151,9 +150,12 @@ def _mlp(mlp: torch.nn.Module, h_B_T_E: torch.Tensor) -> torch.Tensor:
 
 
 def _moe(block: torch.nn.Module, h_B_T_E: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE's sparse block: its router's softmax top-k (renormalised), every expert run on
-    every token (a token's rows never depend on which others chose an expert) and the experts'
-    outputs added in expert order, the unchosen ones with weight exactly 0."""
+    """Qwen3-MoE's sparse block: its router's softmax top-k (renormalised), each expert run on
+    the tokens that chose it and the experts' outputs added in expert order. A token's rows
+    come out of `bi.linear` alike whichever tokens share its expert's GEMM, and the terms left
+    out are the exact zeros of the experts it did not choose, so its bits do not depend on the
+    others. On CUDA every expert runs on every token, the unchosen ones with weight exactly 0:
+    a CUDA graph's capture cannot size an expert's rows."""
     router, experts = block.gate, block.experts
     x_N_E = h_B_T_E.reshape(-1, h_B_T_E.shape[-1])
     logits_N_X = bi.linear(x_N_E, router.weight).float()
@@ -165,10 +167,19 @@ def _moe(block: torch.nn.Module, h_B_T_E: torch.Tensor) -> torch.Tensor:
     gates_N_X = torch.zeros_like(probs_N_X).scatter(1, ids_N_K, top_N_K).to(x_N_E.dtype)
     out_N_E = torch.zeros_like(x_N_E)
     for e in range(gates_N_X.shape[1]):
-        gate, up = bi.linear(x_N_E, experts.gate_up_proj[e]).chunk(2, dim=-1)
-        y_N_E = bi.linear(bi.silu_mul(gate, up), experts.down_proj[e])
-        out_N_E = out_N_E + gates_N_X[:, e, None] * y_N_E
+        if x_N_E.is_cuda:
+            out_N_E = out_N_E + gates_N_X[:, e, None] * _expert(experts, e, x_N_E)
+            continue
+        rows_R = (ids_N_K == e).any(-1).nonzero()[:, 0]
+        if len(rows_R):
+            y_R_E = _expert(experts, e, x_N_E.index_select(0, rows_R))
+            out_N_E = out_N_E.index_add(0, rows_R, gates_N_X[rows_R, e, None] * y_R_E)
     return out_N_E.view(h_B_T_E.shape)
+
+
+def _expert(experts: torch.nn.Module, e: int, x_R_E: torch.Tensor) -> torch.Tensor:
+    gate, up = bi.linear(x_R_E, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return bi.linear(bi.silu_mul(gate, up), experts.down_proj[e])
 
 
 def _rope(config: object) -> dict:

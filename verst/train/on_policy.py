@@ -74,7 +74,7 @@ def _forward(self: torch.nn.Module, *args, **kwargs):
     B, L = ids_B_L.shape
     decoder = InvariantDecoder(self)
     positions_B_L = torch.arange(L, device=ids_B_L.device).expand(B, L)
-    hidden_B_L_E = decoder.hidden(ids_B_L, positions_B_L, own_keys(positions_B_L))
+    hidden_B_L_E = decoder.hidden(ids_B_L, positions_B_L, own_keys)
     E = hidden_B_L_E.shape[-1]
     picked_B_T_E = hidden_B_L_E.gather(1, picks_B_T[..., None].expand(-1, -1, E))
     return decoder.logits(picked_B_T_E.reshape(-1, E))  # [B·T, V]: FSDP hooks want no view
