@@ -10,7 +10,8 @@ reward is 0 (a random tiny model): one with `trainer.true_on_policy=false`, one 
     python bench/true_on_policy.py --steps 8 --dtype bfloat16 --device cuda --prompts 32
 
 Prints per run the mean (and max) `train/train_rollout_logprob_abs_diff`, the engine's
-generation tokens/s (generated tokens over each step's wall time, training included) and
+generation tokens/s (generated tokens over each step's wall time, training included; and
+over the scheduler's busy time, `engine/busy_fraction` of it: the engine's own speed) and
 `perf/train_time_s` (means over steps after the first, which pays
 warm-up; medians over `--repeats` alternated pairs of runs, since a shared CPU's load moves
 them), the slowdowns of true on-policy (the issue's goal: each <= 1.5), and writes
@@ -34,6 +35,7 @@ from verst.loop import train
 
 DIFF = "train/train_rollout_logprob_abs_diff"
 TOK_S = "engine/generation_tokens_per_s"
+BUSY = "engine/busy_fraction"  # of the step's wall time, the scheduler's working share
 TRAIN_S = "perf/train_time_s"
 
 
@@ -63,6 +65,7 @@ def run(on: bool, args: argparse.Namespace, root: Path) -> dict[str, float]:
         "logprob_abs_diff_mean": statistics.fmean(r[DIFF] for r in rows),
         "logprob_abs_diff_max": max(r[DIFF] for r in rows),
         "engine_tokens_per_s": statistics.fmean(r[TOK_S] for r in later),
+        "engine_tokens_per_busy_s": statistics.fmean(r[TOK_S] / r[BUSY] for r in later),
         "train_time_s": statistics.fmean(r[TRAIN_S] for r in later),
         "response_len_mean": statistics.fmean(r["rollout/response_len_mean"] for r in rows),
         "steps": len(rows),
@@ -94,6 +97,8 @@ def main() -> None:
     normal, on = (median_of(repeats[name]) for name in ("normal", "on"))
     ratios = {
         "engine_slowdown": normal["engine_tokens_per_s"] / on["engine_tokens_per_s"],
+        "engine_busy_slowdown": normal["engine_tokens_per_busy_s"]
+        / on["engine_tokens_per_busy_s"],
         "train_step_slowdown": on["train_time_s"] / normal["train_time_s"],
     }
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
