@@ -97,8 +97,7 @@ def main() -> None:
     normal, on = (median_of(repeats[name]) for name in ("normal", "on"))
     ratios = {
         "engine_slowdown": normal["engine_tokens_per_s"] / on["engine_tokens_per_s"],
-        "engine_busy_slowdown": normal["engine_tokens_per_busy_s"]
-        / on["engine_tokens_per_busy_s"],
+        "engine_busy_slowdown": normal["engine_tokens_per_busy_s"] / on["engine_tokens_per_busy_s"],
         "train_step_slowdown": on["train_time_s"] / normal["train_time_s"],
     }
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
