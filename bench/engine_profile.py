@@ -26,6 +26,7 @@ from engine_throughput import (
     new_scheduler,
     warm_scheduler,
 )
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -49,7 +50,9 @@ def profile_batch(model, preset: dict, batch: int, args: argparse.Namespace) -> 
     events = prof.key_averages()
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[: args.top]
-    busy_us = sum(e.self_device_time_total for e in events) if device == "cuda" else None
+    # the kernels' own rows: an operator's self device time counts its kernels a second time
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy_us = sum(e.self_device_time_total for e in kernels) if device == "cuda" else None
     steps = args.profile_tokens  # one decode step a token (the prompts' prefill included)
     if args.traces:
         prof.export_chrome_trace(str(Path(args.out).with_suffix(f".b{batch}.trace.json")))
