@@ -1,5 +1,7 @@
 """The scheduler's forward paths A/B, in one process: HF's layers, the lean forward without
-fused kernels, and the lean forward with them (C on the CPU, Triton on CUDA).
+fused kernels, and the lean forward with them (C on the CPU, Triton on CUDA), with Q/K/V and
+gate/up as separate GEMMs and as one each (`lean_kernels_apart` vs `lean_kernels`; the CPU
+fuses them only where it packs bf16 weights).
 
 The same model and prompts go through each variant, alternated `--rounds` times (the machine's
 speed drifts; alternating spreads the drift over all of them). Each variant is warmed at the
@@ -28,8 +30,11 @@ from verst.engine.scheduler import Scheduler  # noqa: E402
 VARIANTS = {
     "hf_layers": dict(lean_forward=False, fused_kernels=False),
     "lean": dict(lean_forward=True, fused_kernels=False),
+    "lean_kernels_apart": dict(lean_forward=True, fused_kernels=True),
     "lean_kernels": dict(lean_forward=True, fused_kernels=True),
 }
+# Q/K/V and gate/up as separate GEMMs (on CUDA the lean forward fuses each group into one)
+APART = {"lean_kernels_apart"}
 
 
 def scheduler_for(model, variant: str, budget_mb: int) -> Scheduler:
@@ -42,6 +47,8 @@ def scheduler_for(model, variant: str, budget_mb: int) -> Scheduler:
         device=param.device,
     )
     scheduler = Scheduler(model, pool, eos_token_ids=[], pad_token_id=0, **VARIANTS[variant])
+    if variant in APART:
+        scheduler.runner.lean.separate_projections()
     return scheduler
 
 
@@ -54,7 +61,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype or preset["dtype"])
     model = build_model(preset["model"], dtype, device)
     vocab, new = model.config.vocab_size, preset["new_tokens"]
-    results: dict[str, dict[int, list[float]]] = {v: {} for v in VARIANTS}
+    variants = args.variants
+    results: dict[str, dict[int, list[float]]] = {v: {} for v in variants}
     for _ in range(args.rounds):
         for batch in args.batches or preset["batches"]:
             gen = torch.Generator().manual_seed(batch)
@@ -62,7 +70,7 @@ def main() -> None:
                 torch.randint(10, vocab, (preset["prompt_tokens"],), generator=gen).tolist()
                 for _ in range(batch)
             ]
-            for variant in VARIANTS:
+            for variant in variants:
                 scheduler = scheduler_for(model, variant, args.kv_budget_mb)
                 scheduler.runner.capture_graphs(batch)
                 scheduler.generate(requests(prompts, 4))  # warm-up at these shapes
@@ -71,22 +79,13 @@ def main() -> None:
                 seconds = timed(lambda s=scheduler, r=timed_requests: s.generate(r))
                 tok_s = batch * new / seconds
                 results[variant].setdefault(batch, []).append(tok_s)
-                print(f"batch {batch:4d} {variant:13s} {tok_s:10.1f} tok/s", flush=True)
+                print(f"batch {batch:4d} {variant:18s} {tok_s:10.1f} tok/s", flush=True)
                 del scheduler
-    summary = {
-        batch: {
-            **{f"{v}_tok_s": max(results[v][batch]) for v in VARIANTS},
-            **{
-                f"{v}_over_hf_layers": max(results[v][batch]) / max(results["hf_layers"][batch])
-                for v in ("lean", "lean_kernels")
-            },
-        }  # fmt: skip
-        for batch in results["hf_layers"]
-    }
+    summary = {batch: ratios(results, batch) for batch in results[variants[0]]}
     for batch, row in summary.items():
         print(
-            f"batch {batch:4d}: lean / HF layers {row['lean_over_hf_layers']:.2f}x, "
-            f"lean + kernels / HF layers {row['lean_kernels_over_hf_layers']:.2f}x"
+            f"batch {batch:4d}: "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in row.items() if "_over_" in k)
         )
     out = {
         "benchmark": "engine_forward_ab",
@@ -103,12 +102,24 @@ def main() -> None:
         print(f"saved {args.out}")
 
 
+def ratios(results: dict[str, dict[int, list[float]]], batch: int) -> dict[str, float]:
+    """Each variant's best round at `batch`, and its ratio to HF's layers and to the lean forward
+    with separate projections, where those ran."""
+    best = {v: max(rounds[batch]) for v, rounds in results.items()}
+    row = {f"{v}_tok_s": tok_s for v, tok_s in best.items()}
+    for base in ("hf_layers", "lean_kernels_apart"):
+        if base in best:
+            row |= {f"{v}_over_{base}": t / best[base] for v, t in best.items() if v != base}
+    return row
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--batches", type=int, nargs="*", default=None)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-budget-mb", type=int, default=2048)
     parser.add_argument("--out", type=Path, default=None)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from verst.engine import GenerateRequest, SamplingParams
 from verst.engine.kv_pool import KVPool
-from verst.engine.lean_decoder import LeanDecoder, readable
+from verst.engine.lean_decoder import LeanDecoder, OneBuffer, readable
 from verst.engine.model_runner import ModelRunner, Row
 from verst.engine.scheduler import Scheduler
 
@@ -123,3 +124,39 @@ def test_scheduler_greedy_output_is_the_same_lean_or_not() -> None:
         return [d.output_ids for d in done]
 
     assert outputs(True) == outputs(False)
+
+
+def test_one_buffer_runs_linears_as_one_gemm_and_keeps_in_place_updates() -> None:
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(8, n, bias=True) for n in (8, 4, 4)]  # Q, K, V with biases
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = [m(x) for m in linears]
+    params = [p for m in linears for p in (m.weight, m.bias)]
+    one = OneBuffer(linears)
+    assert all(isinstance(p, torch.nn.Parameter) for p in params)  # the same objects
+    assert all(m.weight is p for m, p in zip(linears, params[::2], strict=True)) and one.intact()
+    got = F.linear(x, one.weight, one.bias).split([8, 4, 4], dim=-1)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with torch.no_grad():  # a weight update's in-place copy lands in the buffer
+        linears[1].weight.copy_(torch.full((4, 8), 0.5))
+        linears[2].bias.zero_()
+    torch.testing.assert_close(one.weight[8:12], torch.full((4, 8), 0.5))
+    assert one.bias[12:].eq(0).all()
+    # released and resumed (`verst.engine.memory`): the storage moves, the views with it
+    storage = one.weight.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(nbytes)
+    assert one.intact()
+    # re-pointed elsewhere (a zero-copy share of the trainer's storage): no longer intact
+    linears[0].weight.data = torch.zeros(8, 8)
+    assert not one.intact()
+
+
+def test_one_buffer_is_for_cuda_and_uniform_linears_only() -> None:
+    assert OneBuffer.of([torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)]) is None  # the CPU
+    model = build("qwen2")  # on the CPU the lean forward keeps Q/K/V apart in fp32
+    lean = LeanDecoder(model)
+    assert all(layer.qkv.one_buffer is None for layer in lean.layers)

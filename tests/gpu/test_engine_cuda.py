@@ -222,3 +222,40 @@ def test_add_rms_norm_kernel_matches_hf(dtype) -> None:
     assert torch.equal(total, residual + x)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(normed, want, atol=tolerance, rtol=tolerance)
+
+
+def test_fused_projections_follow_updates_and_re_pointed_parameters() -> None:
+    """Q/K/V and gate/up run as one GEMM each on CUDA (`OneBuffer`); a weight update written
+    in place reaches them, and a parameter re-pointed at other storage (as a zero-copy share of
+    the trainer's does) makes that group run apart, on the new storage."""
+    model = tiny_model(torch.float32)
+    sched = scheduler(model, torch.float32)
+    lean = sched.runner.lean
+    assert lean is not None and all(
+        layer.qkv.one_buffer is not None and layer.gate_up.one_buffer is not None
+        for layer in lean.layers
+    )
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def greedy() -> list[int]:
+        request = GenerateRequest(input_ids=[5, 6, 7], sampling_params=params)
+        return sched.generate([request])[0].output_ids
+
+    def hf() -> list[int]:
+        out = model.generate(
+            torch.tensor([[5, 6, 7]], device="cuda"),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        return out[0, 3:].tolist()
+
+    assert greedy() == hf()
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.k_proj.weight.data = attn.k_proj.weight.detach().clone() * 3  # re-pointed
+    sched.flush_cache()
+    sched.runner.drop_graphs()  # the graphs read the old buffer's K rows by address
+    assert not lean.layers[0].qkv.one_buffer.intact() and lean.layers[1].qkv.one_buffer.intact()
+    assert greedy() == hf()

@@ -5,9 +5,10 @@ On the CPU a small model's decode step is mostly per-op overhead: HF's decoder l
 each costing several microseconds however small the tensors are. `LeanDecoder` runs the same
 layers, reading the same parameters, with:
 
-- Q/K/V as one linear and gate/up as one linear where the weights are packed for oneDNN (the
-  CPU's bf16 case; the packed copy is made from the concatenated weights, so fusing costs no
-  memory beyond packing);
+- Q/K/V as one linear and gate/up as one linear: on the CPU where the weights are packed for
+  oneDNN (the bf16 case; the packed copy is made from the concatenated weights, so fusing
+  costs no memory beyond packing), on CUDA always, the parameters re-pointed as views into one
+  buffer per projection group (`OneBuffer`: updates written in place land in it);
 - RMSNorm (fused with the residual add before it), the per-head norm with rotary, and (on
   CUDA) SiLU-and-multiply as one kernel each, from the kernel set the runner passes: C on the
   CPU (`cpu_kernels`), Triton on CUDA (`cuda_kernels`); all round where HF's code rounds;
@@ -77,6 +78,8 @@ class _Linears:
         self.packed = not fp8 and packable(self.modules[0].weight)
         if fp8:
             check_fp8_shape(name, sum(self.sizes), self.modules[0].in_features)
+        fusable = not fp8 and not self.packed and len(self.modules) > 1
+        self.one_buffer = OneBuffer.of(self.modules) if fusable else None
 
     def __call__(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> list[torch.Tensor]:
         outs = self._base(x)
@@ -115,7 +118,9 @@ class _Linears:
         )
 
     def _base(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.fp8:
+        if self.one_buffer is not None and self.one_buffer.intact():
+            out = F.linear(x, self.one_buffer.weight, self.one_buffer.bias)
+        elif self.fp8:
             out = fp8_linear(x, self.fp8_weight(), self.bias())
         elif self.packed:
             weights = [m.weight for m in self.modules]
@@ -124,6 +129,55 @@ class _Linears:
         else:
             return [F.linear(x, m.weight, m.bias) for m in self.modules]
         return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
+
+
+class OneBuffer:
+    """The weights (and biases) of linears over the same input, re-pointed as views into one
+    buffer each, so that they run as one GEMM on CUDA (Q/K/V: three GEMMs of a few microseconds
+    become one) while every in-place write to a parameter (a weight update's `copy_`, a
+    checkpoint load) lands in the buffer: no copy to refresh, nothing extra in memory.
+
+    A parameter re-pointed elsewhere afterwards (a zero-copy share of the trainer's storage, a
+    move between devices) is no longer its view: `intact` says so and the linears run apart
+    again, on whatever the parameters now hold. Releasing and resuming the engine's memory
+    (`verst.engine.memory`) resizes the shared storage in place, which keeps the views."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        weights = [m.weight for m in modules]
+        biases = [m.bias for m in modules if m.bias is not None]
+        self.weight = _rehomed(weights)
+        self.bias = _rehomed(biases) if biases else None
+        # each parameter with its buffer and byte offset there: re-read at each check, since
+        # a resized storage moves the buffer and its views together
+        pairs = [(p, self.weight) for p in weights] + [(p, self.bias) for p in biases]
+        self._homes = [(p, buf, p.data_ptr() - buf.data_ptr()) for p, buf in pairs]
+
+    @classmethod
+    def of(cls, modules: list[torch.nn.Module]) -> OneBuffer | None:
+        """One buffer for `modules`' parameters on CUDA, where fusing pays; None on the CPU,
+        or when their dtypes or devices differ, or only some have a bias."""
+        weights = [m.weight for m in modules]
+        if weights[0].device.type != "cuda":
+            return None
+        if len({(w.dtype, w.device, w.shape[1:]) for w in weights}) != 1:
+            return None
+        if len({m.bias is None for m in modules}) != 1:
+            return None
+        return cls(modules)
+
+    def intact(self) -> bool:
+        """Whether every parameter is still the view of the buffer it was made."""
+        return all(p.data_ptr() == buf.data_ptr() + offset for p, buf, offset in self._homes)
+
+
+def _rehomed(params: list[torch.Tensor]) -> torch.Tensor:
+    """One buffer holding `params` end to end, each parameter now a view of its rows."""
+    buffer = torch.cat([p.detach() for p in params])
+    offset = 0
+    for p in params:
+        p.data = buffer[offset : offset + p.shape[0]]
+        offset += p.shape[0]
+    return buffer
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -253,6 +307,12 @@ class LeanDecoder:
 
     def logits(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
         return self.head(hidden_N_E)[0]
+
+    def separate_projections(self) -> None:
+        """Run Q, K, V, gate and up as a GEMM each again, on the same parameters: the baseline
+        of the fused GEMMs in `bench/engine_forward_ab.py`."""
+        for layer in self.layers:
+            layer.qkv.one_buffer = layer.gate_up.one_buffer = None
 
     # --- internals ------------------------------------------------------------------------------
 
