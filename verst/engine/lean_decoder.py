@@ -355,17 +355,37 @@ class LeanDecoder:
         B, T, _ = h_B_T_E.shape
         D = self.head_dim
         q, k, v = layer.qkv(h_B_T_E, adapters)
+        if step.decode and isinstance(self.kernels, CudaKernels) and _same_norms(layer):
+            # one kernel: queries and keys normed and rotated, keys and values into the pool
+            q_N_H_D = self._rope_store(layer, q, k, v, rotary, step)
+            q_B_T_H_D, k_B_T_H_D, v_B_T_H_D = q_N_H_D.view(B, T, self.heads, D), None, None
+        else:
+            q_B_T_H_D = self._position(q, layer.q_norm, rotary).view(B, T, self.heads, D)
+            k_B_T_H_D = self._position(k, layer.k_norm, rotary).view(B, T, self.kv_heads, D)
+            v_B_T_H_D = v.view(B, T, self.kv_heads, D)
         out_B_T_H_D = attend(
-            step,
-            layer.index,
-            self._position(q, layer.q_norm, rotary).view(B, T, self.heads, D),
-            self._position(k, layer.k_norm, rotary).view(B, T, self.kv_heads, D),
-            v.view(B, T, self.kv_heads, D),
-            layer.scaling,
-            window=layer.window,
+            step, layer.index, q_B_T_H_D, k_B_T_H_D, v_B_T_H_D, layer.scaling, window=layer.window
         )
         (attn_B_T_E,) = layer.o(out_B_T_H_D.reshape(B, T, -1), adapters)
         return attn_B_T_E
+
+    def _rope_store(
+        self,
+        layer: _Layer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        step: PagedStep,
+    ) -> torch.Tensor:
+        assert isinstance(self.kernels, CudaKernels)
+        norms = None
+        if layer.q_norm is not None and layer.k_norm is not None:
+            norms = (layer.q_norm.module.weight, layer.q_norm.eps)
+            norms += (layer.k_norm.module.weight, layer.k_norm.eps)
+        kv = (*step.pool.flat(layer.index), step.slots_N)
+        qkv = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1))
+        return self.kernels.rope_store(*qkv, norms, *rotary, kv)
 
     def _mlp(
         self, layer: _Layer, h_B_T_E: torch.Tensor, adapters: AdapterRows | None
@@ -395,6 +415,11 @@ class LeanDecoder:
         # HF's x * cos + rotate_half(x) * sin, with rotate_half's sign folded into sin
         flipped = x_B_T_H_D.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
         return x_B_T_H_D * cos_B_T_1_D + flipped * signed_sin_B_T_1_D
+
+
+def _same_norms(layer: _Layer) -> bool:
+    """Whether queries and keys both have a per-head norm (Qwen3) or neither has."""
+    return (layer.q_norm is None) == (layer.k_norm is None)
 
 
 def _unadapted(module: torch.nn.Module) -> torch.nn.Module:

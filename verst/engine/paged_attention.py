@@ -125,8 +125,8 @@ def attend(
     step: PagedStep,
     layer: int,
     q_B_T_H_D: torch.Tensor,
-    k_B_T_H_D: torch.Tensor,
-    v_B_T_H_D: torch.Tensor,
+    k_B_T_H_D: torch.Tensor | None,
+    v_B_T_H_D: torch.Tensor | None,
     scaling: float,
     *,
     window: int | None = None,
@@ -137,13 +137,17 @@ def attend(
 
     `window`: a query at position p sees keys at positions > p - window (HF's sliding window);
     `sinks_H`: one logit per query head that joins every softmax and takes no value;
-    `softcap`: scores become tanh(score / softcap) * softcap before the mask."""
+    `softcap`: scores become tanh(score / softcap) * softcap before the mask.
+    K and V None: a kernel already wrote them into the pool (`CudaKernels.rope_store`)."""
     B, T, Hq, D = q_B_T_H_D.shape
-    Hkv, Dv = k_B_T_H_D.shape[2], v_B_T_H_D.shape[3]
     pool = step.pool
-    k_flat, v_flat = pool.flat(layer)
-    k_flat.index_copy_(0, step.slots_N, k_B_T_H_D.reshape(B * T, Hkv, D).to(pool.dtype))
-    v_flat.index_copy_(0, step.slots_N, v_B_T_H_D.reshape(B * T, Hkv, Dv).to(pool.dtype))
+    Hkv, Dv = pool.k[layer].shape[2], pool.v[layer].shape[3]
+    if k_B_T_H_D is not None and v_B_T_H_D is not None:
+        k_flat, v_flat = pool.flat(layer)
+        k_flat.index_copy_(0, step.slots_N, k_B_T_H_D.reshape(B * T, Hkv, D).to(pool.dtype))
+        v_flat.index_copy_(0, step.slots_N, v_B_T_H_D.reshape(B * T, Hkv, Dv).to(pool.dtype))
+    elif step.fresh:
+        raise ValueError("a fresh step attends over its new K/V tensors: pass them")
     window = window if step.windowed else None  # no row is longer than it: nothing to hide
     plain = window is None and sinks_H is None and softcap is None
     if plain and step.decode and step.decode_kernel is not None:

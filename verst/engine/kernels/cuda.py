@@ -9,6 +9,8 @@ its minimum of a few microseconds however little it computes, so the count sets 
 - `add_rms_norm`: the residual add and the next RMSNorm, one kernel instead of two;
 - `norm_rope`: the per-head norm (Qwen3) and rotary of queries or keys, one kernel instead of
   eight to ten;
+- `rope_store`: in a decode step, `norm_rope` of queries and keys and the writes of the new
+  keys and values into the KV pool, one kernel instead of four;
 - `silu_mul`: the MLP's activation and product, one kernel instead of two.
 
 Each rounds to the tensor dtype wherever HF's code does (float32 statistics, normalise, cast,
@@ -85,6 +87,37 @@ class CudaKernels:
         )
         return out
 
+    def rope_store(
+        self,
+        q_N_X: torch.Tensor,
+        k_N_X: torch.Tensor,
+        v_N_X: torch.Tensor,
+        norms: tuple[torch.Tensor, float, torch.Tensor, float] | None,
+        cos_N_D: torch.Tensor,
+        sin_N_D: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """`norm_rope` of the queries and the keys, the keys and values written into their pool
+        slots, in one kernel: the queries [N, Hq, D] back. `norms`: (q weight, q eps, k weight,
+        k eps) of Qwen3's per-head norms, or None; `kv`: the pool's K and V of the layer as
+        [slots, Hkv, D] and each row's slot [N]. Rows of q, k, v may be strided, their heads
+        dense (the split of one fused Q/K/V output)."""
+        k_flat, v_flat, slots_N = kv
+        N, (_, Hkv, D) = q_N_X.shape[0], k_flat.shape
+        Hq = q_N_X.shape[1] // D
+        for x in (q_N_X, k_N_X, v_N_X):
+            if x.stride(1) != 1:
+                raise ValueError("rope_store needs each row's heads dense")
+        q_weight, q_eps, k_weight, k_eps = norms if norms is not None else (q_N_X, 0.0, q_N_X, 0.0)
+        q_out = torch.empty((N, Hq, D), dtype=q_N_X.dtype, device=q_N_X.device)
+        _rope_store_kernel[(N, Hq + 2 * Hkv)](
+            q_N_X, k_N_X, v_N_X, q_weight, k_weight, cos_N_D.contiguous(), sin_N_D.contiguous(),
+            q_out, k_flat, v_flat, slots_N, q_N_X.stride(0), k_N_X.stride(0), v_N_X.stride(0),
+            q_eps, k_eps, HQ=Hq, HKV=Hkv, D=D, HALF=D // 2, HAS_NORM=norms is not None,
+            num_warps=1,
+        )  # fmt: skip
+        return q_out
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up over [..., I], the activation cast before the product."""
         n = gate.shape[-1]
@@ -98,6 +131,29 @@ class CudaKernels:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _normed_rotated(
+        X, W, Cos, Sin, eps, D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, dtype
+    ):
+        """One head of D values at X: its RMSNorm (with HAS_NORM), then HF's rotary."""
+        offs = tl.arange(0, D)
+        # rotate_half pairs element i with i + D/2 (first half, negated) or i - D/2
+        partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+        x = tl.load(X + offs).to(tl.float32)
+        xp = tl.load(X + partner).to(tl.float32)
+        if HAS_NORM:
+            inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            w = tl.load(W + offs).to(tl.float32)
+            wp = tl.load(W + partner).to(tl.float32)
+            x = (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            xp = (wp * (xp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        cos = tl.load(Cos + offs).to(tl.float32)
+        sin = tl.load(Sin + offs).to(tl.float32)
+        rotated = tl.where(offs < HALF, -xp, xp)
+        a = (x * cos).to(dtype).to(tl.float32)
+        b = (rotated * sin).to(dtype).to(tl.float32)
+        return (a + b).to(dtype)
 
     @triton.jit
     def _norm_rope_kernel(
@@ -116,24 +172,41 @@ if triton is not None:
         head = tl.program_id(1)
         heads = tl.num_programs(1)
         dtype = Out.dtype.element_ty
-        offs = tl.arange(0, D)
-        # rotate_half pairs element i with i + D/2 (first half, negated) or i - D/2
-        partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
-        base = X + row * stride_x + head * D
-        x = tl.load(base + offs).to(tl.float32)
-        xp = tl.load(base + partner).to(tl.float32)
-        if HAS_NORM:
-            inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-            w = tl.load(W + offs).to(tl.float32)
-            wp = tl.load(W + partner).to(tl.float32)
-            x = (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            xp = (wp * (xp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        cos = tl.load(Cos + row * D + offs).to(tl.float32)
-        sin = tl.load(Sin + row * D + offs).to(tl.float32)
-        rotated = tl.where(offs < HALF, -xp, xp)
-        a = (x * cos).to(dtype).to(tl.float32)
-        b = (rotated * sin).to(dtype).to(tl.float32)
-        tl.store(Out + (row * heads + head) * D + offs, (a + b).to(dtype))
+        out = _normed_rotated(
+            X + row * stride_x + head * D, W, Cos + row * D, Sin + row * D, eps, D, HALF,
+            HAS_NORM, dtype,
+        )  # fmt: skip
+        tl.store(Out + (row * heads + head) * D + tl.arange(0, D), out)
+
+    @triton.jit
+    def _rope_store_kernel(
+        Q, K, V, WQ, WK, Cos, Sin, QOut, KPool, VPool, Slots, stride_q, stride_k, stride_v,
+        eps_q, eps_k, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+        HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row, head): a query head normed and rotated into QOut, a key head normed
+        and rotated into its pool slot, or a value head copied into its pool slot."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        dtype = QOut.dtype.element_ty
+        cos, sin = Cos + row * D, Sin + row * D
+        if head < HQ:
+            out = _normed_rotated(
+                Q + row * stride_q + head * D, WQ, cos, sin, eps_q, D, HALF, HAS_NORM, dtype
+            )
+            tl.store(QOut + (row * HQ + head) * D + tl.arange(0, D), out)
+        else:
+            slot = tl.load(Slots + row)
+            kv = head - HQ
+            if kv < HKV:
+                out = _normed_rotated(
+                    K + row * stride_k + kv * D, WK, cos, sin, eps_k, D, HALF, HAS_NORM, dtype
+                )
+                tl.store(KPool + (slot * HKV + kv) * D + tl.arange(0, D), out)
+            else:
+                kv -= HKV
+                value = tl.load(V + row * stride_v + kv * D + tl.arange(0, D))
+                tl.store(VPool + (slot * HKV + kv) * D + tl.arange(0, D), value)
 
     @triton.jit
     def _add_rms_norm_kernel(X, R, W, Sum, Out, stride_x, stride_r, N, eps, BLOCK: tl.constexpr):
