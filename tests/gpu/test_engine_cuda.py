@@ -9,8 +9,9 @@ import transformers
 from tests.conftest import tiny_qwen3
 from verst.engine import GenerateRequest, SamplingParams
 from verst.engine.kernels.fused_norm import fusable_norms, rms_norm_triton
+from verst.engine.kernels.paged_decode import paged_decode_triton
 from verst.engine.kv_pool import KVPool
-from verst.engine.paged_attention import paged_decode_reference, paged_decode_triton, triton
+from verst.engine.paged_attention import paged_decode_reference, triton
 from verst.engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.skipif(

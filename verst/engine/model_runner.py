@@ -34,13 +34,13 @@ from verst.engine.kernels.cuda import CudaKernels
 from verst.engine.kernels.fp8_linear import check_device as check_fp8_device
 from verst.engine.kernels.fused_norm import fusable_norms, fused_norms
 from verst.engine.kernels.packed_linear import PackedLinears
+from verst.engine.kernels.paged_decode import paged_decode_triton
 from verst.engine.kv_pool import KVPool
 from verst.engine.lean_decoder import SUPPORTED_MODEL_TYPES, LeanDecoder
 from verst.engine.paged_attention import (
     PagedStep,
     model_window,
     paged_attention_mode,
-    paged_decode_triton,
     triton,
 )
 from verst.models import batch_invariant as bi
