@@ -28,8 +28,8 @@ from verst.engine.paged_attention import triton
 if triton is not None:
     import triton.language as tl
 
-LANES = 1024  # columns per sub-block; a Philox call gives four sub-blocks one number each
-DEFAULT_CHUNK = 4 * LANES  # columns per program (a multiple of 4 * LANES)
+QUADS = 1024  # a program's round: QUADS groups of 4 adjacent columns, one Philox call each
+DEFAULT_CHUNK = 4 * QUADS  # columns per program (a multiple of 4 * QUADS)
 
 
 def fused_sample(
@@ -38,21 +38,21 @@ def fused_sample(
     seeds_B: torch.Tensor | None,
     *,
     chunk: int = DEFAULT_CHUNK,
-    lanes: int = LANES,
+    quads: int = QUADS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its log-prob: `(tokens_B int64, logprobs_B float32)`.
 
     `logits_B_V`: float32 or bfloat16, rows may be strided; `temperature_B`: ≤ 0 for greedy
     rows; `seeds_B`: int64, one per row, or None when every row is greedy (the kernel then has
-    no random draw). `chunk` and `lanes` (`lanes` a power of two, `chunk` a multiple of
-    4 * `lanes`) set the work per program; tests shrink them for the interpreter. A row's token
-    depends on `lanes` (which random number meets which column), not on `chunk`."""
+    no random draw). `chunk` and `quads` (`quads` a power of two, `chunk` a multiple of
+    4 * `quads`) set the work per program; tests shrink them for the interpreter. A row's token
+    depends on neither."""
     if triton is None:
         raise RuntimeError("fused_sample needs Triton")
     if logits_B_V.dim() != 2 or logits_B_V.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"logits must be [B, V] float32 or bfloat16, got {logits_B_V.dtype}")
-    if chunk % (4 * lanes) or lanes & (lanes - 1):
-        raise ValueError(f"chunk {chunk} must be a multiple of 4 * lanes ({lanes}, a power of 2)")
+    if quads & (quads - 1) or chunk % (4 * quads):
+        raise ValueError(f"chunk {chunk} must be a multiple of 4 * quads ({quads}, a power of 2)")
     if logits_B_V.stride(1) != 1:
         logits_B_V = logits_B_V.contiguous()
     B, V = logits_B_V.shape
@@ -70,7 +70,7 @@ def fused_sample(
     seeds_B = seeds_B.to(device=device, dtype=torch.int64) if sampled else index_B_C
     _chunk_kernel[(B, chunks)](
         logits_B_V, logits_B_V.stride(0), temperature_B, seeds_B, max_B_C, sum_B_C, best_B_C,
-        index_B_C, V, chunks, LANES=lanes, ROUNDS=chunk // (4 * lanes), SAMPLED=sampled,
+        index_B_C, V, chunks, QUADS=quads, ROUNDS=chunk // (4 * quads), SAMPLED=sampled,
         num_warps=4,
     )  # fmt: skip
     _combine_kernel[(B,)](
@@ -101,7 +101,7 @@ if triton is not None:
 
     @triton.jit
     def _take(row_ptr, cols, V, temp, greedy, bits, m, s, best, best_col, SAMPLED: tl.constexpr):
-        """Fold one sub-block of columns into each lane's running state."""
+        """Fold one tile of columns into each slot's running state."""
         x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
         # running log-sum-exp with one exp: the larger of (m, x) is the new max
         hi = tl.maximum(m, x)
@@ -111,7 +111,7 @@ if triton is not None:
             score = x - tl.where(greedy, 0.0, tl.log(_exponential(bits)))
         else:
             score = x
-        # strictly greater: a lane keeps its first column on ties (columns rise per lane)
+        # strictly greater: a slot keeps its first column on ties (its columns rise)
         better = score > best
         return hi, s, tl.where(better, score, best), tl.where(better, cols, best_col)
 
@@ -127,7 +127,7 @@ if triton is not None:
         Index,
         V,
         chunks,
-        LANES: tl.constexpr,
+        QUADS: tl.constexpr,
         ROUNDS: tl.constexpr,
         SAMPLED: tl.constexpr,
     ):
@@ -137,44 +137,34 @@ if triton is not None:
         greedy = temp <= 0.0
         temp = tl.where(greedy, 1.0, temp)
         row_ptr = Logits + row.to(tl.int64) * stride_row
-        lane = tl.arange(0, LANES)
-        m = tl.full([LANES], float("-inf"), tl.float32)
-        s = tl.zeros([LANES], tl.float32)
-        best = tl.full([LANES], float("-inf"), tl.float32)
-        best_col = tl.zeros([LANES], tl.int32)
+        quad = tl.arange(0, QUADS)
+        # a round's tile [QUADS, 4]: four adjacent columns a quad, one Philox call each
+        tile = 4 * quad[:, None] + tl.arange(0, 4)[None, :]
+        m = tl.full([QUADS, 4], float("-inf"), tl.float32)
+        s = tl.zeros([QUADS, 4], tl.float32)
+        best = tl.full([QUADS, 4], float("-inf"), tl.float32)
+        best_col = tl.zeros([QUADS, 4], tl.int32)
         if SAMPLED:
             seed = tl.load(Seeds + row)
         for r in range(ROUNDS):
-            start = (chunk * ROUNDS + r) * 4 * LANES
+            start = (chunk * ROUNDS + r) * 4 * QUADS
             if SAMPLED:
-                # Philox counter start / 4 + lane: fixed per column, whatever the chunking
-                b0, b1, b2, b3 = tl.randint4x(seed, start // 4 + lane)
+                # column c takes word c % 4 of Philox counter c // 4: fixed per column,
+                # whatever the chunking
+                b0, b1, b2, b3 = tl.randint4x(seed, start // 4 + quad)
+                bits = tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), [QUADS, 4])
             else:
-                b0 = lane
-                b1 = lane
-                b2 = lane
-                b3 = lane
-            cols = start + lane
+                bits = tile
             m, s, best, best_col = _take(
-                row_ptr, cols, V, temp, greedy, b0, m, s, best, best_col, SAMPLED
+                row_ptr, start + tile, V, temp, greedy, bits, m, s, best, best_col, SAMPLED
             )
-            m, s, best, best_col = _take(
-                row_ptr, cols + LANES, V, temp, greedy, b1, m, s, best, best_col, SAMPLED
-            )
-            m, s, best, best_col = _take(
-                row_ptr, cols + 2 * LANES, V, temp, greedy, b2, m, s, best, best_col, SAMPLED
-            )
-            m, s, best, best_col = _take(
-                row_ptr, cols + 3 * LANES, V, temp, greedy, b3, m, s, best, best_col, SAMPLED
-            )
-        chunk_max = tl.max(m, axis=0)
-        lane_sums = s * tl.exp(m - _finite(chunk_max))
-        chunk_best = tl.max(best, axis=0)
+        chunk_max = tl.max(m)
+        chunk_best = tl.max(best)
         at = row * chunks + chunk
         tl.store(Max + at, chunk_max)
-        tl.store(Sum + at, tl.sum(lane_sums, axis=0))
+        tl.store(Sum + at, tl.sum(s * tl.exp(m - _finite(chunk_max))))
         tl.store(Best + at, chunk_best)
-        tl.store(Index + at, tl.min(tl.where(best == chunk_best, best_col, _INDEX_PAD), axis=0))
+        tl.store(Index + at, tl.min(tl.where(best == chunk_best, best_col, _INDEX_PAD)))
 
     @triton.jit
     def _combine_kernel(
