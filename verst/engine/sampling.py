@@ -3,7 +3,9 @@
 Owns `SamplingParams` (SGLang's field names), `RowPenalties` with `apply_penalties` (SGLang's
 frequency / presence / repetition penalties, `min_new_tokens` and `logit_bias` as tensor ops
 over per-row state) and `sample_next_tokens`, which draws one token per row with per-row
-temperature / top-p / top-k, without Python loops or host syncs.
+temperature / top-p / top-k, without Python loops or host syncs. `sample_rows` runs a step's
+rows; on CUDA it hands those that do not truncate to one fused kernel
+(`kernels.cuda_sampling`), which keeps the promise below within float rounding.
 
 Promise: the log-prob returned for a token is that of the distribution the token was drawn
 from, before truncation: `log_softmax(z / T)[token]` over the full vocabulary in float32, where

@@ -2,10 +2,11 @@
 
 PyTorch's path (`sampling.sample_next_tokens`) reads and writes the [B, V] float32 logits about
 ten times (cast, temperature, log-softmax, exp, exponential noise, divide, two argmaxes, gather).
-`fused_sample` reads them once: each program takes one chunk of one row and keeps, per lane,
-the running max and sum of exp of z / T (the log-sum-exp) and the best Gumbel-max score
-z / T − log(E), E ~ Exp(1); a second, small kernel combines a row's chunks, reads z at the
-chosen token again and writes `(token int64, log_softmax(z / T)[token] float32)`.
+`fused_sample` reads them once: each program takes one chunk of one row and keeps, for each
+slot of its tile, the running max and sum of exp of z / T (the log-sum-exp) and the best
+Gumbel-max score z / T − log(E), E ~ Exp(1); a second, small kernel combines a row's chunks,
+reads z at the chosen token again and writes `(token int64, log_softmax(z / T)[token] float32)`
+(equal to PyTorch's within float rounding: the sums run in another order).
 
 - Sampled rows (T > 0) draw argmax_i z_i / T − log(E_i), which is a draw from softmax(z / T)
   (the exponential race of `_draw`). E_i comes from Philox (`tl.randint4x`) keyed on the row's
@@ -28,8 +29,8 @@ from verst.engine.paged_attention import triton
 if triton is not None:
     import triton.language as tl
 
-QUADS = 1024  # a program's round: QUADS groups of 4 adjacent columns, one Philox call each
-DEFAULT_CHUNK = 4 * QUADS  # columns per program (a multiple of 4 * QUADS)
+QUADS = 512  # a program's round: QUADS groups of 4 adjacent columns, one Philox call each
+DEFAULT_CHUNK = 8 * QUADS  # columns per program (a multiple of 4 * QUADS)
 
 
 def fused_sample(
