@@ -309,8 +309,8 @@ def row_seeds(
     device: torch.device,
 ) -> torch.Tensor:
     """One int64 seed per row for the fused sampler, drawn on the device (no host sync): from
-    `generator` for all rows at once, then from its own generator for a sampled row that has
-    one (a greedy row's draws nothing: its generator stays as it is)."""
+    `generator` for all rows at once, then, for a sampled row with a generator of its own,
+    from that one (a greedy row's own generator is left as it is)."""
     seeds_B = torch.randint(0, _SEED_DRAW_LIMIT, (len(params),), generator=generator, device=device)
     for row, (own, p) in enumerate(zip(generators, params, strict=True)):
         if own is not None and p.temperature > 0:
