@@ -30,6 +30,7 @@ import torch
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterError, AdapterRegistry
 from verst.engine.config import Quantization
 from verst.engine.grammar import Constraint, Grammars
+from verst.engine.kernels.cuda_sampling import fused_sample
 from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.logprob_extras import LogprobRecord, record_step, score_prompt
 from verst.engine.memory import EngineMemory
@@ -83,6 +84,10 @@ class Scheduler(PromptSharing):
             true_on_policy=true_on_policy,
             quantization=quantization,
         )
+        # On CUDA one kernel samples the rows that do not truncate. True on-policy mode keeps
+        # PyTorch's `log_softmax` (`sample_next_tokens`): the trainer recomputes the sampled
+        # tokens' log-probs with it (`train.on_policy`) and they must be equal bit for bit.
+        self.fused_sampler = fused_sample if self.runner.use_triton else None
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.memory = EngineMemory(
             self.runner, pool, self.cache, lambda: len(self.running) + len(self.waiting)
@@ -464,8 +469,9 @@ class Scheduler(PromptSharing):
         penalties = self.penalties.step(rows, params)
         if penalties is not None:  # once, for the sampler and the top-k / chosen-id log-probs
             logits_B_V = apply_penalties(logits_B_V, penalties.rows)
+        generators = [r.generator for r in rows]
         tokens_B, logprobs_B = sample_rows(
-            logits_B_V, params, [r.generator for r in rows], self.generator
+            logits_B_V, params, generators, self.generator, fused=self.fused_sampler
         )
         if penalties is not None:  # on the device, before the step's one host sync
             self.penalties.record(penalties.slots_B, tokens_B)
