@@ -74,6 +74,12 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "every weight update; GEMMs through torch._scaled_mm (default: %(default)s)",
     )
     parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="run every decode step synchronously (by default CUDA engines launch each "
+        "decode-only step before reading the previous one's tokens)",
+    )
+    parser.add_argument(
         "--num-threads", type=int, help="torch CPU threads (default: torch's own choice)"
     )
     parser.add_argument(
@@ -215,6 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
         lora_paths=_lora_paths(args.lora_paths),
         true_on_policy=args.true_on_policy,
         quantization=args.quantization,
+        overlap=False if args.no_overlap else None,
     )
     return 0
 
