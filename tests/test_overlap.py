@@ -243,6 +243,16 @@ def test_anything_outside_the_boundary_reads_the_pending_step_first(model, scrip
     assert summary(overlapped) == summary(sync) and sync
 
 
+def test_drain_returns_what_the_pending_step_finished(model) -> None:
+    """What serving calls before a version bump: the pending step's finished requests, now."""
+    sched = scheduler(model, overlap=True)
+    sched.submit(long_request(4, "last", new=3))
+    assert steps(sched, 3) == [] and sched._pending is not None  # its last token is pending
+    out = sched.drain()
+    assert [o.rid for o in out] == ["last"] and out[0].completion_tokens == 3
+    assert sched._pending is None and not sched.has_work()
+
+
 def test_rows_that_need_host_tokens_never_stay_pending(model) -> None:
     sched = scheduler(model, overlap=True)
     sched.submit(long_request(0, "plain", new=8))

@@ -148,9 +148,9 @@ class OverlapSteps:
         ]
         logits_B_V, _ = self.runner.forward(rows, sampled_B=pending.tokens_B)
         requests = [r for _, r in fed]
-        for r in requests:
-            r.computed += 1
         tokens_B, logprobs_B = self._sample(requests, logits_B_V)
+        for r in requests:  # last: a launch that raised left the requests as they were
+            r.computed += 1
         return PendingStep(requests, tokens_B, logprobs_B)
 
     def _reserve_in_place(self, r: Running, length: int) -> bool:
@@ -180,6 +180,13 @@ class OverlapSteps:
         if following is not None and finished:
             running = {id(r) for r in self.running}
             following.gone |= {id(r) for r in following.rows if id(r) not in running}
+        return finished
+
+    def drain(self) -> list[GenerateOutput]:
+        """Read the pending step now and return every request that ended since the last step
+        returned (a caller about to change the version resolves them under the old one)."""
+        self._settle()
+        finished, self._finished_early = self._finished_early, []
         return finished
 
     def _settle(self) -> None:

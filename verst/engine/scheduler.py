@@ -210,8 +210,7 @@ class Scheduler(PromptSharing, OverlapSteps):
         """Stop stepping. abort: abort everything; retract: requeue running requests (their KV
         goes to the cache, recomputed on return); in_place: keep everything as it is. Returns
         the requests that end: aborted ones, and those the pending step (read first) finished."""
-        self._settle()
-        finished, self._finished_early = self._finished_early, []
+        finished = self.drain()
         self.paused = mode
         if mode == "abort":
             return finished + self.abort(abort_all=True)
