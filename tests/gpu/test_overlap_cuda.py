@@ -130,3 +130,17 @@ def test_served_engines_give_the_same_outputs_overlapped_on_cuda(tmp_path: Path)
             await serving.stop()
 
     assert asyncio.run(serve(True)) == asyncio.run(serve(False))
+
+
+def test_the_staging_ring_never_rewrites_a_buffer_before_its_copy_ran() -> None:
+    """The copies queue behind device work; the host stages the next ones at once."""
+    from verst.engine.staging import StagingRing
+
+    ring = StagingRing((4, 8), torch.long, torch.device("cuda"))
+    meta = torch.zeros((5, 4, 16), dtype=torch.long, device="cuda")
+    torch.cuda._sleep(100_000_000)  # tens of ms of device work in front of the copies
+    for k in range(5):
+        ring.copy_to(meta[k, :, :8], torch.full((4, 8), k))  # a strided target, as `_meta`'s
+    torch.cuda.synchronize()
+    for k in range(5):
+        assert (meta[k, :, :8] == k).all() and (meta[k, :, 8:] == 0).all()

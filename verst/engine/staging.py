@@ -18,22 +18,24 @@ class StagingRing:
         self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device, depth: int = 2
     ) -> None:
         self.pinned = device.type == "cuda"
+        # flat: each copy stages into a contiguous prefix (a strided pinned source would be
+        # copied through a pageable temporary, losing the asynchronous copy)
+        numel = shape[0] * shape[1]
         self._buffers = [
-            torch.empty(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(depth)
+            torch.empty(numel, dtype=dtype, pin_memory=self.pinned) for _ in range(depth)
         ]
         self._copied: list[torch.cuda.Event | None] = [None] * depth
         self._next = 0
 
     def copy_to(self, target_B_M: torch.Tensor, values_B_M: torch.Tensor) -> None:
-        """Copy host `values_B_M` into `target_B_M` (the same shape, on the device) through the
-        next buffer, asynchronously on CUDA."""
+        """Copy host `values_B_M` (at most `shape`'s elements) into `target_B_M` (its shape, on
+        the device) through the next buffer, asynchronously on CUDA."""
         i = self._next
         self._next = (i + 1) % len(self._buffers)
         copied = self._copied[i]
         if copied is not None:
             copied.synchronize()  # the copy that last read this buffer has run
-        rows, cols = values_B_M.shape
-        staged_B_M = self._buffers[i][:rows, :cols]
+        staged_B_M = self._buffers[i][: values_B_M.numel()].view(values_B_M.shape)
         staged_B_M.copy_(values_B_M)
         target_B_M.copy_(staged_B_M, non_blocking=self.pinned)
         if self.pinned:
