@@ -349,14 +349,16 @@ def _sample_unfused(
     )
     for row, own in enumerate(generators):
         if own is not None:
-            one = slice(row, row + 1)
+            # its own truncation only: the sorted draw (a batch mate truncating) picks
+            # another token for the same random number
+            one, p = slice(row, row + 1), params[row]
             token, logprob = sample_next_tokens(
                 logits_B_V[one],
                 temperature_B[one],
-                None if top_p_B is None else top_p_B[one],
-                None if top_k_B is None else top_k_B[one],
+                None if top_p_B is None or p.top_p >= 1.0 else top_p_B[one],
+                None if top_k_B is None or p.top_k <= 0 else top_k_B[one],
                 own,
-                min_p_B=None if min_p_B is None else min_p_B[one],
+                min_p_B=None if min_p_B is None or p.min_p <= 0 else min_p_B[one],
             )
             tokens_B[row], logprobs_B[row] = token[0], logprob[0]
     return tokens_B, logprobs_B
