@@ -11,13 +11,11 @@ handed to the cache and it re-enters the queue, to be recomputed (mostly from ca
 Control: `abort(rid)`, `pause(mode)` with `abort` | `retract` | `in_place` and `resume()`,
 `flush_cache()`, weight updates in place with a version stamped on every output.
 
-The model is the Hugging Face one, layer for layer; only its attention function is swapped
-for one that reads and writes the paged pool in place (`paged_attention`, run by
-`ModelRunner`): no per-step cache rebuild, decode steps on CUDA through a Triton paged kernel
-replayed from CUDA graphs, sampling on the device and one host sync a step (the sampled ids).
-On CUDA consecutive decode-only steps overlap: step N+1 is launched before the host reads step
-N's tokens, so the host's work hides behind the device's (`verst.engine.overlap`).
-With `monitor.trace` each step that ran a batch is an "engine step" span of the trace.
+The model is the Hugging Face one; only its attention is swapped for one that reads and
+writes the paged pool in place (`paged_attention`, run by `ModelRunner`). On CUDA decode steps
+replay CUDA graphs, sampling stays on the device with one host sync a step (the sampled ids),
+and consecutive decode-only steps overlap: step N+1 is launched before the host reads step N's
+tokens (`verst.engine.overlap`). With `monitor.trace` each step is an "engine step" span.
 """
 
 from __future__ import annotations
@@ -90,9 +88,8 @@ class Scheduler(PromptSharing, OverlapSteps):
             true_on_policy=true_on_policy,
             quantization=quantization,
         )
-        # On CUDA one kernel samples the rows that do not truncate. True on-policy mode keeps
-        # PyTorch's `log_softmax` (`sample_next_tokens`): the trainer recomputes the sampled
-        # tokens' log-probs with it (`train.on_policy`) and they must be equal bit for bit.
+        # one kernel samples on CUDA; true on-policy keeps PyTorch's `log_softmax`, which the
+        # trainer recomputes bit for bit (`train.on_policy`)
         self.fused_sampler = fused_sample if self.runner.use_triton else None
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.memory = EngineMemory(
@@ -592,12 +589,7 @@ class Scheduler(PromptSharing, OverlapSteps):
         from its pages; None unless it asks for them."""
         if not r.request.return_routed_experts:
             return None
-        n = min(len(r.tokens) - 1, r.computed)
-        if not r.pages or n <= 0:
-            routing = self.runner.routing
-            assert routing is not None  # `submit` refused the request otherwise
-            return torch.empty((0, routing.layers, routing.top_k), dtype=torch.int32)
-        return self.pool.routed_rows(r.pages, n)
+        return self.pool.routed_rows(r.pages, min(len(r.tokens) - 1, r.computed))
 
     def output_so_far(self, r: Running) -> GenerateOutput:
         """An aborted request's answer, its tokens so far (safe while a step runs: see _sample)."""
