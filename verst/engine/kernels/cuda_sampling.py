@@ -82,7 +82,7 @@ def fused_sample(
 
 
 if triton is not None:
-    _INDEX_PAD: tl.constexpr = 2**31 - 1  # above any column: loses every min over columns
+    _INDEX_PAD = tl.constexpr(2**31 - 1)  # above any column: loses every min over columns
 
     @triton.jit
     def _exponential(bits):
