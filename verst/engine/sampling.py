@@ -18,6 +18,7 @@ they are for serving and evaluation, and SGLang reports the same post-penalty lo
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -285,7 +286,7 @@ def sample_rows(
     if fused is None or len(truncating) == len(params):
         return _sample_unfused(logits_B_V, params, generators, generator)
     device = logits_B_V.device
-    temperature_B = torch.tensor([p.temperature for p in params], device=device)
+    temperature_B = on_device(tuple(p.temperature for p in params), device)
     seeds_B = None
     if any(p.temperature > 0 for p in params):
         seeds_B = row_seeds(generators, generator, params, device)
@@ -320,6 +321,14 @@ def row_seeds(
     return seeds_B
 
 
+@functools.lru_cache(maxsize=32)
+def on_device(values: tuple[float, ...] | tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, kept for the next step with the same rows (callers
+    never write to it): a copy from pageable host memory may wait for the device's queue to
+    drain, which would serialise an overlapped step (`verst.engine.overlap`) with the last."""
+    return torch.tensor(values, device=device)
+
+
 def _sample_unfused(
     logits_B_V: torch.Tensor,
     params: list[SamplingParams],
@@ -329,14 +338,14 @@ def _sample_unfused(
     """`sample_rows` through `sample_next_tokens`: the rows together, then each row with a
     generator of its own again, alone."""
     device = logits_B_V.device
-    temperature_B = torch.tensor([p.temperature for p in params], device=device)
+    temperature_B = on_device(tuple(p.temperature for p in params), device)
     top_p_B = top_k_B = min_p_B = None
     if any(p.top_p < 1.0 for p in params):
-        top_p_B = torch.tensor([p.top_p for p in params], device=device)
+        top_p_B = on_device(tuple(p.top_p for p in params), device)
     if any(p.top_k > 0 for p in params):
-        top_k_B = torch.tensor([p.top_k for p in params], device=device)
+        top_k_B = on_device(tuple(p.top_k for p in params), device)
     if any(p.min_p > 0 for p in params):
-        min_p_B = torch.tensor([p.min_p for p in params], device=device)
+        min_p_B = on_device(tuple(p.min_p for p in params), device)
     tokens_B, logprobs_B = sample_next_tokens(
         logits_B_V,
         temperature_B,
