@@ -65,10 +65,13 @@ class ColocatedTransport:
         bucket_bytes: int = 512 << 20,
         dtype: torch.dtype | None = None,
         shared: Iterable[EngineClient] = (),
+        whole_updates: bool = True,
     ) -> None:
         self.bucket_bytes = bucket_bytes
         self.shared = {id(e) for e in shared}  # engines whose weights are the trainer's tensors
-        self.ipc = IpcBucketSender(bucket_bytes=bucket_bytes, dtype=dtype)
+        self.ipc = IpcBucketSender(
+            bucket_bytes=bucket_bytes, dtype=dtype, whole_updates=whole_updates
+        )
 
     @classmethod
     def sharing_storage(
@@ -110,6 +113,16 @@ class ColocatedTransport:
                 )
         if processes:
             await self.ipc.send(processes, tensors, version, adapter)
+
+    async def whole_update_engines(self, engines: list[EngineClient]) -> list[EngineClient]:
+        """The engine processes that take the whole update in one request (`verst serve`)."""
+        processes = [e for e in engines if not hasattr(e, "update_weights_from_tensors")]
+        return await self.ipc.whole_update_engines(processes)
+
+    async def update_whole(
+        self, engines: list[EngineClient], tensors: NamedTensors, version: int, pause_mode: str
+    ) -> dict[EngineClient, BaseException | None]:
+        return await self.ipc.update_whole(engines, tensors, version, pause_mode)
 
     def close(self) -> None:
         """Free the staging buffers of engine processes."""
