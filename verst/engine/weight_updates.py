@@ -200,6 +200,7 @@ class WeightUpdates:
         flush_cache: bool,
         weight_version: str | None,
         continue_generation: bool,
+        release_layouts: list[str] | None = None,
     ) -> tuple[bool, str]:
         """verst's whole-update request (`verst.sync.buffer_layouts`): copy the trainer's staging
         buffers in, named by layout ids; pause in `pause_mode` first, flush the prefix cache,
@@ -215,7 +216,9 @@ class WeightUpdates:
         or a bad payload (answers False) leaves the engine as it was."""
         params = self.scheduler.parameters()
         try:
-            layouts = await asyncio.to_thread(self._layout_registry().resolve, entries, params)
+            layouts = await asyncio.to_thread(
+                self._layout_registry().resolve, entries, params, release_layouts or ()
+            )
         except UnknownLayouts:
             raise
         except SharedTensorError as error:

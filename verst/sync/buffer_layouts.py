@@ -8,7 +8,8 @@ client) `IpcBucketSender` sends instead `POST /verst/update_weights_from_buffers
 
     {"buffers": [{"layout": "<id>", "payload": "<base64 flattened_bucket pickle>"}, ...],
      "pause_mode": "retract" | "in_place" | "abort" | null,
-     "flush_cache": bool, "weight_version": "<v>" | null, "continue_generation": bool}
+     "flush_cache": bool, "weight_version": "<v>" | null, "continue_generation": bool,
+     "release_layouts": ["<id>", ...]}
 
 Each entry is one staging buffer filled with one bucket. A layout (which buffer, which
 parameters at which byte offsets, dtypes and shapes) gets a fresh random id when the trainer
@@ -19,6 +20,9 @@ alone: the engine's work is then one `_foreach_copy_`, with nothing unpickled or
 change of the buffer or of the tensors in it makes a new id, so a stale layout can never be
 applied to other bytes; an engine that no longer holds an id (restarted, or evicted) answers 409
 with `unknown_layouts`, before changing anything, and the trainer sends the payloads again.
+
+`release_layouts` (optional) names layouts of buffers the trainer has since freed (a buffer that
+grew), so the engine unmaps them rather than holding the old memory until they age out.
 
 The answer is SGLang's `{success, message}` plus the engine's `weight_version` after the update,
 which is the confirmation the protocol's separate `get_version` call gave. The engine runs the
@@ -39,7 +43,8 @@ import torch
 from verst.sync.shared_tensors import SharedTensorError, check_targets, named_tensors_from_payload
 
 BUFFERS_PATH = "/verst/update_weights_from_buffers"
-HELD_LAYOUTS = 8  # layouts an engine keeps (a trainer fills `num_buffers` of them, 2 by default)
+# layouts an engine keeps: a push's buckets (2 for a 0.5B model, ~60 for 30B in 512 MB buckets)
+HELD_LAYOUTS = 256
 UNKNOWN_LAYOUT_STATUS = 409
 
 
@@ -85,6 +90,15 @@ def parse_entries(raw: Any) -> list[BufferEntry]:
     return entries
 
 
+def parse_released(raw: Any) -> list[str]:
+    """The `release_layouts` field: a list of layout ids (none when absent)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+        raise ValueError("release_layouts must be a list of layout ids")
+    return raw
+
+
 class LayoutRegistry:
     """The engine's side: layouts by id, the most recently used `limit` of them. Holding a
     layout holds the trainer's buffer open (its views keep the mapping)."""
@@ -95,11 +109,17 @@ class LayoutRegistry:
         self._lock = threading.Lock()
 
     def resolve(
-        self, entries: Sequence[BufferEntry], params: dict[str, torch.Tensor]
+        self,
+        entries: Sequence[BufferEntry],
+        params: dict[str, torch.Tensor],
+        release: Sequence[str] = (),
     ) -> list[BufferLayout]:
-        """The layout of each entry, new ones opened and checked first. Raises `UnknownLayouts`
-        (naming every missing id) or `SharedTensorError`; either way nothing was copied."""
+        """The layout of each entry, new ones opened and checked first, after letting go of the
+        layouts `release` names (of buffers the trainer freed). Raises `UnknownLayouts` (naming
+        every missing id) or `SharedTensorError`; either way nothing was copied."""
         with self._lock:
+            for layout in release:
+                self._layouts.pop(layout, None)
             for entry in entries:  # first: an unpickled payload releases the trainer's reference
                 if entry.payload is not None:
                     self._layouts[entry.layout] = _open(entry.payload, params)

@@ -177,7 +177,9 @@ class IpcBucketSender:
         self.whole_updates = whole_updates
         self._buffers: list[torch.Tensor | None] = [None] * num_buffers
         # each buffer's layout as last filled: (its tensors' (name, dtype, shape, start), id)
-        self._layouts: list[tuple[tuple[Any, ...], str] | None] = [None] * num_buffers
+        # the layouts each buffer has held, by their tensors' (name, dtype, shape, start)
+        self._layouts: list[dict[tuple[Any, ...], str]] = [{} for _ in range(num_buffers)]
+        self._dead_layouts: set[str] = set()  # of buffers since freed: engines may let them go
         self._known: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()  # ids each engine holds
         self._executor: ThreadPoolExecutor | None = None
 
@@ -236,7 +238,7 @@ class IpcBucketSender:
             else:
                 buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self._buffers[slot] = buffer
-            self._layouts[slot] = None  # another buffer: engines must open it
+            self._forget_layouts(slot)  # another buffer: engines must open it
         return buffer
 
     def _stage(self, slot: int, bucket: list[_Item], copies: int) -> list[dict[str, Any]]:
@@ -327,7 +329,9 @@ class IpcBucketSender:
         else:
             await self._stream_parts(failures, staged, planned, opening, closing)
         if not self.reuse_buffers:
-            self._buffers, self._layouts = [None] * self.num_buffers, [None] * self.num_buffers
+            self._buffers = [None] * self.num_buffers
+            for slot in range(self.num_buffers):
+                self._forget_layouts(slot)
         return failures
 
     async def _stream_parts(
@@ -370,12 +374,14 @@ class IpcBucketSender:
         loop = asyncio.get_running_loop()
         flat = await loop.run_in_executor(self._stager(), self._fill, slot, bucket)
         signature = tuple((i.name, i.dtype, tuple(i.tensor.shape), i.start) for i in bucket)
-        layout = self._layouts[slot]
-        if layout is None or layout[0] != signature:
-            layout = self._layouts[slot] = (signature, new_layout_id())
+        layout = self._layouts[slot].setdefault(signature, new_layout_id())
         self.timings["stage"].append(time.perf_counter() - started)
         self.buckets_sent.append(flat.numel())
-        return _Staged(slot, layout[1], flat, bucket)
+        return _Staged(slot, layout, flat, bucket)
+
+    def _forget_layouts(self, slot: int) -> None:
+        self._dead_layouts.update(self._layouts[slot].values())
+        self._layouts[slot] = {}
 
     async def _part(
         self,
@@ -402,6 +408,9 @@ class IpcBucketSender:
         from verst.fleet.client import EngineError
 
         known = self._known.setdefault(engine, set())
+        released = sorted(known & self._dead_layouts)
+        known.difference_update(released)
+        fields = {**fields, "release_layouts": released} if released else fields
         try:
             try:
                 reply = await engine.update_weights_from_buffers(_whole_body(staged, known, fields))
@@ -438,7 +447,8 @@ class IpcBucketSender:
     def close(self) -> None:
         """Free the staging buffers (engines let go of their mappings as newer ones arrive)."""
         self._buffers = [None] * self.num_buffers
-        self._layouts = [None] * self.num_buffers
+        self._layouts = [{} for _ in range(self.num_buffers)]
+        self._dead_layouts = set()
         self._known = WeakKeyDictionary()
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -239,11 +239,17 @@ async def run_update_weights_from_buffers(
     """verst's `/verst/update_weights_from_buffers` (`verst.sync.buffer_layouts`): the
     trainer's staging buffers by layout id, with the pause, the flush, the version and the
     continue in the same request. 409 (nothing changed) when a layout is not held."""
-    from verst.sync.buffer_layouts import UNKNOWN_LAYOUT_STATUS, UnknownLayouts, parse_entries
+    from verst.sync.buffer_layouts import (
+        UNKNOWN_LAYOUT_STATUS,
+        UnknownLayouts,
+        parse_entries,
+        parse_released,
+    )
 
     body = _body_dict(payload)
     try:
         entries = parse_entries(body.get("buffers"))
+        released = parse_released(body.get("release_layouts"))
     except ValueError as error:
         raise validation_error(str(error)) from None
     mode = body.get("pause_mode")
@@ -257,6 +263,7 @@ async def run_update_weights_from_buffers(
             flush_cache=bool(body.get("flush_cache")),
             weight_version=None if version is None else str(version),
             continue_generation=bool(body.get("continue_generation")),
+            release_layouts=released,
         )
     except UnknownLayouts as error:
         reply = {"success": False, "message": str(error), "unknown_layouts": error.ids}
