@@ -6,7 +6,9 @@ disk carrying the bytes.
   `share_storage`: a world of one, same dtype) needs nothing sent: the optimiser wrote them;
 - another engine in the trainer's process gets an in-process copy, bucket by bucket;
 - an engine process on the trainer's device gets CUDA IPC handles (GPU) or shared-memory buffers
-  (CPU) and copies from them (`verst.sync.ipc.IpcBucketSender`).
+  (CPU) and copies from them (`verst.sync.ipc.IpcBucketSender`); a `verst serve` process gets
+  the whole update (pause to continue) in one request (`WholeUpdates`), an SGLang server
+  SGLang's calls.
 
 The embedded engine shares storage the same way, without the version protocol
 (`verst.sync.embedded`).
@@ -120,9 +122,15 @@ class ColocatedTransport:
         return await self.ipc.whole_update_engines(processes)
 
     async def update_whole(
-        self, engines: list[EngineClient], tensors: NamedTensors, version: int, pause_mode: str
+        self,
+        engines: list[EngineClient],
+        tensors: NamedTensors,
+        version: int,
+        pause_mode: str,
+        timeout_s: float | None = None,
     ) -> dict[EngineClient, BaseException | None]:
-        return await self.ipc.update_whole(engines, tensors, version, pause_mode)
+        """`IpcBucketSender.update_whole`: the whole protocol in one request per engine."""
+        return await self.ipc.update_whole(engines, tensors, version, pause_mode, timeout_s)
 
     def close(self) -> None:
         """Free the staging buffers of engine processes."""

@@ -4,8 +4,10 @@ The trainer and a `verst serve` engine (or an SGLang server) run as separate pro
 host. `IpcBucketSender` stages each bucket of full tensors in a buffer the engine can map (CUDA
 memory, or CPU shared memory in /dev/shm) and sends only a handle to it through SGLang's
 `POST /update_weights_from_tensor`; the engine maps the buffer and copies the bytes into its
-parameters in place, then answers. Nothing is copied through a socket or a disk. The `colocated`
-transport (`verst.sync.colocated.ColocatedTransport`) sends to engine processes through it.
+parameters in place, then answers. A `verst serve` engine gets verst's own request instead, the
+whole update in one round trip (`verst.sync.buffer_layouts`). Nothing is copied through a socket
+or a disk. The `colocated` transport (`verst.sync.colocated.ColocatedTransport`) sends to engine
+processes through it.
 
 The wire format and the engine's side (unpickling through an allow-list, checks, the copy's
 end) are in `verst.sync.shared_tensors`.
@@ -143,6 +145,11 @@ class IpcBucketSender:
     again only after every engine has answered for it. With `reuse_buffers` (the default) the
     buffers persist across updates, so engines map them once and later updates open nothing.
 
+    A `verst serve` engine (`whole_update_engines`) is updated through `update_whole` instead:
+    the version protocol's six calls and every bucket in one request when the buckets fit the
+    buffers, each buffer's layout sent once (`verst.sync.buffer_layouts`); `whole_updates=False`
+    keeps SGLang's calls for every engine (what an SGLang server always gets).
+
     Every engine must be on the trainer's host, and for CUDA on the trainer's GPU; an engine
     that is not answers 400 and `send` raises `SharedTensorError` with its message. Under FSDP
     call `send` on every rank (gathering is a collective), each with the engines on its own GPU
@@ -181,6 +188,7 @@ class IpcBucketSender:
         self._layouts: list[dict[tuple[Any, ...], str]] = [{} for _ in range(num_buffers)]
         self._dead_layouts: set[str] = set()  # of buffers since freed: engines may let them go
         self._known: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()  # ids each engine holds
+        self._timeout_s: float | None = None  # of a whole-update request (`update_whole`)
         self._executor: ThreadPoolExecutor | None = None
 
     async def send(
@@ -305,16 +313,20 @@ class IpcBucketSender:
         tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
         version: int,
         pause_mode: str,
+        timeout_s: float | None = None,
     ) -> dict[Any, BaseException | None]:
         """The whole version protocol on `engines` (each from `whole_update_engines`) with the
         weights' handles: when every bucket fits in the `num_buffers` staging buffers, one
         request per engine pauses it in `pause_mode`, flushes its cache (but in place), copies
         every buffer, stamps `version` and continues; with more buckets, a request per bucket
         (the first pauses, the last stamps and continues; the next bucket is staged while the
-        engines copy). Each engine's failure, or None where the engine answered `version`."""
+        engines copy). Each engine's failure, or None where the engine answered `version`; an
+        engine that does not answer a request within `timeout_s` has failed (and is sent no
+        more: a hung engine is restarted, not waited for)."""
         opening = {"pause_mode": pause_mode, "flush_cache": pause_mode != "in_place"}
         closing = {"weight_version": str(version), "continue_generation": True}
         failures: dict[Any, BaseException | None] = dict.fromkeys(engines)
+        self._timeout_s = timeout_s
         self.buckets_sent, self.timings = [], {"stage": [], "engines": []}
         planned = _planned(tensors(), self.bucket_bytes, self.dtype)
         staged: list[_Staged] = []
@@ -411,14 +423,21 @@ class IpcBucketSender:
         released = sorted(known & self._dead_layouts)
         known.difference_update(released)
         fields = {**fields, "release_layouts": released} if released else fields
+
+        async def post() -> dict[str, Any]:
+            body = _whole_body(staged, known, fields)
+            return await asyncio.wait_for(engine.update_weights_from_buffers(body), self._timeout_s)
+
         try:
             try:
-                reply = await engine.update_weights_from_buffers(_whole_body(staged, known, fields))
+                reply = await post()
             except EngineError as error:
                 if error.status != UNKNOWN_LAYOUT_STATUS:
                     raise
                 known.clear()  # the engine restarted, or let layouts go: every payload again
-                reply = await engine.update_weights_from_buffers(_whole_body(staged, known, fields))
+                reply = await post()
+        except TimeoutError:
+            raise TimeoutError(f"engine {index}: no answer within {self._timeout_s:g} s") from None
         except EngineError as error:
             raise _refusal(index, error) from error
         known.update(entry.layout for entry in staged)

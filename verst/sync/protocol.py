@@ -93,9 +93,15 @@ class WholeUpdates(Protocol):
         ...
 
     async def update_whole(
-        self, engines: list[EngineClient], tensors: NamedTensors, version: int, pause_mode: str
+        self,
+        engines: list[EngineClient],
+        tensors: NamedTensors,
+        version: int,
+        pause_mode: str,
+        timeout_s: float | None = None,
     ) -> dict[EngineClient, BaseException | None]:
-        """Each engine's failure, or None where it now runs `version`."""
+        """Each engine's failure (no answer within `timeout_s` is one), or None where it now
+        runs `version`."""
         ...
 
 
@@ -179,7 +185,9 @@ class WeightSync:
         """The one-request update; an engine that failed it is lost when found dead, and fails
         the push when alive (its weights were refused), as a failed send does."""
         assert isinstance(self.transport, WholeUpdates)
-        failures = await self.transport.update_whole(whole, tensors, version, self.pause_mode)
+        failures = await self.transport.update_whole(
+            whole, tensors, version, self.pause_mode, self.call_timeout_s
+        )
         failed = [(e, error) for e, error in failures.items() if error is not None]
         alive = await asyncio.gather(*(self._alive(e) for e, _ in failed))
         for (engine, error), ok in zip(failed, alive, strict=True):
