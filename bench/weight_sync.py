@@ -588,7 +588,12 @@ def main() -> None:
         "rates": rates,
         "ratios": summary,
         "shared_memory": shared,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        # a shared VM: the load over the last minute, at the end of the run
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_1min_end": os.getloadavg()[0],
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))

@@ -215,10 +215,12 @@ class WeightUpdates:
         Layouts are resolved before anything changes: an unknown one (raises `UnknownLayouts`)
         or a bad payload (answers False) leaves the engine as it was."""
         params = self.scheduler.parameters()
-        try:
-            layouts = await asyncio.to_thread(
-                self._layout_registry().resolve, entries, params, release_layouts or ()
-            )
+        resolve = functools.partial(
+            self._layout_registry().resolve, entries, params, release_layouts or ()
+        )
+        try:  # a new payload opens a mapping, on a thread; held layouts are a lookup
+            opens = any(e.payload is not None for e in entries)
+            layouts = await asyncio.to_thread(resolve) if opens else resolve()
         except UnknownLayouts:
             raise
         except SharedTensorError as error:
