@@ -17,7 +17,7 @@ from verst.engine.serving import ServingEngine
 from verst.fleet import InProcessEngineClient
 from verst.sync.buffer_layouts import BUFFERS_PATH
 from verst.sync.ipc import IpcBucketSender, SharedTensorError
-from verst.sync.protocol import WeightSync
+from verst.sync.protocol import WeightSync, WeightSyncError
 
 aiohttp = pytest.importorskip("aiohttp")
 web = pytest.importorskip("aiohttp.web")
@@ -329,3 +329,46 @@ def test_an_sglang_server_gets_sglangs_calls(models: tuple[Path, Path]) -> None:
     (update,) = [body for path, body in fake.log if path == "/update_weights_from_tensor"]
     assert set(update) == {"serialized_named_tensors", "load_format", "flush_cache"}
     assert update["load_format"] == "flattened_bucket"
+
+
+class Unreachable:
+    """An engine process that takes whole updates and then stops answering (or died)."""
+
+    def __init__(self, *, alive: bool) -> None:
+        self.alive = alive
+
+    async def takes_buffer_updates(self) -> bool:
+        return True
+
+    async def update_weights_from_buffers(self, body: dict[str, Any]) -> dict[str, Any]:
+        raise ConnectionResetError("the engine went away")
+
+    async def health(self) -> bool:
+        return self.alive
+
+
+def test_an_engine_that_fails_the_update_is_lost_when_dead(models: tuple[Path, Path]) -> None:
+    trainer = _weights(models[1])
+
+    async def scenario() -> None:
+        serving = await _engine(models[0])
+        good = InProcessEngineClient(serving, owns_serving=True)
+        dead, hung = Unreachable(alive=False), Unreachable(alive=True)
+        lost: list[Any] = []
+        sender = IpcBucketSender(bucket_bytes=ALL_IN_TWO)
+        sync = WeightSync(
+            [good, dead], sender, on_engine_lost=lambda engine, reason: lost.append(engine)
+        )
+        report = await sync.push(lambda: trainer.items(), 1)
+        assert report.calls == ["update"] and report.lost == [dead] and lost == [dead]
+        assert _holds(serving, trainer) and serving.weight_version == "1"
+        # alive but failing: the push fails rather than dropping an engine that answers
+        sync = WeightSync([good, hung], sender, on_engine_lost=lambda *_: None)
+        with pytest.raises(WeightSyncError, match="alive but failed the update"):
+            await sync.push(lambda: trainer.items(), 2)
+        with pytest.raises(ConnectionResetError):  # without a callback: the failure itself
+            await WeightSync([good, hung], sender).push(lambda: trainer.items(), 3)
+        sender.close()
+        await good.close()
+
+    asyncio.run(scenario())

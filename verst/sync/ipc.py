@@ -183,8 +183,7 @@ class IpcBucketSender:
         self.timings: dict[str, list[float]] = {"stage": [], "engines": []}
         self.whole_updates = whole_updates
         self._buffers: list[torch.Tensor | None] = [None] * num_buffers
-        # each buffer's layout as last filled: (its tensors' (name, dtype, shape, start), id)
-        # the layouts each buffer has held, by their tensors' (name, dtype, shape, start)
+        # the layout ids each buffer has held, by their tensors' (name, dtype, shape, start)
         self._layouts: list[dict[tuple[Any, ...], str]] = [{} for _ in range(num_buffers)]
         self._dead_layouts: set[str] = set()  # of buffers since freed: engines may let them go
         self._known: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()  # ids each engine holds

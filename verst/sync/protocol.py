@@ -189,10 +189,10 @@ class WeightSync:
             whole, tensors, version, self.pause_mode, self.call_timeout_s
         )
         failed = [(e, error) for e, error in failures.items() if error is not None]
+        if failed and self.on_engine_lost is None:
+            raise failed[0][1]
         alive = await asyncio.gather(*(self._alive(e) for e, _ in failed))
         for (engine, error), ok in zip(failed, alive, strict=True):
-            if self.on_engine_lost is None:
-                raise error
             if ok:
                 raise WeightSyncError(
                     f"engine {_index(self.engines, engine)} is alive but failed the update to "
