@@ -118,6 +118,18 @@ def test_cuda_ipc_into_an_engine_in_this_process(tmp_path: Path) -> None:
             with pytest.raises(SharedTensorError, match="engine on the trainer's GPU"):
                 await sender.send([on_cpu], lambda: trainer.items(), 2)
             sender.close()
+        # verst's one request: the layout opened once, later pushes name it.
+        sender = IpcBucketSender(bucket_bytes=1 << 20)
+        for version in (3, 4):
+            weights = {n: t * version for n, t in trainer.items()}
+            report = await WeightSync([on_gpu], sender).push(lambda w=weights: w.items(), version)
+            assert report.calls == ["update"] and gpu.weight_version == str(version)
+            params = gpu.scheduler.parameters()
+            assert all(torch.equal(params[n].detach(), t) for n, t in weights.items())
+        with pytest.raises(SharedTensorError, match="engine on the trainer's GPU"):
+            await WeightSync([on_cpu], sender).push(lambda: trainer.items(), 5)
+        assert cpu.weight_version == "0" and not cpu.is_paused
+        sender.close()
         await on_gpu.close()
         await cpu.stop()
 
