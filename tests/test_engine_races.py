@@ -50,9 +50,9 @@ async def one_request(serving: ServingEngine, rng: random.Random, rid: str) -> A
     return await serving.generate([40, 41, 42], params, rid=rid, return_logprob=False)
 
 
-async def interleave(model: Path, seed: int, n: int = 40) -> None:
+async def interleave(model: Path, seed: int, n: int = 40, overlap: bool | None = None) -> None:
     rng = random.Random(seed)
-    serving = ServingEngine.from_model_dir(str(model), seed=0, batch_wait_s=0.001)
+    serving = ServingEngine.from_model_dir(str(model), seed=0, batch_wait_s=0.001, overlap=overlap)
     await serving.start()
     try:
         requests = [one_request(serving, rng, f"r{i}") for i in range(n)]

@@ -374,6 +374,7 @@ def build_engine(
             tokenizer=tokenizer,
             true_on_policy=cfg.trainer.true_on_policy,
             quantization=cfg.engine.quantization,
+            overlap=cfg.engine.scheduler_overlap(),
         )
         return scheduler, EmbeddedSync(trainer, scheduler, lora=cfg.model.lora), None
     fleet = None
@@ -436,4 +437,5 @@ def start_fleet(
         fault_tolerance=cfg.fault_tolerance,
         true_on_policy=cfg.trainer.true_on_policy,
         quantization=cfg.engine.quantization,
+        overlap=cfg.engine.scheduler_overlap(),
     )

@@ -39,6 +39,29 @@ def _add_key_flags(parser: argparse.ArgumentParser, *, admin: bool = True) -> No
         )
 
 
+def _add_compute_flags(parser: argparse.ArgumentParser) -> None:
+    """How `verst serve`'s engine computes: its forward, weights and steps."""
+    parser.add_argument(
+        "--true-on-policy",
+        action="store_true",
+        help="run every forward through the batch-invariant forward the trainer's true "
+        "on-policy mode runs (log-probs bitwise equal to the trainer's)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="fp8: the projections' weights in e4m3 with per-channel scales, made again at "
+        "every weight update; GEMMs through torch._scaled_mm (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="run every decode step synchronously (by default CUDA engines launch each "
+        "decode-only step before reading the previous one's tokens)",
+    )
+
+
 def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -60,19 +83,7 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--served-model-name", help="the model name the API reports")
     parser.add_argument("--max-batch-size", type=int, default=256)
-    parser.add_argument(
-        "--true-on-policy",
-        action="store_true",
-        help="run every forward through the batch-invariant forward the trainer's true "
-        "on-policy mode runs (log-probs bitwise equal to the trainer's)",
-    )
-    parser.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default="none",
-        help="fp8: the projections' weights in e4m3 with per-channel scales, made again at "
-        "every weight update; GEMMs through torch._scaled_mm (default: %(default)s)",
-    )
+    _add_compute_flags(parser)
     parser.add_argument(
         "--num-threads", type=int, help="torch CPU threads (default: torch's own choice)"
     )
@@ -215,6 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
         lora_paths=_lora_paths(args.lora_paths),
         true_on_policy=args.true_on_policy,
         quantization=args.quantization,
+        overlap=False if args.no_overlap else None,
     )
     return 0
 

@@ -9,8 +9,9 @@ import transformers
 from tests.conftest import tiny_qwen3
 from verst.engine import GenerateRequest, SamplingParams
 from verst.engine.kernels.fused_norm import fusable_norms, rms_norm_triton
+from verst.engine.kernels.paged_decode import paged_decode_triton
 from verst.engine.kv_pool import KVPool
-from verst.engine.paged_attention import paged_decode_reference, paged_decode_triton, triton
+from verst.engine.paged_attention import paged_decode_reference, triton
 from verst.engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.skipif(
@@ -259,3 +260,22 @@ def test_fused_projections_follow_updates_and_re_pointed_parameters() -> None:
     sched.runner.drop_graphs()  # the graphs read the old buffer's K rows by address
     assert not lean.layers[0].qkv.one_buffer.intact() and lean.layers[1].qkv.one_buffer.intact()
     assert greedy() == hf()
+
+
+def test_prefill_attention_avoids_cudnn_plans() -> None:
+    """A prefix-cache hit's prefill attends through SDPA with a mask; cuDNN's backend would build
+    a plan for every new length (`SHAPE_FREE_SDPA`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sched = scheduler(tiny_model(torch.bfloat16), torch.bfloat16)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = list(range(1, 30))
+    sched.generate([GenerateRequest(input_ids=prompt, sampling_params=params)])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = sched.generate(
+            [GenerateRequest(input_ids=prompt + [7, 8, 9], sampling_params=params)]
+        )
+    assert out[0].cached_tokens > 0
+    names = [e.key for e in prof.key_averages()]
+    assert any("scaled_dot_product" in n for n in names)
+    assert not any("cudnn" in n.lower() for n in names), names

@@ -22,6 +22,16 @@ class EngineConfig(ConfigBase):
         "e4m3 with per-channel scales, made again at every weight update, GEMMs through "
         "torch._scaled_mm (pair it with loss.use_tis)",
     )
+    overlap: bool = Field(
+        True,
+        description="CUDA engines launch each decode-only step before reading the previous "
+        "one's sampled tokens, hiding the host's work (CPU engines never overlap); false: "
+        "every step synchronous, for A/B runs and bisecting",
+    )
+
+    def scheduler_overlap(self) -> bool | None:
+        """The `Scheduler`'s `overlap` for this setting: None (on CUDA only) or off."""
+        return None if self.overlap else False
 
     def check(
         self, *, true_on_policy: bool, kind: str, family: str | None, fp32_on_cuda: bool

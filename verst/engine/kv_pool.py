@@ -231,6 +231,8 @@ class KVPool:
         """The routed experts of token positions [0, n) of a sequence in `pages`, on the CPU:
         int32 [n, layers, top_k] (SGLang's `routed_experts` for n = its length − 1)."""
         assert self.routed is not None, "keep_routing was not called"
+        if n <= 0:  # nothing fed yet (or its pages gone)
+            return torch.empty((0, *self.routed.shape[2:]), dtype=torch.int32)
         if n > len(pages) * self.page_size:
             raise ValueError(f"{n} positions do not fit in {len(pages)} pages")
         pages_P = torch.tensor(pages[: -(-n // self.page_size)], dtype=torch.long)

@@ -16,6 +16,11 @@ Triton decode kernel reads each row's pages up to its own length, so one graph s
 sequence length up to `graph_max_len`. Weight updates copy into the same parameter storage,
 so the graphs stay valid across them. A mixed step (prompt chunks beside decode rows) runs its
 decode rows this way and the rest through the general path.
+
+An overlapped decode step (`verst.engine.overlap`) feeds tokens the host has not read yet: each
+row names its row of the previous step's sampled tokens (`Row.source`), and after the meta's
+copy to the device its token column is gathered from that tensor, on the device, in stream
+order. The meta goes through pinned staging buffers used in turn (`StagingRing`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry, AdapterRows
 from verst.engine.config import QUANTIZATIONS, Quantization
@@ -34,20 +40,26 @@ from verst.engine.kernels.cuda import CudaKernels
 from verst.engine.kernels.fp8_linear import check_device as check_fp8_device
 from verst.engine.kernels.fused_norm import fusable_norms, fused_norms
 from verst.engine.kernels.packed_linear import PackedLinears
+from verst.engine.kernels.paged_decode import paged_decode_triton
 from verst.engine.kv_pool import KVPool
 from verst.engine.lean_decoder import SUPPORTED_MODEL_TYPES, LeanDecoder
 from verst.engine.paged_attention import (
     PagedStep,
     model_window,
     paged_attention_mode,
-    paged_decode_triton,
     triton,
 )
+from verst.engine.staging import StagingRing
 from verst.models import batch_invariant as bi
 from verst.models.invariant_forward import InvariantDecoder, KeySource
 from verst.models.moe import hook_routers, routing_shape, use_grouped_experts
 
 _META = 5  # decode meta columns before the page table: token, position, slot, length, adapter
+# SDPA's backends for the engine's prefill on CUDA: cuDNN's builds an execution plan for every
+# new (rows, query length, key length) on first use, tens to hundreds of milliseconds each; an
+# engine meets new lengths all the time (measured on the H200, 32 sessions x 3 turns of
+# varying lengths: 3.4k tok/s with it, 11.5k without)
+SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 
@@ -60,6 +72,9 @@ class Row:
     pages: list[int]  # covers past + len(tokens)
     all_logits: bool = False  # logits of every fed position, not only the last
     adapter: int | None = None  # its LoRA adapter's slot in the runner's registry; None: base
+    # an overlapped decode row: its row of the previous step's sampled tokens, which it feeds
+    # (`tokens` then holds a placeholder)
+    source: int | None = None
 
 
 @dataclass
@@ -113,6 +128,7 @@ class ModelRunner:
         self._graphs: dict[tuple[int, bool, int], _Graph] = {}  # by (bucket, windowed, span)
         self._graph_pool = None
         self._meta: torch.Tensor | None = None  # static inputs of the graphs
+        self._staging: StagingRing | None = None  # the host side of `_meta`'s copies
         self.kernels = self._fused_kernels(config) if fused_kernels else None
         # decode attention reads each row's pages in place where a kernel does it
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
@@ -171,11 +187,23 @@ class ModelRunner:
     # --- public ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, rows: list[Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """(last-position logits [B, V], {row: logits [n, V]} of all_logits rows), float32."""
+    def forward(
+        self, rows: list[Row], sampled_B: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(last-position logits [B, V], {row: logits [n, V]} of all_logits rows), float32.
+        `sampled_B`: the previous step's sampled tokens, on the device, which rows with a
+        `source` feed (an overlapped step: decode rows only)."""
         if self.lean is not None:
             self.lean.refresh()
-        with self.packed.swapped() if self.packed is not None else contextlib.nullcontext():
+        if sampled_B is not None and any(len(r.tokens) != 1 for r in rows):
+            raise ValueError("an overlapped step feeds one token a row (decode rows only)")
+        with contextlib.ExitStack() as scope:
+            if self.packed is not None:
+                scope.enter_context(self.packed.swapped())
+            if self.device.type == "cuda":
+                scope.enter_context(sdpa_kernel(SHAPE_FREE_SDPA))
+            if sampled_B is not None:
+                return self._decode(rows, sampled_B), {}
             return self._forward_rows(rows)
 
     def weights_changed(self) -> None:
@@ -220,7 +248,7 @@ class ModelRunner:
 
     # --- decode ---------------------------------------------------------------------------------
 
-    def _decode(self, rows: list[Row]) -> torch.Tensor:
+    def _decode(self, rows: list[Row], sampled_B: torch.Tensor | None = None) -> torch.Tensor:
         page = self.pool.page_size
         B = len(rows)
         width = max(-(-(r.past + 1) // page) for r in rows)
@@ -232,7 +260,7 @@ class ModelRunner:
         # one host tensor: token, position, slot, sequence length, adapter, page table
         meta = [
             [
-                r.tokens[0],
+                r.tokens[0] if r.source is None else r.source,
                 r.past,
                 r.pages[r.past // page] * page + r.past % page,
                 r.past + 1,
@@ -250,12 +278,17 @@ class ModelRunner:
             key = (bucket, windowed, self._span(width))
             if key not in self._graphs:
                 self._capture(*key)
-            assert self._meta is not None
-            self._meta[:size, : _META + width].copy_(meta_B_M, non_blocking=True)
+            assert self._meta is not None and self._staging is not None
+            # stream order: after the previous replay, which may still read `_meta`
+            self._staging.copy_to(self._meta[:size, : _META + width], meta_B_M)
+            if sampled_B is not None:
+                _feed_sampled(self._meta[:B], sampled_B)
             entry = self._graphs[key]
             entry.graph.replay()
             return entry.logits_B_V[:B]
         meta_B_M = meta_B_M.to(self.device, non_blocking=True)
+        if sampled_B is not None:
+            _feed_sampled(meta_B_M[:B], sampled_B)
         adapted = any(r.adapter is not None for r in rows)
         return self._decode_eager(meta_B_M, adapted, windowed)[:B]
 
@@ -309,6 +342,7 @@ class ModelRunner:
             self._meta = torch.zeros(
                 (rows, _META + self.graph_pages), dtype=torch.long, device=self.device
             )
+            self._staging = StagingRing(tuple(self._meta.shape), torch.long, self.device)
             self._graph_pool = torch.cuda.graph_pool_handle()
         meta = self._meta[:size, : _META + span]
         meta.zero_()
@@ -334,7 +368,7 @@ class ModelRunner:
         if self._graph_pool is not None:
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
-        self._meta = None
+        self._meta = self._staging = None
         self._graph_pool = None
 
     def _drop_graphs_of_old_adapters(self) -> None:
@@ -486,6 +520,12 @@ class ModelRunner:
         if self.softcap:
             logits_N_V = torch.tanh(logits_N_V / self.softcap) * self.softcap
         return logits_N_V
+
+
+def _feed_sampled(meta_B_M: torch.Tensor, sampled_B: torch.Tensor) -> None:
+    """Column 0 of each meta row holds the row of `sampled_B` it feeds: put that token there
+    (on the device, after the meta's copy in stream order; no host sync)."""
+    meta_B_M[:, 0] = sampled_B.index_select(0, meta_B_M[:, 0])
 
 
 def check_quantization(

@@ -41,7 +41,6 @@ ATTENTION_NAME = "verst_paged"
 
 try:  # Triton is only used on CUDA; the CPU path needs none of it
     import triton
-    import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
@@ -277,116 +276,6 @@ def step_mask(
         visible_B_T_S &= positions_S[None, None, :] > last_B_T[:, :, None] - window
     B = past_B.shape[0]
     return visible_B_T_S[:, None, None].expand(B, 1, group, T, -1).reshape(B, 1, group * T, -1)
-
-
-# --- the CUDA decode kernel ------------------------------------------------------------------
-
-if triton is not None:
-
-    @triton.jit
-    def _paged_decode_kernel(
-        Q,
-        K,
-        V,
-        Out,
-        Table,
-        SeqLens,
-        scale,
-        stride_qb,
-        stride_qh,
-        stride_kp,
-        stride_ks,
-        stride_kh,
-        stride_tb,
-        stride_ob,
-        stride_oh,
-        GROUP: tl.constexpr,
-        GROUP_PAD: tl.constexpr,
-        PAGE: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        b = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        seq_len = tl.load(SeqLens + b)
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, D)
-        heads = kv_head * GROUP + offs_g
-        q = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=offs_g[:, None] < GROUP,
-            other=0.0,
-        )
-        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
-        for start in range(0, seq_len, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            valid_n = offs_n < seq_len
-            page = tl.load(Table + b * stride_tb + offs_n // PAGE, mask=valid_n, other=0)
-            base = page * stride_kp + (offs_n % PAGE) * stride_ks + kv_head * stride_kh
-            k = tl.load(K + base[:, None] + offs_d[None, :], mask=valid_n[:, None], other=0.0)
-            v = tl.load(V + base[:, None] + offs_d[None, :], mask=valid_n[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-            s = tl.where(valid_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(
-                tl.float32
-            )
-            m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(
-            Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=offs_g[:, None] < GROUP,
-        )
-
-
-def paged_decode_triton(
-    q_B_H_D: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    table_B_P: torch.Tensor,
-    seq_lens_B: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One query token a row over its pages: [B, Hq, D] out. k/v_pages [pages, page, Hkv, D]."""
-    if triton is None:
-        raise RuntimeError("the paged decode kernel needs Triton")
-    B, Hq, D = q_B_H_D.shape
-    _, page, Hkv, _ = k_pages.shape
-    group = Hq // Hkv
-    out = torch.empty((B, Hq, D), dtype=q_B_H_D.dtype, device=q_B_H_D.device)
-    q_B_H_D = q_B_H_D.to(k_pages.dtype)
-    _paged_decode_kernel[(B, Hkv)](
-        q_B_H_D,
-        k_pages,
-        v_pages,
-        out,
-        table_B_P,
-        seq_lens_B,
-        scale,
-        q_B_H_D.stride(0),
-        q_B_H_D.stride(1),
-        k_pages.stride(0),
-        k_pages.stride(1),
-        k_pages.stride(2),
-        table_B_P.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        PAGE=page,
-        D=D,
-        BLOCK_N=64,
-        # fp32 pools get fp32 products (tl.dot would otherwise round inputs to TF32)
-        PRECISION="ieee" if k_pages.dtype == torch.float32 else "tf32",
-    )
-    return out
 
 
 def paged_decode_reference(

@@ -3,7 +3,9 @@
 Owns `SamplingParams` (SGLang's field names), `RowPenalties` with `apply_penalties` (SGLang's
 frequency / presence / repetition penalties, `min_new_tokens` and `logit_bias` as tensor ops
 over per-row state) and `sample_next_tokens`, which draws one token per row with per-row
-temperature / top-p / top-k, without Python loops or host syncs.
+temperature / top-p / top-k, without Python loops or host syncs. `sample_rows` runs a step's
+rows; on CUDA it hands those that do not truncate to one fused kernel
+(`kernels.cuda_sampling`), which keeps the promise below within float rounding.
 
 Promise: the log-prob returned for a token is that of the distribution the token was drawn
 from, before truncation: `log_softmax(z / T)[token]` over the full vocabulary in float32, where
@@ -17,6 +19,7 @@ they are for serving and evaluation, and SGLang reports the same post-penalty lo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +28,12 @@ from verst.engine.grammar import Constraint
 
 SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes [-2^63, 2^64); seeds are [0, 2^64)
 PENALTY_LIMIT = 2.0  # SGLang's range: frequency / presence in [-2, 2], repetition in (0, 2]
+_SEED_DRAW_LIMIT = (1 << 63) - 1  # the fused sampler's per-row seeds: non-negative int64
+
+# (logits_B_V, temperature_B, seeds_B or None when every row is greedy) -> (tokens_B, logprobs_B)
+FusedSampler = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 @dataclass
@@ -118,6 +127,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-p, top-k or min-p cut the distribution (the fused sampler does not)."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0
 
 
 def _is_int(value: object) -> bool:
@@ -251,16 +265,70 @@ def sample_rows(
     generators: list[torch.Generator | None],
     generator: torch.Generator,
     penalties: RowPenalties | None = None,
+    *,
+    fused: FusedSampler | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row under that row's sampling parameters: `(tokens_B, logprobs_B)`.
 
     Rows draw from `generator` together; a row with a generator of its own (a request with a
     seed) draws from that one alone, so its tokens do not depend on which other requests
     share the step. `penalties` (None when no row has any) change the logits first, and the
-    log-probs are of the penalized distribution (module docstring)."""
-    device = logits_B_V.device
+    log-probs are of the penalized distribution (module docstring).
+
+    `fused` (`kernels.cuda_sampling.fused_sample`, CUDA only) samples every row that does not
+    truncate in one pass over the logits, from one seed per row; truncating rows take
+    `sample_next_tokens` whatever their neighbours, so each row's draw depends on its own
+    parameters only."""
     if penalties is not None:
         logits_B_V = apply_penalties(logits_B_V, penalties)
+    truncating = [row for row, p in enumerate(params) if p.truncates]
+    if fused is None or len(truncating) == len(params):
+        return _sample_unfused(logits_B_V, params, generators, generator)
+    device = logits_B_V.device
+    temperature_B = torch.tensor([p.temperature for p in params], device=device)
+    seeds_B = None
+    if any(p.temperature > 0 for p in params):
+        seeds_B = row_seeds(generators, generator, params, device)
+    tokens_B, logprobs_B = fused(logits_B_V, temperature_B, seeds_B)
+    if truncating:
+        rows_R = torch.tensor(truncating, device=device)
+        tokens_R, logprobs_R = _sample_unfused(
+            logits_B_V[rows_R],
+            [params[row] for row in truncating],
+            [generators[row] for row in truncating],
+            generator,
+        )
+        tokens_B[rows_R], logprobs_B[rows_R] = tokens_R, logprobs_R
+    return tokens_B, logprobs_B
+
+
+def row_seeds(
+    generators: list[torch.Generator | None],
+    generator: torch.Generator,
+    params: list[SamplingParams],
+    device: torch.device,
+) -> torch.Tensor:
+    """One int64 seed per row for the fused sampler, drawn on the device (no host sync): from
+    `generator` for all rows at once, then, for a sampled row with a generator of its own,
+    from that one (a greedy row's own generator is left as it is)."""
+    seeds_B = torch.randint(0, _SEED_DRAW_LIMIT, (len(params),), generator=generator, device=device)
+    for row, (own, p) in enumerate(zip(generators, params, strict=True)):
+        if own is not None and p.temperature > 0:
+            seeds_B[row : row + 1] = torch.randint(
+                0, _SEED_DRAW_LIMIT, (1,), generator=own, device=device
+            )
+    return seeds_B
+
+
+def _sample_unfused(
+    logits_B_V: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_rows` through `sample_next_tokens`: the rows together, then each row with a
+    generator of its own again, alone."""
+    device = logits_B_V.device
     temperature_B = torch.tensor([p.temperature for p in params], device=device)
     top_p_B = top_k_B = min_p_B = None
     if any(p.top_p < 1.0 for p in params):
@@ -281,14 +349,16 @@ def sample_rows(
     )
     for row, own in enumerate(generators):
         if own is not None:
-            one = slice(row, row + 1)
+            # its own truncation only: the sorted draw (a batch mate truncating) picks
+            # another token for the same random number
+            one, p = slice(row, row + 1), params[row]
             token, logprob = sample_next_tokens(
                 logits_B_V[one],
                 temperature_B[one],
-                None if top_p_B is None else top_p_B[one],
-                None if top_k_B is None else top_k_B[one],
+                None if top_p_B is None or p.top_p >= 1.0 else top_p_B[one],
+                None if top_k_B is None or p.top_k <= 0 else top_k_B[one],
                 own,
-                min_p_B=None if min_p_B is None else min_p_B[one],
+                min_p_B=None if min_p_B is None or p.min_p <= 0 else min_p_B[one],
             )
             tokens_B[row], logprobs_B[row] = token[0], logprob[0]
     return tokens_B, logprobs_B

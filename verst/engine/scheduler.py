@@ -11,11 +11,11 @@ handed to the cache and it re-enters the queue, to be recomputed (mostly from ca
 Control: `abort(rid)`, `pause(mode)` with `abort` | `retract` | `in_place` and `resume()`,
 `flush_cache()`, weight updates in place with a version stamped on every output.
 
-The model is the Hugging Face one, layer for layer; only its attention function is swapped
-for one that reads and writes the paged pool in place (`paged_attention`, run by
-`ModelRunner`): no per-step cache rebuild, decode steps on CUDA through a Triton paged kernel
-replayed from CUDA graphs, sampling on the device and one host sync a step (the sampled ids).
-With `monitor.trace` each step that ran a batch is an "engine step" span of the trace.
+The model is the Hugging Face one; only its attention is swapped for one that reads and
+writes the paged pool in place (`paged_attention`, run by `ModelRunner`). On CUDA decode steps
+replay CUDA graphs, sampling stays on the device with one host sync a step (the sampled ids),
+and consecutive decode-only steps overlap: step N+1 is launched before the host reads step N's
+tokens (`verst.engine.overlap`). With `monitor.trace` each step is an "engine step" span.
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ import torch
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterError, AdapterRegistry
 from verst.engine.config import Quantization
 from verst.engine.grammar import Constraint, Grammars
+from verst.engine.kernels.cuda_sampling import fused_sample
 from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.logprob_extras import LogprobRecord, record_step, score_prompt
 from verst.engine.memory import EngineMemory
 from verst.engine.model_runner import ModelRunner, Row
+from verst.engine.overlap import OverlapSteps, PendingStep, StepWork
 from verst.engine.penalties import PenaltySlots
 from verst.engine.prompt_sharing import PromptSharing
 from verst.engine.radix_cache import RadixCache
@@ -48,7 +50,7 @@ ADAPTER_KEY_SHIFT = 40  # adapter uid << this, added to token ids, namespaces th
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
-class Scheduler(PromptSharing):
+class Scheduler(PromptSharing, OverlapSteps):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -67,9 +69,12 @@ class Scheduler(PromptSharing):
         tokenizer: Any = None,
         true_on_policy: bool = False,
         quantization: Quantization = "none",
+        overlap: bool | None = None,
     ) -> None:
         """`tokenizer` (HF's) enables constrained decoding; `true_on_policy` and
-        `quantization`: see `ModelRunner`."""
+        `quantization`: see `ModelRunner`; `overlap`: launch each decode-only step before
+        reading the previous one's tokens (`verst.engine.overlap`); None: on CUDA only, where
+        it pays (elsewhere the bookkeeping runs the same, for its tests, but gains nothing)."""
         self.model = model
         self.pool = pool
         self.runner = ModelRunner(
@@ -83,6 +88,9 @@ class Scheduler(PromptSharing):
             true_on_policy=true_on_policy,
             quantization=quantization,
         )
+        # one kernel samples on CUDA; true on-policy keeps PyTorch's `log_softmax`, which the
+        # trainer recomputes bit for bit (`train.on_policy`)
+        self.fused_sampler = fused_sample if self.runner.use_triton else None
         self.cache = RadixCache(pool) if enable_prefix_cache else None
         self.memory = EngineMemory(
             self.runner, pool, self.cache, lambda: len(self.running) + len(self.waiting)
@@ -92,13 +100,15 @@ class Scheduler(PromptSharing):
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
         self.device = next(model.parameters()).device
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self._pending: PendingStep | None = None  # a step launched, its tokens not yet read
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.weight_version: int | str = 0
         self.waiting: deque[Running] = deque()
         self.running: list[Running] = []
         self.paused: PauseMode | None = None
-        self._finished_early: list[GenerateOutput] = []  # aborted outside a sampling step
+        self._finished_early: list[GenerateOutput] = []  # ended outside a step's sampling
         self._params_by_name: dict[str, torch.Tensor] | None = None
         self._has_followers = False  # some waiting request follows a prefilling one
         self.stats = SchedulerStats()
@@ -169,7 +179,7 @@ class Scheduler(PromptSharing):
         return [done[r.rid] for r in requests]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running) and self.paused is None
+        return bool(self.waiting or self.running or self._finished_early) and self.paused is None
 
     def load(self) -> dict[str, int]:
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting)}
@@ -190,6 +200,7 @@ class Scheduler(PromptSharing):
                 return r.request.rid == rid
             return abort_all or (bool(rid) and r.request.rid.startswith(rid))
 
+        self._settle()
         aborted = [r for r in [*self.running, *self.waiting] if hit(r)]
         self.running = [r for r in self.running if not hit(r)]
         self.waiting = deque(r for r in self.waiting if not hit(r))
@@ -199,15 +210,17 @@ class Scheduler(PromptSharing):
 
     def pause(self, mode: PauseMode) -> list[GenerateOutput]:
         """Stop stepping. abort: abort everything; retract: requeue running requests (their KV
-        goes to the cache, recomputed on return); in_place: keep everything as it is."""
+        goes to the cache, recomputed on return); in_place: keep everything as it is. Returns
+        the requests that end: aborted ones, and those the pending step (read first) finished."""
+        finished = self.drain()
         self.paused = mode
         if mode == "abort":
-            return self.abort(abort_all=True)
+            return finished + self.abort(abort_all=True)
         if mode == "retract":
             for r in reversed(self.running):
                 self._retract(r)
             self.running = []
-        return []
+        return finished
 
     def resume(self) -> None:
         self.paused = None
@@ -231,6 +244,7 @@ class Scheduler(PromptSharing):
         """Copy weights in place and stamp `version`. Cached prefixes hold KV of the old
         weights, so they are dropped; in-flight requests keep theirs (in_place semantics).
         Every name and shape is checked before the first copy: a bad update changes nothing."""
+        self._settle()
         params = self.parameters()
         named = list(named_tensors)
         for name, tensor in named:
@@ -255,11 +269,13 @@ class Scheduler(PromptSharing):
     ) -> None:
         """Hold LoRA adapter `name` (or its new weights), checked whole first
         (`AdapterRegistry.load`); cached prefixes computed with its old weights are dropped."""
+        self._settle()
         self.adapter_registry().load(name, config, tensors, source)
         self.weights_changed()
 
     def unload_adapter(self, name: str) -> None:
         """Drop adapter `name`; refused while a request uses it."""
+        self._settle()
         held = self.adapter_registry().slot(name)
         users = [r.request.rid for r in [*self.running, *self.waiting] if r.adapter == held.index]
         if users:
@@ -276,12 +292,14 @@ class Scheduler(PromptSharing):
 
     def weights_changed(self) -> None:
         """Cached prefixes hold KV of the old weights: drop every one no request is using."""
+        self._settle()
         self.runner.weights_changed()
         if self.cache is not None:
             self.cache.evict(self.cache.evictable_pages())
 
     def set_weight_version(self, version: int | str) -> None:
         # a zero-copy colocated update changes the weights under us and only bumps the version
+        self._settle()  # the pending step's tokens are the old version's
         self.runner.weights_changed()
         self.weight_version = version
 
@@ -289,21 +307,39 @@ class Scheduler(PromptSharing):
 
     @torch.no_grad()
     def step(self) -> list[GenerateOutput]:
-        """Admit, run one forward pass for every running request, sample, retire finished."""
+        """Admit, run one forward pass for every running request, sample, retire finished.
+        Overlapped (`overlap`), a decode-only step is launched before the previous step's
+        tokens are read, and its own tokens are read by the next call."""
         if self.paused is not None:
             return []
         start_s = time.perf_counter()
-        finished = self._admit()
-        batch = self._plan()
-        finished += self._finished_early
-        self._finished_early = []
-        if not batch:
-            return finished
         traced = trace.now()  # None unless `monitor.trace` traces this process
         if self.pool.device.type == "cuda" and self.pool.device.index is not None:
             # step() runs on a worker thread, whose current device is cuda:0 by default; the
             # Triton kernels and CUDA graphs launch on the current device
             torch.cuda.set_device(self.pool.device)
+        work = StepWork()
+        finished, launched = self._advance(work)
+        if not launched:  # outside the overlap's boundary: the pending step was read first
+            finished += self._step_now(work)
+        finished += self._finished_early
+        self._finished_early = []
+        if work.ran:
+            self.stats.record_step(time.perf_counter() - start_s, work.taken)
+            if traced is not None:
+                trace.complete(
+                    "engine step", traced, cat="engine", requests=work.requests, tokens=work.tokens
+                )
+        return finished
+
+    def _step_now(self, work: StepWork) -> list[GenerateOutput]:
+        """Admit, plan and run one step; its tokens are read now, or left pending where the
+        next step may overlap it."""
+        finished = self._admit()
+        batch = self._plan()
+        if not batch:
+            return finished
+        work.requests, work.tokens = len(batch), sum(n for _, n in batch)
         logits_B_V = self._forward(batch)
         prefilled = [r for r, n in batch if r.computed - n < r.prompt_length <= r.computed]
         for r in prefilled:
@@ -322,14 +358,17 @@ class Scheduler(PromptSharing):
         if rows:
             # every row samples in a decode step: no copy of the logits
             whole = not forks and len(logit_rows) == len(batch)
-            finished += self._sample(rows, logits_B_V if whole else logits_B_V[logit_rows])
+            tokens_B, logprobs_B = self._sample(
+                rows, logits_B_V if whole else logits_B_V[logit_rows]
+            )
+            if self._may_stay_pending(batch, rows):
+                self._pending = PendingStep(rows, tokens_B, logprobs_B)
+                return finished
+            finished += self._take_tokens(rows, tokens_B.tolist(), logprobs_B.tolist())
+            work.taken += len(rows)
         now_s = time.perf_counter()  # after sampling's host sync: the tokens exist
         for r in (*prefilled, *(f for fs in forks.values() for f in fs)):
             r.first_token_s = r.first_token_s or now_s  # kept across a retraction's re-prefill
-        self.stats.record_step(now_s - start_s, len(rows))
-        if traced is not None:
-            tokens = sum(n for _, n in batch)
-            trace.complete("engine step", traced, cat="engine", requests=len(batch), tokens=tokens)
         return finished
 
     def _admit(self) -> list[GenerateOutput]:
@@ -455,7 +494,10 @@ class Scheduler(PromptSharing):
             )
         return self.grammars.matcher(constraint)
 
-    def _sample(self, rows: list[Running], logits_B_V: torch.Tensor) -> list[GenerateOutput]:
+    def _sample(
+        self, rows: list[Running], logits_B_V: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token and its log-prob, on the device (`_take_tokens` reads them)."""
         params = [r.request.sampling_params for r in rows]
         matchers = [r.grammar for r in rows]  # masked in place: the log-probs are constrained
         if any(m is not None for m in matchers):
@@ -464,14 +506,21 @@ class Scheduler(PromptSharing):
         penalties = self.penalties.step(rows, params)
         if penalties is not None:  # once, for the sampler and the top-k / chosen-id log-probs
             logits_B_V = apply_penalties(logits_B_V, penalties.rows)
+        generators = [r.generator for r in rows]
         tokens_B, logprobs_B = sample_rows(
-            logits_B_V, params, [r.generator for r in rows], self.generator
+            logits_B_V, params, generators, self.generator, fused=self.fused_sampler
         )
         if penalties is not None:  # on the device, before the step's one host sync
             self.penalties.record(penalties.slots_B, tokens_B)
         record_step([r.extras for r in rows], params, logits_B_V)
+        return tokens_B, logprobs_B
+
+    def _take_tokens(
+        self, rows: list[Running], tokens: list[int], logprobs: list[float]
+    ) -> list[GenerateOutput]:
+        """Append each row's sampled token and retire the rows it finishes."""
         finished = []
-        for r, token, logprob in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
+        for r, token, logprob in zip(rows, tokens, logprobs, strict=True):
             if r.grammar is not None:
                 Grammars.accept(r.grammar, token)
             r.output_logprobs.append(logprob)
@@ -479,6 +528,8 @@ class Scheduler(PromptSharing):
             r.tokens.append(token)  # last: `output_so_far` counts the tokens first
             reason, r.matched_stop = finish_reason(r.request, r.output_ids, self.eos_token_ids)
             if reason is not None:
+                # an overlapped step may have fed r once more: its KV is of its own tokens only
+                r.computed = min(r.computed, len(r.tokens) - 1)
                 finished.append(self._finish(r, reason))
         return finished
 
@@ -538,12 +589,7 @@ class Scheduler(PromptSharing):
         from its pages; None unless it asks for them."""
         if not r.request.return_routed_experts:
             return None
-        n = min(len(r.tokens) - 1, r.computed)
-        if not r.pages or n <= 0:
-            routing = self.runner.routing
-            assert routing is not None  # `submit` refused the request otherwise
-            return torch.empty((0, routing.layers, routing.top_k), dtype=torch.int32)
-        return self.pool.routed_rows(r.pages, n)
+        return self.pool.routed_rows(r.pages, min(len(r.tokens) - 1, r.computed))
 
     def output_so_far(self, r: Running) -> GenerateOutput:
         """An aborted request's answer, its tokens so far (safe while a step runs: see _sample)."""

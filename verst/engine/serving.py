@@ -134,6 +134,7 @@ class ServingEngine(WeightUpdates):
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         true_on_policy: bool = False,
         quantization: Quantization = "none",
+        overlap: bool | None = None,
     ) -> ServingEngine:
         """Load a local HF directory behind a scheduler that stops on the model's EOS ids.
 
@@ -157,6 +158,7 @@ class ServingEngine(WeightUpdates):
             max_adapters=max_adapters,
             true_on_policy=true_on_policy,
             quantization=quantization,
+            overlap=overlap,
         )
 
     @classmethod
@@ -174,10 +176,12 @@ class ServingEngine(WeightUpdates):
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         true_on_policy: bool = False,
         quantization: Quantization = "none",
+        overlap: bool | None = None,
     ) -> ServingEngine:
         """Serve a loaded model (its device and dtype); the scheduler stops on its EOS ids.
         It can hold up to `max_adapters` LoRA adapters (`load_lora_adapter`); `true_on_policy`:
-        the batch-invariant forward, `quantization`: fp8 projections (`Scheduler`)."""
+        the batch-invariant forward, `quantization`: fp8 projections, `overlap`: overlapped
+        decode steps (`Scheduler`)."""
         from verst.models.loading import eos_token_ids
 
         eos = eos_token_ids(model, tokenizer)
@@ -194,6 +198,7 @@ class ServingEngine(WeightUpdates):
             tokenizer=tokenizer,
             true_on_policy=true_on_policy,
             quantization=quantization,
+            overlap=overlap,
         )
         return cls(scheduler, tokenizer, batch_wait_s=batch_wait_s, model_path=model_path)
 

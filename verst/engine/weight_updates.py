@@ -363,6 +363,8 @@ class WeightUpdates:
                 cond.notify_all()
 
     def _set_version(self, version: str) -> None:
+        # requests an overlapped step finished, not yet returned, ended under the old version
+        self._resolve(self.scheduler.drain(), self.weight_version)
         self.weight_version = version
         # The engine's own counter is an int; keep it in step when the version is one.
         self.scheduler.set_weight_version(

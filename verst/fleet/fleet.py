@@ -142,9 +142,11 @@ class Fleet:
         fault_tolerance: FaultToleranceConfig | None = None,
         true_on_policy: bool = False,
         quantization: Quantization = "none",
+        overlap: bool | None = None,
     ) -> Fleet:
         """Bring up `cfg.num_engines` engines with `model`'s weights (`true_on_policy`: each
-        runs the batch-invariant forward; `quantization` fp8: fp8 projections; `Scheduler`).
+        runs the batch-invariant forward; `quantization` fp8: fp8 projections; `overlap`:
+        overlapped decode steps, None on CUDA only; `Scheduler`).
 
         `model` is the engine's copy (its device and dtype) for in-process engines; engine
         processes load `model_dir`, which must hold the same weights.
@@ -158,7 +160,7 @@ class Fleet:
             if cfg.engines == "in_process":
                 clients, runners = loop.run(
                     _start_in_process(
-                        cfg, model, tokenizer, seed, keys, true_on_policy, quantization
+                        cfg, model, tokenizer, seed, keys, true_on_policy, quantization, overlap
                     )
                 )
                 return cls(loop, clients, tokenizer=tokenizer, runners=runners, api_keys=keys)
@@ -166,7 +168,7 @@ class Fleet:
             if true_on_policy:
                 _same_kind_as_trainer(devices, trainer_device)
             processes = _engine_processes(
-                cfg, model_dir, devices, dtype, seed, keys, true_on_policy, quantization
+                cfg, model_dir, devices, dtype, seed, keys, true_on_policy, quantization, overlap
             )
             processes.start_all()
             clients = {e.url: HttpEngineClient(e.url, api_keys=keys) for e in processes.engines}
@@ -495,6 +497,7 @@ async def _start_in_process(
     keys: ApiKeys,
     true_on_policy: bool,
     quantization: Quantization,
+    overlap: bool | None,
 ) -> tuple[dict[str, EngineClient], list[Any]]:
     """Engines on the trainer's device; the first uses `model` itself, the others copies."""
     import copy
@@ -512,6 +515,7 @@ async def _start_in_process(
             max_batch_size=cfg.max_batch_size,
             true_on_policy=true_on_policy,
             quantization=quantization,
+            overlap=overlap,
         )
         await serving.start()
         app = make_app(serving, tokenizer, served_model_name="policy", api_keys=keys)
@@ -530,11 +534,12 @@ def _engine_processes(
     keys: ApiKeys,
     true_on_policy: bool,
     quantization: Quantization,
+    overlap: bool | None,
 ) -> EngineProcesses:
     """`verst serve` processes, one per device (started by `start_all`)."""
     common = ["--dtype", str(dtype).removeprefix("torch."), "--max-batch-size"]
     common += [str(cfg.max_batch_size)] + (["--true-on-policy"] if true_on_policy else [])
-    common += ["--quantization", quantization]
+    common += ["--quantization", quantization] + (["--no-overlap"] if overlap is False else [])
     if cfg.engine_threads is not None:
         common += ["--num-threads", str(cfg.engine_threads)]
     kwargs: dict[str, Any] = dict(

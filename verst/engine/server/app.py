@@ -167,6 +167,7 @@ def run_server(
     tool_call_parser: str | None = None,
     true_on_policy: bool = False,
     quantization: Quantization = "none",
+    overlap: bool | None = None,
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
@@ -187,6 +188,7 @@ def run_server(
         max_adapters=max_loras,
         true_on_policy=true_on_policy,
         quantization=quantization,
+        overlap=overlap,
     )
     for name, path in (lora_paths or {}).items():  # the operator's own: no directory limit
         config, tensors = read_adapter_dir(Path(path))
