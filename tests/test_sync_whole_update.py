@@ -57,8 +57,10 @@ class Logged:
         return [body for call_name, body in self.log if call_name == name]
 
 
-async def _engine(model_dir: Path) -> ServingEngine:
-    serving = ServingEngine.from_model_dir(str(model_dir), seed=0, kv_cache_bytes=8 << 20)
+async def _engine(model_dir: Path, device: str = "cpu") -> ServingEngine:
+    serving = ServingEngine.from_model_dir(
+        str(model_dir), seed=0, kv_cache_bytes=8 << 20, device=device
+    )
     await serving.start()
     return serving
 
@@ -194,49 +196,48 @@ def test_more_buckets_than_buffers_a_request_each(models: tuple[Path, Path]) -> 
 GREEDY = {"sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}}
 
 
+async def versions_per_token_hold(models: tuple[Path, Path], device: str = "cpu") -> None:
+    """Greedy requests run while one-request updates flip the weights between two models
+    (retract): each token is stamped with the version that made it (versions never go back in
+    a request), and every run of tokens of one version is what that version's model continues
+    the prefix with (the KV is recomputed). Shared by the CUDA test."""
+    weights = {
+        v: {n: t.to(device) for n, t in _weights(m).items()}
+        for v, m in ((1, models[1]), (2, models[0]))
+    }
+    serving = await _engine(models[0], device)
+    client = InProcessEngineClient(serving, owns_serving=True)
+    sender = IpcBucketSender(bucket_bytes=ALL_IN_TWO)
+    sync = WeightSync([client], sender, pause_mode="retract")
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(4)]
+    running = [asyncio.ensure_future(client.generate({"input_ids": p, **GREEDY})) for p in prompts]
+    for version in range(1, 7):
+        await asyncio.sleep(0.02)
+        await sync.push(lambda v=version: weights[2 - v % 2].items(), version)
+    results = await asyncio.gather(*running)
+    references = {v: await _engine(m, device) for v, m in ((1, models[1]), (2, models[0]))}
+    spanning = 0
+    for prompt, result in zip(prompts, results, strict=True):
+        spans = result["meta_info"]["weight_versions"]
+        assert [int(s["version"]) for s in spans] == sorted(int(s["version"]) for s in spans)
+        spanning += len(spans) > 1
+        ids = result["output_ids"]
+        for span in spans:  # version 0: the engine's start weights, model a's
+            reference = InProcessEngineClient(references[2 - int(span["version"]) % 2])
+            params = {**GREEDY["sampling_params"], "max_new_tokens": span["end"] - span["start"]}
+            want = await reference.generate(
+                {"input_ids": prompt + ids[: span["start"]], "sampling_params": params}
+            )
+            assert want["output_ids"] == ids[span["start"] : span["end"]], span
+    assert spanning > 0  # some request ran across an update
+    for reference_engine in references.values():
+        await reference_engine.stop()
+    sender.close()
+    await client.close()
+
+
 def test_requests_in_flight_see_one_version_per_token(models: tuple[Path, Path]) -> None:
-    """Greedy requests run while the weights flip between two models: each token is stamped
-    with the version that made it, and (retract: the KV is recomputed) every run of tokens of
-    one version is what that version's model continues the prefix with."""
-    weights = {1: _weights(models[1]), 2: _weights(models[0])}
-
-    async def scenario() -> None:
-        serving = await _engine(models[0])
-        client = InProcessEngineClient(serving, owns_serving=True)
-        sender = IpcBucketSender(bucket_bytes=ALL_IN_TWO)
-        sync = WeightSync([client], sender, pause_mode="retract")
-        prompts = [[5 + i, 6, 7, 8 + i] for i in range(4)]
-        running = [
-            asyncio.ensure_future(client.generate({"input_ids": p, **GREEDY})) for p in prompts
-        ]
-        for version in range(1, 7):
-            await asyncio.sleep(0.02)
-            await sync.push(lambda v=version: weights[2 - v % 2].items(), version)
-        results = await asyncio.gather(*running)
-        references = {v: await _engine(m) for v, m in ((1, models[1]), (2, models[0]))}
-        spanning = 0
-        for prompt, result in zip(prompts, results, strict=True):
-            spans = result["meta_info"]["weight_versions"]
-            spanning += len(spans) > 1
-            ids = result["output_ids"]
-            for span in spans:  # version 0: the engine's start weights, model a's
-                model = references[2 - int(span["version"]) % 2]
-                params = {
-                    **GREEDY["sampling_params"],
-                    "max_new_tokens": span["end"] - span["start"],
-                }
-                prefix = prompt + ids[: span["start"]]
-                want = await InProcessEngineClient(model).generate(
-                    {"input_ids": prefix, "sampling_params": params}
-                )
-                assert want["output_ids"] == ids[span["start"] : span["end"]], span
-        assert spanning > 0  # some request ran across an update
-        for reference in references.values():
-            await reference.stop()
-        sender.close()
-        await client.close()
-
-    asyncio.run(scenario())
+    asyncio.run(versions_per_token_hold(models))
 
 
 # ---- over HTTP: verst serve, and an SGLang server ---------------------------------------------

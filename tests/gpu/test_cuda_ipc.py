@@ -194,3 +194,12 @@ def test_one_request_updates_into_a_serve_process(tmp_path: Path) -> None:
         asyncio.run(scenario())
     finally:
         engine.stop()
+
+
+def test_in_flight_requests_see_one_version_per_token_on_cuda(tmp_path: Path) -> None:
+    """`tests/test_sync_whole_update.py`'s check on the GPU, where decode steps overlap (a
+    pending step is read before the weights change)."""
+    from tests.test_sync_whole_update import versions_per_token_hold
+
+    models = (tiny_model(tmp_path, "a", seed=0), tiny_model(tmp_path, "b", seed=5))
+    asyncio.run(versions_per_token_hold(models, "cuda"))
