@@ -38,6 +38,7 @@ from verst.sync.shared_tensors import (
 )
 
 ALIGN_BYTES = 256  # every tensor of a bucket starts on this boundary (any dtype can view it)
+HELD_VIEWS = 64  # layouts whose views into a buffer are kept (a push's buckets per buffer)
 
 
 @dataclass
@@ -85,6 +86,11 @@ def _planned(
 
 def _device_of(tensor: torch.Tensor) -> torch.device:
     return tensor.to_local().device if isinstance(tensor, DTensor) else tensor.device
+
+
+def _signature(bucket: list[_Item]) -> tuple[Any, ...]:
+    """What places a bucket's tensors in its buffer: names, dtypes, shapes, offsets."""
+    return tuple((i.name, i.dtype, tuple(i.tensor.shape), i.start) for i in bucket)
 
 
 @dataclass
@@ -186,6 +192,9 @@ class IpcBucketSender:
         # the layout ids each buffer has held, by their tensors' (name, dtype, shape, start)
         self._layouts: list[dict[tuple[Any, ...], str]] = [{} for _ in range(num_buffers)]
         self._dead_layouts: set[str] = set()  # of buffers since freed: engines may let them go
+        self._views: list[dict[tuple[Any, ...], list[torch.Tensor]]] = [
+            {} for _ in range(num_buffers)
+        ]  # the same layouts' views into each buffer (`_targets`)
         self._known: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()  # ids each engine holds
         self._timeout_s: float | None = None  # of a whole-update request (`update_whole`)
         self._executor: ThreadPoolExecutor | None = None
@@ -264,7 +273,7 @@ class IpcBucketSender:
             torch.cuda.set_device(device)  # this worker thread's device, for gathers and copies
         size = bucket[-1].start + bucket[-1].nbytes
         buffer = self._buffer(slot, size, device)
-        targets = bucket_views(buffer, [(i.start, i.dtype, tuple(i.tensor.shape)) for i in bucket])
+        targets = self._targets(slot, buffer, bucket)
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for item, target in zip(bucket, targets, strict=True):
             if isinstance(item.tensor, DTensor):
@@ -277,6 +286,18 @@ class IpcBucketSender:
         if buffer.is_cuda:
             torch.cuda.current_stream(buffer.device).synchronize()
         return buffer[:size]
+
+    def _targets(self, slot: int, buffer: torch.Tensor, bucket: list[_Item]) -> list[torch.Tensor]:
+        """Each tensor's place in buffer `slot`, kept per layout: building the views of a 0.5B
+        model's 512 MB bucket (145 tensors) takes 0.5 ms of Python, a lookup 0.05 ms."""
+        signature = _signature(bucket)
+        views = self._views[slot].get(signature)
+        if views is None:
+            if len(self._views[slot]) >= HELD_VIEWS:
+                self._views[slot].clear()
+            layout = [(i.start, i.dtype, tuple(i.tensor.shape)) for i in bucket]
+            views = self._views[slot][signature] = bucket_views(buffer, layout)
+        return views
 
     def _body(self, flat: torch.Tensor, bucket: list[_Item]) -> dict[str, Any]:
         if self.load_format == "flattened_bucket":
@@ -384,8 +405,7 @@ class IpcBucketSender:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         flat = await loop.run_in_executor(self._stager(), self._fill, slot, bucket)
-        signature = tuple((i.name, i.dtype, tuple(i.tensor.shape), i.start) for i in bucket)
-        layout = self._layouts[slot].setdefault(signature, new_layout_id())
+        layout = self._layouts[slot].setdefault(_signature(bucket), new_layout_id())
         self.timings["stage"].append(time.perf_counter() - started)
         self.buckets_sent.append(flat.numel())
         return _Staged(slot, layout, flat, bucket)
@@ -393,6 +413,7 @@ class IpcBucketSender:
     def _forget_layouts(self, slot: int) -> None:
         self._dead_layouts.update(self._layouts[slot].values())
         self._layouts[slot] = {}
+        self._views[slot] = {}
 
     async def _part(
         self,
@@ -466,6 +487,7 @@ class IpcBucketSender:
         """Free the staging buffers (engines let go of their mappings as newer ones arrive)."""
         self._buffers = [None] * self.num_buffers
         self._layouts = [{} for _ in range(self.num_buffers)]
+        self._views = [{} for _ in range(self.num_buffers)]
         self._dead_layouts = set()
         self._known = WeakKeyDictionary()
         if self._executor is not None:
