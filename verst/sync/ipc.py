@@ -184,8 +184,8 @@ class IpcBucketSender:
         self.num_buffers = num_buffers
         self.reuse_buffers = reuse_buffers
         self.buckets_sent: list[int] = []  # bytes of each bucket of the last send (padding in)
-        # seconds per bucket of the last send: "stage" (gather + copy + pickle, trainer side),
-        # "engines" (until every engine has answered for the bucket)
+        # seconds of the last send or update_whole: "stage" per bucket (gather + copy, and the
+        # pickle in `send`, trainer side), "engines" per request (until every engine answered)
         self.timings: dict[str, list[float]] = {"stage": [], "engines": []}
         self.whole_updates = whole_updates
         self._buffers: list[torch.Tensor | None] = [None] * num_buffers
