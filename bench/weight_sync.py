@@ -11,8 +11,9 @@ For a set of tensors of `--gb` GB (fp32 by default) it measures:
 - shared memory across processes (`ColocatedTransport` to an engine process, through
   `verst.sync.ipc.IpcBucketSender`): a `verst serve` process holding a random Qwen3-shaped
   model of about `--gb` maps the trainer's /dev/shm buffers and copies from them; the send
-  alone, and the whole version protocol (pause, flush, send, version, continue, confirm),
-  against a memcpy of the same bytes.
+  alone against a memcpy of the same bytes, and the whole update two ways, alternating: verst's
+  one request (pause to continue, the buffers' layouts sent once) and SGLang's calls (pause,
+  flush, a request per bucket, version, continue, confirm), with each call's time.
 Prints seconds and GB/s, each transport's share of its physical limit, and saves JSON.
 
 With `--device cuda` it measures the GPU case instead: a random Qwen2-0.5B-shaped bf16 model
@@ -187,51 +188,72 @@ def bench_shared_transport(
         async def measure() -> dict:
             steps: dict[str, list[float]] = {}
             client = _Timed(HttpEngineClient(engine.url), steps)
-            # two persistent buffers of bucket_mbs[0] MB (512 by default)
-            transport = ColocatedTransport(bucket_bytes=bucket_mbs[0] << 20)
-            sender = transport.ipc  # an engine process gets handles
-            protocol = WeightSync([client], transport, pause_mode="retract")
-            send_s, push_s = [], []
-            first = await protocol.push(lambda: named.items(), version=1)  # maps the buffers
-            stage_s, engines_s = [], []
-            for version in range(2, 2 + repeats):
+            # two persistent buffers of bucket_mbs[0] MB (512 by default) for each path: verst's
+            # one request (pause to continue, the layout sent once) and SGLang's calls, a step each
+            bucket_bytes = bucket_mbs[0] << 20
+            transports = {
+                path: ColocatedTransport(bucket_bytes=bucket_bytes, whole_updates=path == "one")
+                for path in ("one", "stepwise")
+            }
+            protocols = {
+                path: WeightSync([client], t, pause_mode="retract")
+                for path, t in transports.items()
+            }
+            first = {}
+            for path, protocol in protocols.items():  # maps the buffers
+                first[path] = (await protocol.push(lambda: named.items(), version=1)).seconds
+            sender = transports["stepwise"].ipc
+            send_s, stage_s, engines_s = [], [], []
+            for version in range(2, 2 + repeats):  # SGLang's request alone, a bucket each
                 sync()
                 start = time.perf_counter()
-                await transport.send([client], lambda: named.items(), version)
+                await transports["stepwise"].send([client], lambda: named.items(), version)
                 send_s.append(time.perf_counter() - start)
                 stage_s += sender.timings["stage"]
                 engines_s += sender.timings["engines"]
-            steps.clear()
-            for version in range(2 + repeats, 2 + 2 * repeats):
-                sync()
-                report = await protocol.push(lambda: named.items(), version=version)
-                push_s.append(report.seconds)
-            step_ms = {name: 1e3 * statistics.median(s) for name, s in steps.items()}
+            push_s: dict[str, list[float]] = {"one": [], "stepwise": []}
+            calls: dict[str, dict[str, list[float]]] = {"one": {}, "stepwise": {}}
+            version = 2 + repeats
+            for repeat in range(repeats):  # the two paths alternate, each first in turn
+                order = ("one", "stepwise") if repeat % 2 == 0 else ("stepwise", "one")
+                for path in order:
+                    sync()
+                    steps.clear()
+                    report = await protocols[path].push(lambda: named.items(), version=version)
+                    push_s[path].append(report.seconds)
+                    for name, seconds in steps.items():
+                        calls[path].setdefault(name, []).extend(seconds)
+                    version += 1
+            one = transports["one"].ipc
             checks = {}
             for name in ("model.norm.weight", "model.layers.0.mlp.down_proj.weight"):
                 status, values = await _get_weights(engine.url, name, 4)
                 expected = named[name].float().cpu()[:4].tolist()
                 checks[name] = status == 200 and values == expected
-            buckets = list(sender.buckets_sent)
-            transport.close()
+            buckets = list(one.buckets_sent)
+            one_timings = {k: 1e3 * statistics.median(v) for k, v in one.timings.items() if v}
+            for transport in transports.values():
+                transport.close()
             by_bucket = {}
             for mb in bucket_mbs[1:]:  # the send alone with other bucket sizes
                 other = ColocatedTransport(bucket_bytes=mb << 20)
                 times = []
-                for version in range(2 + 2 * repeats, 3 + 3 * repeats):
+                for _ in range(1 + repeats):
                     sync()
                     start = time.perf_counter()
                     await other.send([client], lambda: named.items(), version)
                     times.append(time.perf_counter() - start)
+                    version += 1
                 by_bucket[mb] = {"best_s": min(times[1:]), "buckets": len(other.ipc.buckets_sent)}
                 other.close()
             await client.inner.close()
             return {
-                "first_update_s": first.seconds,
+                "first_update_s": first,
                 "stage_ms": 1e3 * statistics.median(stage_s),
                 "engines_ms": 1e3 * statistics.median(engines_s),
+                "one_request_timings_ms": one_timings,
                 "by_bucket": by_bucket,
-                "step_median_ms": step_ms,
+                "calls": calls,
                 "send_s": send_s,
                 "push_s": push_s,
                 "buckets_bytes": buckets,
@@ -241,8 +263,13 @@ def bench_shared_transport(
         measured = asyncio.run(measure())
     finally:
         engine.stop()
-    send_best, push_best = min(measured["send_s"]), min(measured["push_s"])
+    send_best = min(measured["send_s"])
+    one, stepwise = measured["push_s"]["one"], measured["push_s"]["stepwise"]
     kind = "cuda_ipc" if device == "cuda" else "shared_memory"
+    per_call_ms = {
+        path: {name: 1e3 * statistics.median(s) for name, s in calls.items()}
+        for path, calls in measured["calls"].items()
+    }
     return {
         "transport": kind,
         "model": "qwen2-0.5b-shaped bf16" if device == "cuda" else "qwen3-shaped fp32",
@@ -250,23 +277,34 @@ def bench_shared_transport(
         "memcpy_s": memcpy_s,
         "send_s": send_best,
         "send_median_s": statistics.median(measured["send_s"]),
-        "whole_update_s": push_best,
-        "whole_update_median_s": statistics.median(measured["push_s"]),
+        # the whole update as verst runs it now: one request (pause, flush, every bucket,
+        # version, continue; the layout sent once), confirmed by its answer
+        "whole_update_s": min(one),
+        "whole_update_median_s": statistics.median(one),
+        # the same update through SGLang's calls (pause, flush, a request per bucket, version,
+        # continue, confirm), alternating with it in this run
+        "stepwise_whole_update_s": min(stepwise),
+        "stepwise_whole_update_median_s": statistics.median(stepwise),
+        "stepwise_vs_one_request_median": statistics.median(stepwise) / statistics.median(one),
         "first_update_s": measured["first_update_s"],
         "bucket_mb": bucket_mbs[0],
         "per_bucket_median_ms": {
             "stage (gather, copy, pickle)": measured["stage_ms"],
             "engines (request to answer)": measured["engines_ms"],
         },
+        "one_request_median_ms": measured["one_request_timings_ms"],
         "send_by_bucket_mb": measured["by_bucket"],
-        "whole_update_step_median_ms": measured["step_median_ms"],
+        "whole_update_step_median_ms": per_call_ms["one"],
+        "stepwise_step_median_ms": per_call_ms["stepwise"],
+        "all_calls_s": measured["calls"],
         "send_gb_s": nbytes / 1e9 / send_best,
         "memcpy_gb_s": nbytes / 1e9 / memcpy_s,
         "send_vs_memcpy": memcpy_s / send_best,
         "buckets_bytes": measured["buckets_bytes"],
         "exact": measured["exact"],
         "all_send_s": measured["send_s"],
-        "all_whole_update_s": measured["push_s"],
+        "all_whole_update_s": one,
+        "all_stepwise_whole_update_s": stepwise,
     }
 
 
@@ -402,18 +440,29 @@ def print_shared(result: dict) -> None:
         f"  send                 {result['send_s'] * 1e3:9.2f} ms  {result['send_gb_s']:8.2f} GB/s"
         f"  ({result['send_vs_memcpy']:.2f} x memcpy)"
     )
+    for label, key in (
+        ("one request", "whole_update"),
+        ("SGLang's calls", "stepwise_whole_update"),
+    ):
+        print(
+            f"  whole update, {label:15s} {result[f'{key}_s'] * 1e3:9.2f} ms (best), "
+            f"{result[f'{key}_median_s'] * 1e3:.2f} ms (median)"
+        )
     print(
-        f"  whole update         {result['whole_update_s'] * 1e3:9.2f} ms (best), "
-        f"{result['whole_update_median_s'] * 1e3:.2f} ms (median)"
+        f"  SGLang's calls / one request (median): {result['stepwise_vs_one_request_median']:.2f}"
     )
-    print(f"  first update (maps the buffers) {result['first_update_s'] * 1e3:.2f} ms")
+    first = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in result["first_update_s"].items())
+    print(f"  first update (maps the buffers), ms: {first}")
     per_bucket = ", ".join(f"{k} {v:.2f}" for k, v in result["per_bucket_median_ms"].items())
-    print(f"  per {result['bucket_mb']} MB bucket (median ms): {per_bucket}")
+    print(f"  per {result['bucket_mb']} MB bucket, SGLang's request (median ms): {per_bucket}")
+    one = ", ".join(f"{k} {v:.2f}" for k, v in result["one_request_median_ms"].items())
+    print(f"  one request (median ms): {one}")
     for mb, other in result["send_by_bucket_mb"].items():
         best = other["best_s"]
         print(f"  send with {mb} MB buckets ({other['buckets']}): {best * 1e3:.2f} ms")
-    steps = ", ".join(f"{k} {v:.2f}" for k, v in result["whole_update_step_median_ms"].items())
-    print(f"  per call (median ms): {steps}")
+    for label, key in (("one request", "whole_update"), ("SGLang's calls", "stepwise")):
+        steps = ", ".join(f"{k} {v:.2f}" for k, v in result[f"{key}_step_median_ms"].items())
+        print(f"  per call, {label} (median ms): {steps}")
     print(f"  bit-exact spot checks: {result['exact']}")
 
 
@@ -539,7 +588,12 @@ def main() -> None:
         "rates": rates,
         "ratios": summary,
         "shared_memory": shared,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        # a shared VM: the load over the last minute, at the end of the run
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_1min_end": os.getloadavg()[0],
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))

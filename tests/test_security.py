@@ -21,6 +21,7 @@ from tests.servers import LoopThread, new_serving, start_app, tiny_model  # noqa
 from verst.auth import ApiKeys  # noqa: E402
 from verst.engine.server.app import make_app  # noqa: E402
 from verst.fleet.client import EngineError, HttpEngineClient  # noqa: E402
+from verst.sync.buffer_layouts import BUFFERS_PATH  # noqa: E402
 
 KEY, ADMIN = "user-key", "admin-key"
 PROMPT = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
@@ -79,6 +80,7 @@ def test_engine_control_routes_need_the_admin_key(loop: LoopThread, engine_url: 
     group = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
     assert loop.run(status_of(engine_url, "/init_weights_update_group", group, key=KEY)) == 401
     assert loop.run(status_of(engine_url, "/get_weights_by_name", {"name": "x"}, key=KEY)) == 401
+    assert loop.run(status_of(engine_url, BUFFERS_PATH, {"buffers": []}, key=KEY)) == 401
     # aborting one's own request is ordinary; aborting everyone's is control
     by_rid = {"rid": "nobody"}
     assert loop.run(status_of(engine_url, "/abort_request", by_rid, key=KEY)) == 200

@@ -148,9 +148,12 @@ GREEDY = {
 }
 
 
+@pytest.mark.parametrize("whole_updates", [True, False], ids=["one_request", "stepwise"])
 def test_serve_process_receives_weights_through_shared_memory(
-    models: tuple[Path, Path], served: tuple[LoopThread, str]
+    whole_updates: bool, models: tuple[Path, Path], served: tuple[LoopThread, str]
 ) -> None:
+    """Both ways to a `verst serve` engine: verst's whole-update request (a request per bucket
+    here: more buckets than staging buffers) and SGLang's calls, a step each."""
     loop, url = served
     model_b = models[1]
     trainer = _weights(model_b)
@@ -164,12 +167,13 @@ def test_serve_process_receives_weights_through_shared_memory(
 
     async def scenario() -> None:
         client = HttpEngineClient(url)
-        transport = ColocatedTransport(bucket_bytes=BUCKET)
+        transport = ColocatedTransport(bucket_bytes=BUCKET, whole_updates=whole_updates)
         sync = WeightSync([client], transport, pause_mode="retract")
         sender = transport.ipc  # an engine process gets handles
         before = await client.generate(GREEDY)
         report = await sync.push(lambda: trainer.items(), version=1)
-        assert report.calls == ["pause", "flush", "send", "set_version", "continue"]
+        stepwise = ["pause", "flush", "send", "set_version", "continue"]
+        assert report.calls == (["update"] if whole_updates else stepwise)
         assert await client.get_weight_version() == "1"
         assert len(sender.buckets_sent) > 1
         assert all(size <= BUCKET for size in sender.buckets_sent)
@@ -193,7 +197,8 @@ def test_serve_process_receives_weights_through_shared_memory(
         got = await _engine_weights(url, list(doubled))
         assert all(torch.equal(got[n], t) for n, t in doubled.items())
         assert await client.get_weight_version() == "2"
-        await sync.push(lambda: trainer.items(), version=3)  # back, for the tests after this
+        start = _weights(models[0])
+        await sync.push(lambda: start.items(), version=3)  # back, for the tests after this
         transport.close()
         await client.close()
 
@@ -239,7 +244,7 @@ def test_an_in_process_engine_takes_the_same_payload(models: tuple[Path, Path]) 
         serving = ServingEngine.from_model_dir(str(models[0]), kv_cache_bytes=8 << 20)
         await serving.start()
         client = InProcessEngineClient(serving, owns_serving=True)
-        sender = IpcBucketSender(bucket_bytes=BUCKET, load_format=None)
+        sender = IpcBucketSender(bucket_bytes=BUCKET, load_format=None, whole_updates=False)
         await WeightSync([client], sender).push(lambda: trainer.items(), version=4)
         params = dict(serving.scheduler.model.named_parameters(remove_duplicate=False))
         assert all(torch.equal(params[n].detach(), t) for n, t in trainer.items())

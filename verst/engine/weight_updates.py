@@ -25,6 +25,8 @@ from verst.engine.adapters import AdapterError, read_adapter_dir
 from verst.engine.weight_loading import checkpoint_files, checkpoint_tensors, load_published
 from verst.engine.weight_paths import allowed_weight_path, load_quietly
 from verst.engine.weight_paths import refusal as weight_path_refusal
+from verst.sync.buffer_layouts import BufferEntry, LayoutRegistry, UnknownLayouts
+from verst.sync.shared_tensors import SharedTensorError
 
 logger = logging.getLogger("verst.engine.serving")
 
@@ -53,6 +55,7 @@ class WeightUpdates:
     allowed_weight_dirs: tuple[Path, ...] | None = None
     group_join_timeout_s: float = GROUP_JOIN_TIMEOUT_S  # `init_weights_update_group`'s limit
     _joins: BoundedJoins | None = None
+    _layouts: LayoutRegistry | None = None  # the trainer's staging-buffer layouts, by id
 
     def _group_joins(self) -> BoundedJoins:
         if self._joins is None:
@@ -188,6 +191,63 @@ class WeightUpdates:
             return True, "Succeeded to update model weights."
 
         return await self._update_weights(load, weight_version)
+
+    async def update_weights_from_buffers(
+        self,
+        entries: list[BufferEntry],
+        *,
+        pause_mode: str | None,
+        flush_cache: bool,
+        weight_version: str | None,
+        continue_generation: bool,
+        release_layouts: list[str] | None = None,
+    ) -> tuple[bool, str]:
+        """verst's whole-update request (`verst.sync.buffer_layouts`): copy the trainer's staging
+        buffers in, named by layout ids; pause in `pause_mode` first, flush the prefix cache,
+        stamp `weight_version` and continue generation, as the protocol's separate calls do.
+
+        Why one request is as safe as the six calls: everything from the pause taking effect to
+        the version stamp runs under the engine lock, i.e. between two scheduler steps, so no
+        step sees part of the new weights, and each token is stamped with the version of the
+        weights that produced it (`Scheduler.step`). The pause mode still acts on the running
+        requests (retract: their KV, computed with the old weights, is dropped by the flush and
+        recomputed; abort: they end; in_place: they keep it), exactly as `/pause_generation`.
+        Layouts are resolved before anything changes: an unknown one (raises `UnknownLayouts`)
+        or a bad payload (answers False) leaves the engine as it was."""
+        params = self.scheduler.parameters()
+        resolve = functools.partial(
+            self._layout_registry().resolve, entries, params, release_layouts or ()
+        )
+        try:  # a new payload opens a mapping, on a thread; held layouts are a lookup
+            opens = any(e.payload is not None for e in entries)
+            layouts = await asyncio.to_thread(resolve) if opens else resolve()
+        except UnknownLayouts:
+            raise
+        except SharedTensorError as error:
+            return False, str(error)
+        if pause_mode is not None:
+            await self.pause(pause_mode)
+
+        def load() -> tuple[bool, str]:
+            if flush_cache and not self.scheduler.flush_cache():
+                return False, "flush_cache refused: paused in place, requests hold KV pages"
+            targets = [t for layout in layouts for t in layout.targets]
+            with torch.no_grad():  # one multi-tensor copy for every buffer
+                torch._foreach_copy_(targets, [v for layout in layouts for v in layout.views])
+            self.scheduler.weights_changed()
+            for device in {t.device for t in targets if t.is_cuda}:
+                torch.cuda.synchronize(device)  # the trainer refills the buffers once answered
+            return True, "Succeeded to update model weights."
+
+        ok, message = await self._update_weights(load, weight_version)
+        if ok and continue_generation:
+            await self.resume()
+        return ok, message
+
+    def _layout_registry(self) -> LayoutRegistry:
+        if self._layouts is None:
+            self._layouts = LayoutRegistry()
+        return self._layouts
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list | None:
         """SGLang's test helper: the parameter as float32 nested lists, its first

@@ -17,6 +17,7 @@ from verst.engine.server import control_api as control
 from verst.engine.server import sglang_api as protocol
 from verst.engine.server.app import CONTROL_PATHS
 from verst.engine.serving import ServingEngine
+from verst.sync.buffer_layouts import BUFFERS_PATH
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -143,6 +144,20 @@ class InProcessEngineClient:
             raise EngineError(status, reply)
         return reply
 
+    async def update_weights_from_buffers(self, body: dict[str, Any]) -> dict[str, Any]:
+        """verst's whole-update request (`verst.sync.buffer_layouts`)."""
+        try:
+            status, reply = await control.run_update_weights_from_buffers(self.serving, body)
+        except protocol.ProtocolError as error:
+            raise EngineError(error.status, error.body) from error
+        if status != 200:
+            raise EngineError(status, reply)
+        return reply
+
+    async def takes_buffer_updates(self) -> bool:
+        """Whether the engine answers verst's whole-update request: always, in-process."""
+        return True
+
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
         await control.run_update_weight_version(
             self.serving, {"new_version": version, "abort_all_requests": abort_all}
@@ -170,6 +185,7 @@ class HttpEngineClient:
         self.timeout_s = timeout_s
         self.api_keys = api_keys or ApiKeys()
         self._session: Any = None
+        self._verst_server: bool | None = None  # `takes_buffer_updates`, once known
 
     def _client(self) -> Any:
         try:
@@ -260,6 +276,23 @@ class HttpEngineClient:
 
     async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         return (await self._request("POST", "/update_weights_from_tensor", body))[1]
+
+    async def update_weights_from_buffers(self, body: dict[str, Any]) -> dict[str, Any]:
+        """verst's whole-update request (`verst.sync.buffer_layouts`); a verst server only."""
+        return (await self._request("POST", BUFFERS_PATH, body))[1]
+
+    async def takes_buffer_updates(self) -> bool:
+        """Whether the server is a `verst serve` (its `/server_info` version reads "verst..."),
+        which answers verst's whole-update request; an SGLang server is sent SGLang's calls.
+        Asked once per client."""
+        if self._verst_server is None:
+            try:
+                info = (await self._request("GET", "/server_info"))[1]
+            except EngineError:
+                info = None  # a server without /server_info (vLLM) is no verst server
+            version = info.get("version") if isinstance(info, dict) else None
+            self._verst_server = isinstance(version, str) and version.startswith("verst")
+        return self._verst_server
 
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
         payload = {"new_version": version, "abort_all_requests": abort_all}

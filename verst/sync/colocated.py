@@ -6,7 +6,9 @@ disk carrying the bytes.
   `share_storage`: a world of one, same dtype) needs nothing sent: the optimiser wrote them;
 - another engine in the trainer's process gets an in-process copy, bucket by bucket;
 - an engine process on the trainer's device gets CUDA IPC handles (GPU) or shared-memory buffers
-  (CPU) and copies from them (`verst.sync.ipc.IpcBucketSender`).
+  (CPU) and copies from them (`verst.sync.ipc.IpcBucketSender`); a `verst serve` process gets
+  the whole update (pause to continue) in one request (`WholeUpdates`), an SGLang server
+  SGLang's calls.
 
 The embedded engine shares storage the same way, without the version protocol
 (`verst.sync.embedded`).
@@ -65,10 +67,13 @@ class ColocatedTransport:
         bucket_bytes: int = 512 << 20,
         dtype: torch.dtype | None = None,
         shared: Iterable[EngineClient] = (),
+        whole_updates: bool = True,
     ) -> None:
         self.bucket_bytes = bucket_bytes
         self.shared = {id(e) for e in shared}  # engines whose weights are the trainer's tensors
-        self.ipc = IpcBucketSender(bucket_bytes=bucket_bytes, dtype=dtype)
+        self.ipc = IpcBucketSender(
+            bucket_bytes=bucket_bytes, dtype=dtype, whole_updates=whole_updates
+        )
 
     @classmethod
     def sharing_storage(
@@ -110,6 +115,22 @@ class ColocatedTransport:
                 )
         if processes:
             await self.ipc.send(processes, tensors, version, adapter)
+
+    async def whole_update_engines(self, engines: list[EngineClient]) -> list[EngineClient]:
+        """The engine processes that take the whole update in one request (`verst serve`)."""
+        processes = [e for e in engines if not hasattr(e, "update_weights_from_tensors")]
+        return await self.ipc.whole_update_engines(processes)
+
+    async def update_whole(
+        self,
+        engines: list[EngineClient],
+        tensors: NamedTensors,
+        version: int,
+        pause_mode: str,
+        timeout_s: float | None = None,
+    ) -> dict[EngineClient, BaseException | None]:
+        """`IpcBucketSender.update_whole`: the whole protocol in one request per engine."""
+        return await self.ipc.update_whole(engines, tensors, version, pause_mode, timeout_s)
 
     def close(self) -> None:
         """Free the staging buffers of engine processes."""

@@ -13,6 +13,12 @@ One update, in order:
 
 An engine that joins (or rejoins) gets a full push before it serves: `add_engine`.
 
+A transport that can run steps 1-6 in one request to an engine (`WholeUpdates`: the colocated
+transport, to `verst serve` engines) is given those engines first; the report's calls then read
+`update` for them, and the others go through the steps above. The engine runs that request
+between two scheduler steps and answers the new version, so it keeps every guarantee of the
+steps (`WeightUpdates.update_weights_from_buffers` says why).
+
 With LoRA the weights of a push are adapters (`AdapterUpdate`s): the frozen base never moves,
 and step 3 sends each adapter in turn, addressed to the engines' adapter registry.
 The version is the trainer's integer; engines carry it as a string, as SGLang does. Each step's
@@ -34,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from verst.monitor import trace
 from verst.plugins import AdapterUpdate, EngineClient, NamedTensors, WeightTransport
@@ -77,6 +83,28 @@ class PushReport:
             self.step_seconds[step] = self.step_seconds.get(step, 0.0) + elapsed
 
 
+@runtime_checkable
+class WholeUpdates(Protocol):
+    """A transport that runs the whole protocol (pause, flush, send, version, continue, with the
+    version in the answer) in one request to some engines."""
+
+    async def whole_update_engines(self, engines: list[EngineClient]) -> list[EngineClient]:
+        """Those of `engines` that take the one request."""
+        ...
+
+    async def update_whole(
+        self,
+        engines: list[EngineClient],
+        tensors: NamedTensors,
+        version: int,
+        pause_mode: str,
+        timeout_s: float | None = None,
+    ) -> dict[EngineClient, BaseException | None]:
+        """Each engine's failure (no answer within `timeout_s` is one), or None where it now
+        runs `version`."""
+        ...
+
+
 class WeightSync:
     def __init__(
         self,
@@ -106,11 +134,26 @@ class WeightSync:
         started = time.perf_counter()
         report = PushReport(version=version, seconds=0.0)
         report.engines = list(self.engines if engines is None else engines)
+        whole = await self._whole_engines(report, tensors)
+        if whole:
+            report.calls.append("update")
+            with report.timed("update"):
+                await self._update_whole(report, whole, tensors, version)
+        stepwise = [e for e in report.engines if e not in whole]
+        if stepwise:
+            await self._stepwise(report, stepwise, tensors, version)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    async def _stepwise(
+        self, report: PushReport, among: list[EngineClient], tensors: Weights, version: int
+    ) -> None:
+        """Steps 1-6, a call each, on the engines `among`."""
 
         async def each(step: str, call: Callable[[EngineClient], Awaitable[Any]]) -> list[Any]:
             report.calls.append(step)
             with report.timed(step):
-                return await self._each(report, step, call)
+                return await self._each(report, step, call, among)
 
         await each("pause", lambda e: e.pause_generation(self.pause_mode))
         if self.pause_mode != "in_place":
@@ -119,19 +162,53 @@ class WeightSync:
                 raise WeightSyncError(f"flush_cache refused by engines {_false(flushed)}")
         report.calls.append("send")
         with report.timed("send"):
-            await self._send(report, tensors, version)
+            await self._send(report, tensors, version, among)
         await each("set_version", lambda e: e.update_weight_version(str(version)))
         await each("continue", lambda e: e.continue_generation())
         with report.timed("confirm"):
-            await self._confirm(tensors, version, report)
-        report.seconds = time.perf_counter() - started
-        return report
+            await self._confirm(tensors, version, report, among)
+
+    async def _whole_engines(self, report: PushReport, tensors: Weights) -> list[EngineClient]:
+        """The engines the transport updates in one request each (a model's tensors only, not
+        LoRA adapters). When the tensors can be walked only once a push, only if that is every
+        engine: the others would need a second walk."""
+        if not isinstance(self.transport, WholeUpdates) or not callable(tensors):
+            return []
+        whole = await self.transport.whole_update_engines(list(report.engines))
+        if not self.repeat_send and len(whole) != len(report.engines):
+            return []
+        return whole
+
+    async def _update_whole(
+        self, report: PushReport, whole: list[EngineClient], tensors: NamedTensors, version: int
+    ) -> None:
+        """The one-request update; an engine that failed it is lost when found dead, and fails
+        the push when alive (its weights were refused), as a failed send does."""
+        assert isinstance(self.transport, WholeUpdates)
+        failures = await self.transport.update_whole(
+            whole, tensors, version, self.pause_mode, self.call_timeout_s
+        )
+        failed = [(e, error) for e, error in failures.items() if error is not None]
+        if failed and self.on_engine_lost is None:
+            raise failed[0][1]
+        alive = await asyncio.gather(*(self._alive(e) for e, _ in failed))
+        for (engine, error), ok in zip(failed, alive, strict=True):
+            if ok:
+                raise WeightSyncError(
+                    f"engine {_index(self.engines, engine)} is alive but failed the update to "
+                    f"version {version}: {_describe(error)}"
+                ) from error
+            self._lose(report, engine, f"update failed: {_describe(error)}", error)
 
     async def _each(
-        self, report: PushReport, step: str, call: Callable[[EngineClient], Awaitable[Any]]
+        self,
+        report: PushReport,
+        step: str,
+        call: Callable[[EngineClient], Awaitable[Any]],
+        among: list[EngineClient],
     ) -> list[Any]:
-        """`call` on every engine of the push at once; an engine that fails it is lost."""
-        engines = list(report.engines)
+        """`call` on the push's engines `among` at once; an engine that fails it is lost."""
+        engines = [e for e in report.engines if e in among]
         results = await asyncio.gather(
             *(self._bounded(call(e)) for e in engines), return_exceptions=True
         )
@@ -166,12 +243,16 @@ class WeightSync:
                 f"every engine failed during the push of version {report.version}; last: {reason}"
             ) from error
 
-    async def _send(self, report: PushReport, tensors: Weights, version: int) -> None:
-        """The transport's send to the push's engines; after a failure, the engines found dead
-        are lost and the send is repeated for the others (each retry loses at least one)."""
+    async def _send(
+        self, report: PushReport, tensors: Weights, version: int, among: list[EngineClient]
+    ) -> None:
+        """The transport's send to the push's engines `among`; after a failure, the engines
+        found dead are lost and the send is repeated for the others (each retry loses at least
+        one)."""
         while True:
+            engines = [e for e in report.engines if e in among]
             try:
-                await self._transport_send(list(report.engines), tensors, version)
+                await self._transport_send(engines, tensors, version)
                 return
             except Exception as error:
                 if self.on_engine_lost is None:
@@ -181,8 +262,8 @@ class WeightSync:
                         f"sending version {version} failed ({_describe(error)}), and the send "
                         "cannot be repeated: the other trainer ranks gathered the weights once"
                     ) from error
-                alive = await asyncio.gather(*(self._alive(e) for e in report.engines))
-                dead = [e for e, ok in zip(report.engines, alive, strict=True) if not ok]
+                alive = await asyncio.gather(*(self._alive(e) for e in engines))
+                dead = [e for e, ok in zip(engines, alive, strict=True) if not ok]
                 if not dead:
                     raise WeightSyncError(
                         f"sending version {version} failed while every engine is alive: "
@@ -197,10 +278,14 @@ class WeightSync:
         except Exception:
             return False
 
-    async def _confirm(self, tensors: Weights, version: int, report: PushReport) -> None:
+    async def _confirm(
+        self, tensors: Weights, version: int, report: PushReport, among: list[EngineClient]
+    ) -> None:
         for attempt in range(self.max_resends + 1):
-            engines = list(report.engines)
-            versions = await self._each(report, "get_version", lambda e: e.get_weight_version())
+            engines = [e for e in report.engines if e in among]
+            versions = await self._each(
+                report, "get_version", lambda e: e.get_weight_version(), among
+            )
             engines = [e for e in engines if e in report.engines]  # those that answered
             stale = [i for i, v in enumerate(versions) if v != str(version)]
             if not stale:

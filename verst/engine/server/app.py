@@ -19,6 +19,7 @@ from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, read_adapter_dir
 from verst.engine.config import Quantization
 from verst.engine.serving import ServingEngine
 from verst.http_limits import HttpLimits, limited_app
+from verst.sync.buffer_layouts import BUFFERS_PATH
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -37,6 +38,7 @@ CONTROL_PATHS = frozenset(
         "/destroy_weights_update_group",
         "/update_weights_from_distributed",
         "/update_weights_from_tensor",
+        BUFFERS_PATH,
         "/update_weight_version",
         "/get_weights_by_name",
         "/pause_generation",
@@ -132,6 +134,7 @@ def make_app(
     routes.add_post("/destroy_weights_update_group", h.destroy_weights_update_group)
     routes.add_post("/update_weights_from_distributed", h.update_weights_from_distributed)
     routes.add_post("/update_weights_from_tensor", h.update_weights_from_tensor)
+    routes.add_post(BUFFERS_PATH, h.update_weights_from_buffers)  # verst's own
     for method in ("GET", "POST"):
         routes.add_route(method, "/get_weights_by_name", h.get_weights_by_name)
     routes.add_post("/load_lora_adapter", h.load_lora_adapter)

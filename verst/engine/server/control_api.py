@@ -233,6 +233,48 @@ async def run_update_weights_from_tensor(
     return (200 if ok else 400), {"success": ok, "message": message}
 
 
+async def run_update_weights_from_buffers(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    """verst's `/verst/update_weights_from_buffers` (`verst.sync.buffer_layouts`): the
+    trainer's staging buffers by layout id, with the pause, the flush, the version and the
+    continue in the same request. 409 (nothing changed) when a layout is not held."""
+    from verst.sync.buffer_layouts import (
+        UNKNOWN_LAYOUT_STATUS,
+        UnknownLayouts,
+        parse_entries,
+        parse_released,
+    )
+
+    body = _body_dict(payload)
+    try:
+        entries = parse_entries(body.get("buffers"))
+        released = parse_released(body.get("release_layouts"))
+    except ValueError as error:
+        raise validation_error(str(error)) from None
+    mode = body.get("pause_mode")
+    if mode is not None and mode not in PAUSE_MODES:
+        raise validation_error(f"pause_mode must be null or one of {', '.join(PAUSE_MODES)}")
+    version = body.get("weight_version")
+    try:
+        ok, message = await serving.update_weights_from_buffers(
+            entries,
+            pause_mode=mode,
+            flush_cache=bool(body.get("flush_cache")),
+            weight_version=None if version is None else str(version),
+            continue_generation=bool(body.get("continue_generation")),
+            release_layouts=released,
+        )
+    except UnknownLayouts as error:
+        reply = {"success": False, "message": str(error), "unknown_layouts": error.ids}
+        return UNKNOWN_LAYOUT_STATUS, reply
+    return (200 if ok else 400), {
+        "success": ok,
+        "message": message,
+        "weight_version": serving.weight_version,
+    }
+
+
 def _adapter_target(body: dict[str, Any]) -> dict[str, Any]:
     """verst's fields on an update that address it to a LoRA adapter of the registry:
     `lora_name` (and its peft `lora_config`); none for the model's own weights."""

@@ -34,6 +34,7 @@ from verst.engine.server.control_api import (
     run_pause,
     run_unload_lora_adapter,
     run_update_weight_version,
+    run_update_weights_from_buffers,
     run_update_weights_from_disk,
     run_update_weights_from_distributed,
     run_update_weights_from_tensor,
@@ -340,6 +341,9 @@ class EngineHandlers:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         return await self._weights(run_update_weights_from_tensor, request)
+
+    async def update_weights_from_buffers(self, request: web.Request) -> web.Response:
+        return await self._weights(run_update_weights_from_buffers, request)
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         return await self._weights(run_load_lora_adapter, request)
