@@ -55,10 +55,10 @@ def _add_compute_flags(parser: argparse.ArgumentParser) -> None:
         "every weight update; GEMMs through torch._scaled_mm (default: %(default)s)",
     )
     parser.add_argument(
-        "--no-overlap",
+        "--overlap",
         action="store_true",
-        help="run every decode step synchronously (by default CUDA engines launch each "
-        "decode-only step before reading the previous one's tokens)",
+        help="on CUDA, launch each decode-only step before reading the previous one's tokens "
+        "(by default every decode step is synchronous)",
     )
 
 
@@ -226,7 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
         lora_paths=_lora_paths(args.lora_paths),
         true_on_policy=args.true_on_policy,
         quantization=args.quantization,
-        overlap=False if args.no_overlap else None,
+        overlap=None if args.overlap else False,
     )
     return 0
 

@@ -46,7 +46,7 @@ def scheduler(dtype: torch.dtype, overlap: bool | None, **options) -> Scheduler:
     return Scheduler(model, pool, eos_token_ids=[63], pad_token_id=0, overlap=overlap, **options)
 
 
-def test_overlap_is_on_by_default_on_cuda() -> None:
+def test_overlap_none_means_on_cuda() -> None:
     assert scheduler(torch.float32, overlap=None).overlap
 
 

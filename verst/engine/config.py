@@ -23,10 +23,10 @@ class EngineConfig(ConfigBase):
         "torch._scaled_mm (pair it with loss.use_tis)",
     )
     overlap: bool = Field(
-        True,
+        False,
         description="CUDA engines launch each decode-only step before reading the previous "
-        "one's sampled tokens, hiding the host's work (CPU engines never overlap); false: "
-        "every step synchronous, for A/B runs and bisecting",
+        "one's sampled tokens (CPU engines never overlap); off by default: it measured "
+        "slower than synchronous steps on the H200 so far (docs/performance.md)",
     )
 
     def scheduler_overlap(self) -> bool | None:

@@ -69,12 +69,12 @@ class Scheduler(PromptSharing, OverlapSteps):
         tokenizer: Any = None,
         true_on_policy: bool = False,
         quantization: Quantization = "none",
-        overlap: bool | None = None,
+        overlap: bool | None = False,
     ) -> None:
         """`tokenizer` (HF's) enables constrained decoding; `true_on_policy` and
         `quantization`: see `ModelRunner`; `overlap`: launch each decode-only step before
-        reading the previous one's tokens (`verst.engine.overlap`); None: on CUDA only, where
-        it pays (elsewhere the bookkeeping runs the same, for its tests, but gains nothing)."""
+        reading the previous one's tokens (`verst.engine.overlap`); None: on CUDA only (True
+        runs its bookkeeping on the CPU too, for its tests, where it gains nothing)."""
         self.model = model
         self.pool = pool
         self.runner = ModelRunner(
