@@ -35,25 +35,14 @@ import json
 from typing import Any
 
 from verst.envs.base import Action, Environment, Message, StepResult
+from verst.envs.verifiers_trace import build_trace, opening_messages, vf_module
 from verst.plugin_loader import load_object
 from verst.types import Sample
-
-_FINISH_REASONS = ("stop", "length", "tool_calls")
-
-
-def _vf() -> Any:
-    try:
-        import verifiers.v1 as vf
-    except ImportError as error:
-        raise ImportError(
-            "env.name: verifiers needs verifiers: pip install 'verst[verifiers]'"
-        ) from error
-    return vf
 
 
 def _build_taskset(spec: str, args: dict[str, Any]) -> Any:
     """The Taskset that `spec` names (see the module docstring), built with `args`."""
-    vf = _vf()
+    vf = vf_module()
     if ":" not in spec:
         config = vf.taskset_config_type(spec).model_validate({"id": spec, **args})
         return vf.load_taskset(config)
@@ -74,7 +63,7 @@ def _build_taskset(spec: str, args: dict[str, Any]) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def _cached_tasks(spec: str, args_json: str, size: int | None) -> tuple[Any, ...]:
-    vf = _vf()
+    vf = vf_module()
     taskset = _build_taskset(spec, json.loads(args_json))
     if not isinstance(taskset, vf.Taskset):
         raise ValueError(f"taskset {spec!r} gave a {type(taskset).__name__}, not a vf.Taskset")
@@ -99,27 +88,6 @@ def load_tasks(spec: Any, args: Any = None, size: Any = None, *, where: str) -> 
         return _cached_tasks(spec, json.dumps(args or {}, sort_keys=True), size)
     except (ImportError, ValueError, TypeError) as error:
         raise ValueError(f"{where}.taskset: {error}") from error
-
-
-def opening_messages(task: Any) -> list[Message]:
-    """The task's opening messages as OpenAI chat messages: its system prompt, then its
-    prompt (text as one user message, or its messages), as verifiers' `null` harness sends."""
-    from verifiers.v1.dialects.chat import message_to_wire
-
-    data = task.data
-    if data.prompt is None:
-        raise ValueError(
-            f"verifiers: task {data.idx} has no prompt (the user opens the conversation): "
-            "it needs a user agent, which this connector does not play"
-        )
-    messages: list[Message] = []
-    if data.system_prompt is not None:
-        messages.append({"role": "system", "content": data.system_prompt})
-    if isinstance(data.prompt, str):
-        messages.append({"role": "user", "content": data.prompt})
-    else:
-        messages.extend(message_to_wire(m) for m in data.prompt)
-    return messages
 
 
 def verifiers_rows(
@@ -167,35 +135,6 @@ def _unplayable(task: Any) -> str | None:
             if param is not None and param.default is inspect.Parameter.empty:
                 return f"its {kind} {fn.__name__!r} takes a runtime"
     return None
-
-
-def build_trace(task: Any, messages: list[Message], finish_reasons: dict[int, str]) -> Any:
-    """A `vf.Trace` of the conversation: one message node per message, each the child of the
-    one before; the model's turns (the indices in `finish_reasons`) sampled, with a model call
-    each. No token ids: verst keeps the sampled tokens itself."""
-    vf = _vf()
-    from verifiers.v1.dialects.chat import parse_message
-    from verifiers.v1.state import state_cls
-
-    trace = vf.Trace(
-        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-        state=state_cls(type(task))(),
-        agent=vf.AgentInfo(config=vf.AgentConfig(), name="verst"),
-    )
-    for i, message in enumerate(messages):
-        node = vf.MessageNode(
-            parent=i - 1 if i else None,
-            message=parse_message(message),
-            sampled=i in finish_reasons,
-        )
-        trace.nodes.append(node)
-        if i in finish_reasons:
-            finish = finish_reasons[i] if finish_reasons[i] in _FINISH_REASONS else None
-            trace.calls.append(
-                vf.ModelCall(node=i, endpoint="/chat/completions", finish_reason=finish)
-            )
-    trace.stop("agent_completed")
-    return trace
 
 
 def task_of(metadata: dict[str, Any], settings: dict[str, Any], *, where: str) -> Any:
