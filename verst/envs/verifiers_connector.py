@@ -35,6 +35,8 @@ import json
 from typing import Any
 
 from verst.envs.base import Action, Environment, Message, StepResult
+from verst.envs.runner import EpisodeError
+from verst.envs.verifiers_multiturn import EnvEpisode, load_env
 from verst.envs.verifiers_trace import build_trace, opening_messages, vf_module
 from verst.plugin_loader import load_object
 from verst.types import Sample
@@ -177,21 +179,85 @@ async def task_reward(sample: Sample) -> float:
     return float(trace.reward)
 
 
+def env_spec(options: dict[str, Any]) -> str | None:
+    """The multi-turn `vf.Env` that `env.options` name: `env` when set, else the Env that a
+    taskset id's package exports (as verifiers pairs them); None for single-turn play."""
+    spec = options.get("env")
+    if spec is not None:
+        if not isinstance(spec, str) or not spec:
+            raise ValueError("env.options.env: name a vf.Env ('pkg.mod:Class' or an env id)")
+        return spec
+    taskset = options.get("taskset")
+    if not isinstance(taskset, str) or ":" in taskset:
+        return None
+    from verifiers.v1.utils.loaders import environment_class
+
+    env_cls = environment_class(taskset)
+    if env_cls is vf_module().SingleAgentEnv:
+        return None
+    return f"{env_cls.__module__}:{env_cls.__qualname__}"
+
+
+def trace_result(trace: Any) -> StepResult:
+    """The episode's last result: the scored trace's weighted reward, and its rewards,
+    metrics and last reply as facts for the sample's metadata."""
+    info = {
+        "answer": trace.last_reply,
+        "vf_rewards": {k: r.score for k, r in trace.rewards.items() if r is not None},
+        "vf_metrics": {k: v for k, v in trace.metrics.items() if v is not None},
+        "vf_stop": trace.stop_condition,
+    }
+    return StepResult(reward=float(trace.reward), done=True, info=info)
+
+
 class VerifiersEnvironment(Environment):
-    """An episode of one verifiers task (see the module docstring for `env.options`)."""
+    """An episode of one verifiers task (see the module docstring for `env.options`):
+    single-turn, or the turns of the `vf.Env` that the options name."""
+
+    episode: EnvEpisode | None = None
 
     async def reset(self, prompt: str | list[Message], metadata: dict[str, Any]) -> list[Message]:
         self.task = task_of(metadata, self.options, where="env.options")
         if (why := _unplayable(self.task)) is not None:
             idx = self.task.data.idx
             raise ValueError(f"verifiers: task {idx} cannot be scored without its runtime: {why}")
-        return opening_messages(self.task)
+        try:
+            spec = env_spec(self.options)
+            env = None if spec is None else load_env(spec, self.options.get("env_args") or {})
+        except (ImportError, ValueError, TypeError) as error:
+            raise ValueError(f"env.options.env: {error}") from error
+        if env is None:
+            return opening_messages(self.task)
+        self.episode = EnvEpisode(env, self.task)
+        return await self.episode.start()
 
     async def step(self, action: Action) -> StepResult:
-        trace = await score_answer(self.task, action.content, action.finish_reason)
-        info = {
-            "answer": action.content.strip(),
-            "vf_rewards": {k: r.score for k, r in trace.rewards.items() if r is not None},
-            "vf_metrics": {k: v for k, v in trace.metrics.items() if v is not None},
-        }
-        return StepResult(reward=float(trace.reward), done=True, info=info)
+        if self.episode is None:
+            trace = await score_answer(self.task, action.content, action.finish_reason)
+            return trace_result(trace)
+        reply = {"role": "assistant", "content": action.content}
+        try:
+            following = await self.episode.answer(reply, action.finish_reason)
+        except Exception as error:
+            raise _env_failed(self.episode, error) from error
+        return StepResult(observation=following) if following else trace_result(self.episode.trace)
+
+    async def truncate(self) -> StepResult | None:
+        if self.episode is None:
+            return None
+        try:
+            await self.episode.end()
+        except Exception as error:
+            raise _env_failed(self.episode, error) from error
+        return trace_result(self.episode.trace)
+
+    async def close(self) -> None:
+        if self.episode is not None:
+            await self.episode.close()
+
+
+def _env_failed(episode: EnvEpisode, error: Exception) -> EpisodeError:
+    """A failing env run, finalize or scoring fails the episode (verifiers counts it failed,
+    not as a zero reward): the sample is ABORTED whatever env.on_error says."""
+    name = type(episode.env).__name__
+    return EpisodeError(f"verifiers: {name}: {type(error).__name__}: {error}")
