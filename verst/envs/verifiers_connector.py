@@ -22,10 +22,15 @@ every model turn. The conversation then becomes a `vf.Trace`, the task's `score`
 metrics and rewards on it, and the trace's weighted reward is the episode's. `task_reward` is the
 same scoring as a reward function, for single-turn runs and the warm start's dev check.
 
-Single-turn: a v1 `Task` has no per-turn hook (multi-turn play lives in a verifiers `Env.run`
-or a harness), so the episode ends after the first answer. The harness, the runtime and task
-toolsets are not used; a task that needs them (`NEEDS_CONTAINER`, toolsets, a reward or metric
-that takes a `runtime`) is refused at reset rather than scored without them.
+Multi-turn: `env: "pkg.mod:EnvClass"` (or a verifiers env id; a taskset id whose package
+exports a `vf.Env` plays that Env) with `env_args` (its config) names a `vf.Env` whose
+`run(task, agents)` drives the conversation; `verst.envs.verifiers_multiturn` plays it, each
+turn it asks for a model turn through the session server. Without one, the episode is
+single-turn: it ends after the first answer (a v1 `Task` has no per-turn hook).
+
+The harness, the runtime and task toolsets are not used; a task that needs them
+(`NEEDS_CONTAINER`, toolsets, a reward or metric that takes a `runtime`) is refused at reset
+rather than scored without them.
 """
 
 from __future__ import annotations
