@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from verst.envs.base import Message
@@ -162,11 +162,14 @@ class EnvEpisode:
         from verifiers.v1.episode import EnvInfo
 
         try:
-            agents = vf.Agents(self.env.config, self._seat)
+            agents = vf.Agents(self.env.config, lambda name, spec: Seat(self, name, spec))
             await self.env.setup(agents)
             await self.env.run(self.task, agents)
             task = vf.TraceTask(
-                type=type(self.task).__name__, data=self.task.data, key=self.task.key
+                type=type(self.task).__name__,
+                data=self.task.data,
+                key=self.task.key,
+                hash=self.task.hash,
             )
             episode = vf.Episode(env=EnvInfo(id=type(self.env).__name__), task=task)
             episode.traces.append(self.trace)
@@ -174,9 +177,6 @@ class EnvEpisode:
             await self._asks.put(_DONE)
         except Exception as error:  # noqa: BLE001 - handed to the verst side, which raises it
             await self._asks.put(error)
-
-    def _seat(self, name: str, config: Any) -> Seat:
-        return Seat(self, name, config)
 
 
 class Seat:
@@ -193,7 +193,16 @@ class Seat:
         )
 
     @contextlib.asynccontextmanager
-    async def interaction(self, task: Any, **_: Any) -> AsyncIterator[Exchange]:
+    async def interaction(
+        self,
+        task: Any,
+        *,
+        runtime: Any = None,
+        tools: Any = None,
+        on_trace: Callable[[Any], None] | None = None,
+    ) -> AsyncIterator[Exchange]:
+        if runtime is not None or tools:
+            raise ValueError("verifiers: verst's turns borrow no runtime or tool servers")
         if not self.trainable:
             raise ValueError(f"verifiers: the env marks agent {self.name!r} untrainable")
         if self.episode.exchange is not None:
@@ -201,6 +210,8 @@ class Seat:
         check_task_hooks(task)
         exchange = Exchange(self.episode, task, new_trace(task, self.config, self.name))
         self.episode.exchange = exchange
+        if on_trace is not None:
+            on_trace(exchange.trace)
         yield exchange
         await exchange.close()
 
