@@ -13,10 +13,10 @@ terminated segment (the seat's `max_turns`, a task `@vf.stop` on the trace), or 
 
 What the stand-in does not play, refused when the episode starts: more than one agent (or the
 one marked untrainable), an agent pinned to another model, client or a harness other than
-`null`, token limits, `agent.run` (a whole harness run), request / response `@vf.stop`s and
-`@vf.intercept` hooks. The Env is built without its base `__init__` (which loads harnesses,
-runtimes and the interception server that verst replaces): `self.config` is validated from
-`env_args`; `self.taskset` is not set.
+`null`, token limits, a borrowed runtime or tool servers, `agent.run` (a whole harness run),
+request / response `@vf.stop`s and `@vf.intercept` hooks. The Env is built without its base
+`__init__` (which loads harnesses, runtimes and the interception server that verst replaces):
+`self.config` is validated from `env_args`; `self.taskset` is not set.
 """
 
 from __future__ import annotations
