@@ -15,7 +15,8 @@ then closes the environment and the sandbox (kills what is left, deletes the wor
 A malformed tool call, an unknown tool, bad arguments, and an environment that raises are
 handled by `env.on_error`: `observe` sends the error back as the observation (a `tool` message,
 or `user` when the turn made no call) and the episode goes on; `abort` ends it, and the agent
-layer marks the sample ABORTED with the reason. A sandbox that cannot start always aborts.
+layer marks the sample ABORTED with the reason. A sandbox that cannot start, and an
+environment that raises `EpisodeError` (its episode cannot go on), always abort.
 The returned dict (merged into the sample's metadata) carries `env_reward` (the sum of the
 steps' rewards; `env_reward` below is the reward function that reads it), `env_done`,
 `env_steps`, `env_errors`, the last error if any, and each step's `info`.
@@ -207,7 +208,7 @@ class EnvironmentAgent:
         a result whose observation is the error as a `role` message)."""
         try:
             return await call
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, EpisodeError):
             raise
         except Exception as error:  # noqa: BLE001 - a tool call or an environment failing
             if isinstance(error, ToolCallError):

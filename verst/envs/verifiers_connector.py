@@ -22,10 +22,15 @@ every model turn. The conversation then becomes a `vf.Trace`, the task's `score`
 metrics and rewards on it, and the trace's weighted reward is the episode's. `task_reward` is the
 same scoring as a reward function, for single-turn runs and the warm start's dev check.
 
-Single-turn: a v1 `Task` has no per-turn hook (multi-turn play lives in a verifiers `Env.run`
-or a harness), so the episode ends after the first answer. The harness, the runtime and task
-toolsets are not used; a task that needs them (`NEEDS_CONTAINER`, toolsets, a reward or metric
-that takes a `runtime`) is refused at reset rather than scored without them.
+Multi-turn: `env: "pkg.mod:EnvClass"` (or a verifiers env id; a taskset id whose package
+exports a `vf.Env` plays that Env) with `env_args` (its config) names a `vf.Env` whose
+`run(task, agents)` drives the conversation; `verst.envs.verifiers_multiturn` plays it, each
+turn it asks for a model turn through the session server. Without one, the episode is
+single-turn: it ends after the first answer (a v1 `Task` has no per-turn hook).
+
+The harness, the runtime and task toolsets are not used; a task that needs them
+(`NEEDS_CONTAINER`, toolsets, a reward or metric that takes a `runtime`) is refused at reset
+rather than scored without them.
 """
 
 from __future__ import annotations
@@ -35,25 +40,16 @@ import json
 from typing import Any
 
 from verst.envs.base import Action, Environment, Message, StepResult
+from verst.envs.runner import EpisodeError
+from verst.envs.verifiers_multiturn import EnvEpisode, load_env
+from verst.envs.verifiers_trace import build_trace, opening_messages, vf_module
 from verst.plugin_loader import load_object
 from verst.types import Sample
-
-_FINISH_REASONS = ("stop", "length", "tool_calls")
-
-
-def _vf() -> Any:
-    try:
-        import verifiers.v1 as vf
-    except ImportError as error:
-        raise ImportError(
-            "env.name: verifiers needs verifiers: pip install 'verst[verifiers]'"
-        ) from error
-    return vf
 
 
 def _build_taskset(spec: str, args: dict[str, Any]) -> Any:
     """The Taskset that `spec` names (see the module docstring), built with `args`."""
-    vf = _vf()
+    vf = vf_module()
     if ":" not in spec:
         config = vf.taskset_config_type(spec).model_validate({"id": spec, **args})
         return vf.load_taskset(config)
@@ -74,7 +70,7 @@ def _build_taskset(spec: str, args: dict[str, Any]) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def _cached_tasks(spec: str, args_json: str, size: int | None) -> tuple[Any, ...]:
-    vf = _vf()
+    vf = vf_module()
     taskset = _build_taskset(spec, json.loads(args_json))
     if not isinstance(taskset, vf.Taskset):
         raise ValueError(f"taskset {spec!r} gave a {type(taskset).__name__}, not a vf.Taskset")
@@ -99,27 +95,6 @@ def load_tasks(spec: Any, args: Any = None, size: Any = None, *, where: str) -> 
         return _cached_tasks(spec, json.dumps(args or {}, sort_keys=True), size)
     except (ImportError, ValueError, TypeError) as error:
         raise ValueError(f"{where}.taskset: {error}") from error
-
-
-def opening_messages(task: Any) -> list[Message]:
-    """The task's opening messages as OpenAI chat messages: its system prompt, then its
-    prompt (text as one user message, or its messages), as verifiers' `null` harness sends."""
-    from verifiers.v1.dialects.chat import message_to_wire
-
-    data = task.data
-    if data.prompt is None:
-        raise ValueError(
-            f"verifiers: task {data.idx} has no prompt (the user opens the conversation): "
-            "it needs a user agent, which this connector does not play"
-        )
-    messages: list[Message] = []
-    if data.system_prompt is not None:
-        messages.append({"role": "system", "content": data.system_prompt})
-    if isinstance(data.prompt, str):
-        messages.append({"role": "user", "content": data.prompt})
-    else:
-        messages.extend(message_to_wire(m) for m in data.prompt)
-    return messages
 
 
 def verifiers_rows(
@@ -169,35 +144,6 @@ def _unplayable(task: Any) -> str | None:
     return None
 
 
-def build_trace(task: Any, messages: list[Message], finish_reasons: dict[int, str]) -> Any:
-    """A `vf.Trace` of the conversation: one message node per message, each the child of the
-    one before; the model's turns (the indices in `finish_reasons`) sampled, with a model call
-    each. No token ids: verst keeps the sampled tokens itself."""
-    vf = _vf()
-    from verifiers.v1.dialects.chat import parse_message
-    from verifiers.v1.state import state_cls
-
-    trace = vf.Trace(
-        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-        state=state_cls(type(task))(),
-        agent=vf.AgentInfo(config=vf.AgentConfig(), name="verst"),
-    )
-    for i, message in enumerate(messages):
-        node = vf.MessageNode(
-            parent=i - 1 if i else None,
-            message=parse_message(message),
-            sampled=i in finish_reasons,
-        )
-        trace.nodes.append(node)
-        if i in finish_reasons:
-            finish = finish_reasons[i] if finish_reasons[i] in _FINISH_REASONS else None
-            trace.calls.append(
-                vf.ModelCall(node=i, endpoint="/chat/completions", finish_reason=finish)
-            )
-    trace.stop("agent_completed")
-    return trace
-
-
 def task_of(metadata: dict[str, Any], settings: dict[str, Any], *, where: str) -> Any:
     """The task a sample's row names (`vf_task_idx`, `vf_task_key`) in the taskset that
     `settings` name (`taskset`, `args`, `size`: `where`, the config field); `ValueError` when
@@ -238,21 +184,85 @@ async def task_reward(sample: Sample) -> float:
     return float(trace.reward)
 
 
+def env_spec(options: dict[str, Any]) -> str | None:
+    """The multi-turn `vf.Env` that `env.options` name: `env` when set, else the Env that a
+    taskset id's package exports (as verifiers pairs them); None for single-turn play."""
+    spec = options.get("env")
+    if spec is not None:
+        if not isinstance(spec, str) or not spec:
+            raise ValueError("env.options.env: name a vf.Env ('pkg.mod:Class' or an env id)")
+        return spec
+    taskset = options.get("taskset")
+    if not isinstance(taskset, str) or ":" in taskset:
+        return None
+    from verifiers.v1.utils.loaders import environment_class
+
+    env_cls = environment_class(taskset)
+    if env_cls is vf_module().SingleAgentEnv:
+        return None
+    return f"{env_cls.__module__}:{env_cls.__qualname__}"
+
+
+def trace_result(trace: Any) -> StepResult:
+    """The episode's last result: the scored trace's weighted reward, and its rewards,
+    metrics and last reply as facts for the sample's metadata."""
+    info = {
+        "answer": trace.last_reply,
+        "vf_rewards": {k: r.score for k, r in trace.rewards.items() if r is not None},
+        "vf_metrics": {k: v for k, v in trace.metrics.items() if v is not None},
+        "vf_stop": trace.stop_condition,
+    }
+    return StepResult(reward=float(trace.reward), done=True, info=info)
+
+
 class VerifiersEnvironment(Environment):
-    """An episode of one verifiers task (see the module docstring for `env.options`)."""
+    """An episode of one verifiers task (see the module docstring for `env.options`):
+    single-turn, or the turns of the `vf.Env` that the options name."""
+
+    episode: EnvEpisode | None = None
 
     async def reset(self, prompt: str | list[Message], metadata: dict[str, Any]) -> list[Message]:
         self.task = task_of(metadata, self.options, where="env.options")
         if (why := _unplayable(self.task)) is not None:
             idx = self.task.data.idx
             raise ValueError(f"verifiers: task {idx} cannot be scored without its runtime: {why}")
-        return opening_messages(self.task)
+        try:
+            spec = env_spec(self.options)
+            env = None if spec is None else load_env(spec, self.options.get("env_args") or {})
+        except (ImportError, ValueError, TypeError) as error:
+            raise ValueError(f"env.options.env: {error}") from error
+        if env is None:
+            return opening_messages(self.task)
+        self.episode = EnvEpisode(env, self.task)
+        return await self.episode.start()
 
     async def step(self, action: Action) -> StepResult:
-        trace = await score_answer(self.task, action.content, action.finish_reason)
-        info = {
-            "answer": action.content.strip(),
-            "vf_rewards": {k: r.score for k, r in trace.rewards.items() if r is not None},
-            "vf_metrics": {k: v for k, v in trace.metrics.items() if v is not None},
-        }
-        return StepResult(reward=float(trace.reward), done=True, info=info)
+        if self.episode is None:
+            trace = await score_answer(self.task, action.content, action.finish_reason)
+            return trace_result(trace)
+        reply = {"role": "assistant", "content": action.content}
+        try:
+            following = await self.episode.answer(reply, action.finish_reason)
+        except Exception as error:
+            raise _env_failed(self.episode, error) from error
+        return StepResult(observation=following) if following else trace_result(self.episode.trace)
+
+    async def truncate(self) -> StepResult | None:
+        if self.episode is None:
+            return None
+        try:
+            await self.episode.end()
+        except Exception as error:
+            raise _env_failed(self.episode, error) from error
+        return trace_result(self.episode.trace)
+
+    async def close(self) -> None:
+        if self.episode is not None:
+            await self.episode.close()
+
+
+def _env_failed(episode: EnvEpisode, error: Exception) -> EpisodeError:
+    """A failing env run, finalize or scoring fails the episode (verifiers counts it failed,
+    not as a zero reward): the sample is ABORTED whatever env.on_error says."""
+    name = type(episode.env).__name__
+    return EpisodeError(f"verifiers: {name}: {type(error).__name__}: {error}")
