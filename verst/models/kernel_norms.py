@@ -57,8 +57,6 @@ def kernel_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     """RMSNorm through the C kernel (differentiable), or None where it cannot run."""
     if not _runs(x, weight) or x.shape[-1] > MAX_ROW:
         return None
-    if not _differentiated(x, weight):  # the engine: no autograd node to build
-        return cpu_kernels().rms_norm(x, weight, eps)
     return _RmsNorm.apply(x, weight, eps)
 
 
@@ -74,21 +72,7 @@ def kernel_norm_rotary(
     tensors = [t for t in (x_B_T_H_D, weight, cos_B_T_D, sin_B_T_D) if t is not None]
     if not _runs(*tensors) or D > MAX_HEAD or D % 8:
         return None
-    if not _differentiated(*tensors):
-        return _norm_rope(x_B_T_H_D, weight, eps, cos_B_T_D, sin_B_T_D)
     return _NormRotary.apply(x_B_T_H_D, weight, eps, cos_B_T_D, sin_B_T_D)
-
-
-def _differentiated(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def _norm_rope(x, weight, eps: float, cos, sin) -> torch.Tensor:
-    """The kernel over [B, T, H, D] queries or keys, with [B, T, D] rotary tables."""
-    B, T, H, D = x.shape
-    rows = (x.reshape(B * T, H, D), weight, eps)
-    tables = (cos.reshape(B * T, D).contiguous(), sin.reshape(B * T, D).contiguous())
-    return cpu_kernels().norm_rope(*rows, *tables).view(B, T, H, D)
 
 
 def _runs(*tensors: torch.Tensor) -> bool:
@@ -115,9 +99,17 @@ class _RmsNorm(torch.autograd.Function):
 class _NormRotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float, cos, sin) -> torch.Tensor:
+        B, T, H, D = x.shape
         ctx.save_for_backward(x, weight, cos, sin)
         ctx.eps = eps
-        return _norm_rope(x, weight, eps, cos, sin)
+        out = cpu_kernels().norm_rope(
+            x.reshape(B * T, H, D),
+            weight,
+            eps,
+            cos.reshape(B * T, D).contiguous(),
+            sin.reshape(B * T, D).contiguous(),
+        )
+        return out.view(B, T, H, D)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
