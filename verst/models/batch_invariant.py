@@ -43,7 +43,6 @@ import torch
 import torch.nn.functional as F
 
 from verst.models import invariant_cuda
-from verst.models.kernel_norms import kernel_norm_rotary, kernel_rms_norm
 
 ROW_TILE = 16  # fewest rows a linear runs with (the GEMM kernel of 16+ rows is row-invariant)
 ATTENTION_ROWS = 8  # fewest rows attention's GEMMs run with (decode has H / G a KV head)
@@ -83,11 +82,7 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
 
 
 def rms_norm(x_N_E: torch.Tensor, weight_E: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Llama / Qwen RMSNorm: in fp32, rounded to the input's dtype, times the weight; on
-    the CPU by the C kernel where it runs (`kernel_norms`: each row alone, one pass)."""
-    out = kernel_rms_norm(x_N_E, weight_E, eps)
-    if out is not None:
-        return out
+    """HF's Llama / Qwen RMSNorm: in fp32, rounded to the input's dtype, times the weight."""
     xf_N_E = x_N_E.float().contiguous()
     variance_N_1 = row_mean(xf_N_E * xf_N_E)[..., None]
     normed_N_E = xf_N_E * torch.rsqrt(variance_N_1 + eps)  # fp32: see the module docstring
@@ -116,22 +111,6 @@ def rotary_tables(
     cos = pointwise(torch.cos, emb_B_T_D) * scaling
     sin = pointwise(torch.sin, emb_B_T_D) * scaling
     return cos.to(dtype), sin.to(dtype)
-
-
-def norm_rotary(
-    x_B_T_H_D: torch.Tensor,
-    norm: tuple[torch.Tensor, float] | None,
-    cos_B_T_D: torch.Tensor,
-    sin_B_T_D: torch.Tensor,
-) -> torch.Tensor:
-    """The per-head norm (`norm`: its weight and eps, Qwen3's) then HF's rotary, of queries or
-    keys [B, T, H, D]; on the CPU one C kernel where it runs (`kernel_norms`)."""
-    out = kernel_norm_rotary(x_B_T_H_D, norm, cos_B_T_D, sin_B_T_D)
-    if out is not None:
-        return out
-    if norm is not None:
-        x_B_T_H_D = rms_norm(x_B_T_H_D, *norm)
-    return apply_rotary(x_B_T_H_D, cos_B_T_D, sin_B_T_D)
 
 
 def apply_rotary(x_B_T_H_D: torch.Tensor, cos_B_T_D: torch.Tensor, sin_B_T_D: torch.Tensor):

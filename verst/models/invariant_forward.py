@@ -126,8 +126,9 @@ class InvariantDecoder:
         q = _linear(attn.q_proj, h_B_T_E).view(B, T, self.heads, D)
         k = _linear(attn.k_proj, h_B_T_E).view(B, T, self.kv_heads, D)
         v = _linear(attn.v_proj, h_B_T_E).view(B, T, self.kv_heads, D)
-        q = bi.norm_rotary(q, _head_norm(attn, "q_norm"), cos, sin)
-        k = bi.norm_rotary(k, _head_norm(attn, "k_norm"), cos, sin)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head norms
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+        q, k = bi.apply_rotary(q, cos, sin), bi.apply_rotary(k, cos, sin)
         k_B_G_W_D, v_B_G_W_D = keys(index, k, v)
         unseen_B_1_M_W = unseen(k_B_G_W_D.shape[2])
         out = bi.attention(q, k_B_G_W_D, v_B_G_W_D, unseen_B_1_M_W, attn.scaling)
@@ -187,12 +188,6 @@ def _rope(config: object) -> dict:
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return bi.linear(x, module.weight, module.bias)
-
-
-def _head_norm(attn: torch.nn.Module, name: str) -> tuple[torch.Tensor, float] | None:
-    """Qwen3's per-head norm of queries or keys (its weight and eps), None where there is none."""
-    module = getattr(attn, name, None)
-    return None if module is None else (module.weight, module.variance_epsilon)
 
 
 def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
