@@ -9,6 +9,8 @@ docker tests skip when no daemon answers.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import socket
 import tempfile
@@ -127,6 +129,23 @@ def test_nothing_outlives_a_command_or_the_episode(box) -> None:
     workdir = box.workdir
     box.close()
     assert not workdir.exists()
+
+
+def test_a_cancelled_command_leaves_nothing_after_close(box) -> None:
+    """An episode cancelled mid-command: the run's own kill, and close's search for leftovers
+    (bubblewrap searches only after such an interrupted command)."""
+
+    async def cancelled() -> None:
+        task = asyncio.ensure_future(box.run("sleep 100 & (setsid sleep 100 &) ; sleep 100"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)  # the killed command reaped while the loop runs
+
+    asyncio.run(cancelled())
+    box.close()
+    assert marked_pids(box.id) == []
 
 
 def test_output_flood_is_cut_and_the_run_goes_on(box) -> None:

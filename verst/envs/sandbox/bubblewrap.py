@@ -60,6 +60,7 @@ def bwrap_argv(cfg: SandboxConfig, workdir: Path, tmpdir: Path) -> list[str]:
 
 class BubblewrapSandbox(Sandbox):
     provider = "bubblewrap"
+    namespaced = True  # `--unshare-all`: a PID namespace a command, killed when it exits
     INSIDE = "/sandbox"
 
     def _start(self) -> None:
