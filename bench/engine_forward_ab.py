@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_throughput import PRESETS, build_model, requests, timed  # noqa: E402
+from engine_throughput import PRESETS, batch_prompts, build_model, requests, timed  # noqa: E402
 
 from verst.engine.kv_pool import KVPool  # noqa: E402
 from verst.engine.scheduler import Scheduler  # noqa: E402
@@ -60,16 +60,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or preset["dtype"])
     model = build_model(preset["model"], dtype, device)
-    vocab, new = model.config.vocab_size, preset["new_tokens"]
+    new = preset["new_tokens"]
     variants = args.variants
     results: dict[str, dict[int, list[float]]] = {v: {} for v in variants}
     for _ in range(args.rounds):
         for batch in args.batches or preset["batches"]:
-            gen = torch.Generator().manual_seed(batch)
-            prompts = [
-                torch.randint(10, vocab, (preset["prompt_tokens"],), generator=gen).tolist()
-                for _ in range(batch)
-            ]
+            prompts = batch_prompts(model, preset, batch)
             for variant in variants:
                 scheduler = scheduler_for(model, variant, args.kv_budget_mb)
                 scheduler.runner.capture_graphs(batch)

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_throughput import (  # noqa: E402
     PRESETS,
+    batch_prompts,
     build_model,
     cold_generate,
     new_scheduler,
@@ -46,12 +47,8 @@ def run_once(scheduler: Scheduler, prompts: list[list[int]], new: int, overlap: 
 
 
 def run_batch(model, args, preset: dict, dtype: torch.dtype, device: str, batch: int) -> dict:
-    gen = torch.Generator().manual_seed(batch)
-    vocab, new = model.config.vocab_size, args.new_tokens or preset["new_tokens"]
-    prompts = [
-        torch.randint(10, vocab, (preset["prompt_tokens"],), generator=gen).tolist()
-        for _ in range(batch)
-    ]
+    new = args.new_tokens or preset["new_tokens"]
+    prompts = batch_prompts(model, preset, batch)
     scheduler = new_scheduler(model, dtype, device, args.kv_budget_mb << 20)
     warm_scheduler(scheduler, prompts, batch)
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}

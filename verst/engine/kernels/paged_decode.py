@@ -55,14 +55,16 @@ def paged_decode_triton(
     group = Hq // Hkv
     out = torch.empty((B, Hq, D), dtype=q_B_H_D.dtype, device=q_B_H_D.device)
     q_B_H_D = q_B_H_D.to(k_pages.dtype)
-    # with splits, each share's output (normalised by its own sum) and log-sum-exp, in fp32
-    parts = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=out.device)
-    lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=out.device)
+    # with splits, each share's output (normalised by its own sum) and log-sum-exp, in fp32;
+    # without, the kernel writes the output itself (and reads no log-sum-exp buffer)
+    parts, lse = out.unsqueeze(2), out
+    if splits > 1:
+        parts = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=out.device)
+        lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=out.device)
     _paged_decode_kernel[(B, Hkv, splits)](
-        q_B_H_D, k_pages, v_pages, out if splits == 1 else parts, lse, table_B_P, seq_lens_B,
-        scale, q_B_H_D.stride(0), q_B_H_D.stride(1), k_pages.stride(0), k_pages.stride(1),
-        k_pages.stride(2), table_B_P.stride(0),
-        *((out.stride(0), out.stride(1), 0) if splits == 1 else parts.stride()[:3]),
+        q_B_H_D, k_pages, v_pages, parts, lse, table_B_P, seq_lens_B, scale,
+        q_B_H_D.stride(0), q_B_H_D.stride(1), k_pages.stride(0), k_pages.stride(1),
+        k_pages.stride(2), table_B_P.stride(0), *parts.stride()[:3],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=page, D=D,
         BLOCK_N=BLOCK_N, SPLITS=splits,
         # fp32 pools get fp32 products (tl.dot would otherwise round inputs to TF32)
