@@ -184,8 +184,9 @@ class IpcBucketSender:
         self.num_buffers = num_buffers
         self.reuse_buffers = reuse_buffers
         self.buckets_sent: list[int] = []  # bytes of each bucket of the last send (padding in)
-        # seconds of the last send or update_whole: "stage" per bucket (gather + copy, and the
-        # pickle in `send`, trainer side), "engines" per request (until every engine answered)
+        # seconds of the last send or update_whole: "stage" per staging call (gather + copy, and
+        # the pickle in `send`, trainer side; the buckets of a one-request update are staged in
+        # one call), "engines" per request (until every engine answered)
         self.timings: dict[str, list[float]] = {"stage": [], "engines": []}
         self.whole_updates = whole_updates
         self._buffers: list[torch.Tensor | None] = [None] * num_buffers
@@ -266,8 +267,15 @@ class IpcBucketSender:
         self.timings["stage"].append(time.perf_counter() - started)
         return bodies
 
-    def _fill(self, slot: int, bucket: list[_Item]) -> torch.Tensor:
-        """Gather and copy `bucket` into buffer `slot`; its filled bytes, once on the device."""
+    def _fill_all(self, buckets: list[tuple[int, list[_Item]]]) -> list[torch.Tensor]:
+        """`_fill` for each `(slot, bucket)`, waiting for the device once, after the last."""
+        return [
+            self._fill(slot, b, sync=i == len(buckets) - 1) for i, (slot, b) in enumerate(buckets)
+        ]
+
+    def _fill(self, slot: int, bucket: list[_Item], sync: bool = True) -> torch.Tensor:
+        """Gather and copy `bucket` into buffer `slot`; its filled bytes, once on the device
+        (not yet, without `sync`: the copies are queued on the current stream)."""
         device = _device_of(bucket[0].tensor)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this worker thread's device, for gathers and copies
@@ -283,7 +291,7 @@ class IpcBucketSender:
                 batch[1].append(item.tensor.detach())
         if batch[0]:
             torch._foreach_copy_(*batch)  # one call for the bucket's plain tensors
-        if buffer.is_cuda:
+        if sync and buffer.is_cuda:
             torch.cuda.current_stream(buffer.device).synchronize()
         return buffer[:size]
 
@@ -349,13 +357,14 @@ class IpcBucketSender:
         self._timeout_s = timeout_s
         self.buckets_sent, self.timings = [], {"stage": [], "engines": []}
         planned = _planned(tensors(), self.bucket_bytes, self.dtype)
-        staged: list[_Staged] = []
+        first: list[list[_Item]] = []
         finished = True
         for bucket, last in planned:
-            staged.append(await self._stage_layout(len(staged), bucket))
+            first.append(bucket)
             finished = last
-            if last or len(staged) == self.num_buffers:
+            if last or len(first) == self.num_buffers:
                 break
+        staged = await self._stage_layouts(list(enumerate(first)))
         if finished:
             await self._part(failures, staged, {**opening, **closing})
         else:
@@ -387,7 +396,7 @@ class IpcBucketSender:
                 if in_flight[slot] is not None:
                     await in_flight[slot]  # every engine is done with this buffer
                     in_flight[slot] = None
-                entry = await self._stage_layout(slot, bucket)
+                (entry,) = await self._stage_layouts([(slot, bucket)])
                 if last:
                     await asyncio.gather(*(f for f in in_flight if f is not None))
                     in_flight = [None] * self.num_buffers
@@ -399,16 +408,20 @@ class IpcBucketSender:
             # Never return (or raise) while an engine may still read a buffer.
             await asyncio.gather(*(f for f in in_flight if f is not None), return_exceptions=True)
 
-    async def _stage_layout(self, slot: int, bucket: list[_Item]) -> _Staged:
-        """`bucket` copied into buffer `slot`, with its layout's id (a new one when the buffer
-        or the tensors in it changed since the buffer was last filled)."""
+    async def _stage_layouts(self, buckets: list[tuple[int, list[_Item]]]) -> list[_Staged]:
+        """Each `(slot, bucket)` copied into buffer `slot`, in one call to the staging thread
+        with one wait for the copies, each with its layout's id (a new one when the buffer or
+        the tensors in it changed since the buffer was last filled)."""
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
-        flat = await loop.run_in_executor(self._stager(), self._fill, slot, bucket)
-        layout = self._layouts[slot].setdefault(_signature(bucket), new_layout_id())
+        flats = await loop.run_in_executor(self._stager(), self._fill_all, buckets)
+        staged = []
+        for (slot, bucket), flat in zip(buckets, flats, strict=True):
+            layout = self._layouts[slot].setdefault(_signature(bucket), new_layout_id())
+            self.buckets_sent.append(flat.numel())
+            staged.append(_Staged(slot, layout, flat, bucket))
         self.timings["stage"].append(time.perf_counter() - started)
-        self.buckets_sent.append(flat.numel())
-        return _Staged(slot, layout, flat, bucket)
+        return staged
 
     def _forget_layouts(self, slot: int) -> None:
         self._dead_layouts.update(self._layouts[slot].values())
