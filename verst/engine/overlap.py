@@ -53,15 +53,37 @@ if TYPE_CHECKING:
 @dataclass
 class PendingStep:
     """A launched step whose sampled tokens the host has not read: row i of `tokens_B` and
-    `logprobs_B` (on the device) is `rows[i]`'s."""
+    `logprobs_B` (on the device) is `rows[i]`'s. `pending_step` starts their copy to the host
+    as the step is launched."""
 
     rows: list[Running]
     tokens_B: torch.Tensor
     logprobs_B: torch.Tensor
+    host: tuple[torch.Tensor, torch.Tensor]  # the same, on their way to the host
+    copied: torch.cuda.Event | None  # recorded after that copy, on CUDA
     gone: set[int] = field(default_factory=set)  # id() of rows that finished before it is read
 
     def live(self) -> list[tuple[int, Running]]:
         return [(i, r) for i, r in enumerate(self.rows) if id(r) not in self.gone]
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """The sampled tokens and their log-probs, waiting for this step alone: a `tolist()` of
+        the device tensors would wait behind the step launched after it on the stream."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host[0].tolist(), self.host[1].tolist()
+
+
+def pending_step(
+    rows: list[Running], tokens_B: torch.Tensor, logprobs_B: torch.Tensor
+) -> PendingStep:
+    """A step left pending, its tokens' copy to (pinned) host memory queued right behind it."""
+    if not tokens_B.is_cuda:
+        return PendingStep(rows, tokens_B, logprobs_B, (tokens_B, logprobs_B), None)
+    host = (tokens_B.to("cpu", non_blocking=True), logprobs_B.to("cpu", non_blocking=True))
+    copied = torch.cuda.Event()
+    copied.record()
+    return PendingStep(rows, tokens_B, logprobs_B, host, copied)
 
 
 @dataclass
@@ -151,7 +173,7 @@ class OverlapSteps:
         tokens_B, logprobs_B = self._sample(requests, logits_B_V)
         for r in requests:  # last: a launch that raised left the requests as they were
             r.computed += 1
-        return PendingStep(requests, tokens_B, logprobs_B)
+        return pending_step(requests, tokens_B, logprobs_B)
 
     def _reserve_in_place(self, r: Running, length: int) -> bool:
         """Make r's pages cover `length` tokens, evicting cached pages but retracting no one
@@ -172,7 +194,7 @@ class OverlapSteps:
     ) -> list[GenerateOutput]:
         """Read the pending step's tokens (its host sync) and append them; a request that
         finishes is marked gone in `following`, which fed it already."""
-        tokens, logprobs = pending.tokens_B.tolist(), pending.logprobs_B.tolist()
+        tokens, logprobs = pending.read()
         live = pending.live()
         finished = self._take_tokens(
             [r for _, r in live], [tokens[i] for i, _ in live], [logprobs[i] for i, _ in live]

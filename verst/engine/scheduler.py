@@ -34,7 +34,7 @@ from verst.engine.kv_pool import KVPool, OutOfPages
 from verst.engine.logprob_extras import LogprobRecord, record_step, score_prompt
 from verst.engine.memory import EngineMemory
 from verst.engine.model_runner import ModelRunner, Row
-from verst.engine.overlap import OverlapSteps, PendingStep, StepWork
+from verst.engine.overlap import OverlapSteps, PendingStep, StepWork, pending_step
 from verst.engine.penalties import PenaltySlots
 from verst.engine.prompt_sharing import PromptSharing
 from verst.engine.radix_cache import RadixCache
@@ -296,7 +296,7 @@ class Scheduler(PromptSharing, OverlapSteps, SchedulerWeights):
                 rows, logits_B_V if whole else logits_B_V[logit_rows]
             )
             if self._may_stay_pending(batch, rows):
-                self._pending = PendingStep(rows, tokens_B, logprobs_B)
+                self._pending = pending_step(rows, tokens_B, logprobs_B)
                 return finished
             finished += self._take_tokens(rows, tokens_B.tolist(), logprobs_B.tolist())
             work.taken += len(rows)
