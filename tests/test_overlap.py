@@ -367,16 +367,20 @@ def test_routed_experts_of_a_request_fed_after_its_stop_are_its_own(family: str)
         assert b.routed_experts.shape[0] == len(p) + len(b.output_ids) - 1
 
 
-def test_engine_overlap_on_reaches_engine_processes(tmp_path: Path) -> None:
+def test_engine_overlap_setting_reaches_engine_processes(tmp_path: Path) -> None:
     from verst.auth import ApiKeys
     from verst.config import load_config
     from verst.fleet.fleet import _engine_processes
 
-    assert load_config(None, []).engine.scheduler_overlap() is False  # off by default
-    cfg = load_config(None, ["engine.overlap=true", "placement.engines=processes"])
+    assert load_config(None, []).engine.scheduler_overlap() is None  # on CUDA engines, default
+    cfg = load_config(None, ["engine.overlap=false", "placement.engines=processes"])
     overlap = cfg.engine.scheduler_overlap()
-    assert overlap is None  # on CUDA engines
+    assert overlap is False
     processes = _engine_processes(
         cfg.placement, tmp_path, ["cpu"], torch.float32, 0, ApiKeys(), False, "none", overlap
+    )
+    assert "--no-overlap" in processes.common_args
+    processes = _engine_processes(
+        cfg.placement, tmp_path, ["cpu"], torch.float32, 0, ApiKeys(), False, "none", None
     )
     assert "--overlap" in processes.common_args

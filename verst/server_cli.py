@@ -56,9 +56,10 @@ def _add_compute_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--overlap",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="on CUDA, launch each decode-only step before reading the previous one's tokens "
-        "(by default every decode step is synchronous)",
+        "(default: on; --no-overlap makes every decode step synchronous)",
     )
 
 

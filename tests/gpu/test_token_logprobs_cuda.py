@@ -45,3 +45,15 @@ def test_chunked_step_equals_full_logits_step_in_bf16() -> None:
     keys = ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm")
     for key in (*keys, "train/train_rollout_logprob_abs_diff"):
         assert chunked[key] == pytest.approx(full[key], rel=2e-2, abs=2e-3), key
+
+
+def test_trainer_attention_avoids_cudnn_plans() -> None:
+    """The trainer's prompt and continuation passes attend through SDPA with a mask, at lengths
+    that change every step; cuDNN's backend would build a plan for each (`SHAPE_FREE_SDPA`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _step(chunk_tokens=0)
+    names = [e.key for e in prof.key_averages()]
+    assert any("scaled_dot_product" in n for n in names)
+    assert not any("cudnn" in n.lower() for n in names), names

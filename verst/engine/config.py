@@ -23,10 +23,9 @@ class EngineConfig(ConfigBase):
         "torch._scaled_mm (pair it with loss.use_tis)",
     )
     overlap: bool = Field(
-        False,
+        True,
         description="CUDA engines launch each decode-only step before reading the previous "
-        "one's sampled tokens (CPU engines never overlap); off by default: it measured "
-        "slower than synchronous steps on the H200 so far (docs/performance.md)",
+        "one's sampled tokens (CPU engines never overlap); false: every step synchronous",
     )
 
     def scheduler_overlap(self) -> bool | None:

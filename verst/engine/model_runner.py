@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry, AdapterRows
 from verst.engine.config import QUANTIZATIONS, Quantization
@@ -51,15 +50,11 @@ from verst.engine.paged_attention import (
 )
 from verst.engine.staging import StagingRing
 from verst.models import batch_invariant as bi
+from verst.models.forward import shape_free_attention
 from verst.models.invariant_forward import InvariantDecoder, KeySource
 from verst.models.moe import hook_routers, routing_shape, use_grouped_experts
 
 _META = 5  # decode meta columns before the page table: token, position, slot, length, adapter
-# SDPA's backends for the engine's prefill on CUDA: cuDNN's builds an execution plan for every
-# new (rows, query length, key length) on first use, tens to hundreds of milliseconds each; an
-# engine meets new lengths all the time (measured on the H200, 32 sessions x 3 turns of
-# varying lengths: 3.4k tok/s with it, 11.5k without)
-SHAPE_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 
 
@@ -200,8 +195,7 @@ class ModelRunner:
         with contextlib.ExitStack() as scope:
             if self.packed is not None:
                 scope.enter_context(self.packed.swapped())
-            if self.device.type == "cuda":
-                scope.enter_context(sdpa_kernel(SHAPE_FREE_SDPA))
+            scope.enter_context(shape_free_attention(self.device))
             if sampled_B is not None:
                 return self._decode(rows, sampled_B), {}
             return self._forward_rows(rows)

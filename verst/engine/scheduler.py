@@ -69,7 +69,7 @@ class Scheduler(PromptSharing, OverlapSteps, SchedulerWeights):
         tokenizer: Any = None,
         true_on_policy: bool = False,
         quantization: Quantization = "none",
-        overlap: bool | None = False,
+        overlap: bool | None = None,
     ) -> None:
         """`tokenizer` (HF's) enables constrained decoding; `true_on_policy` and
         `quantization`: see `ModelRunner`; `overlap`: launch each decode-only step before

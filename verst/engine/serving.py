@@ -134,7 +134,7 @@ class ServingEngine(WeightUpdates):
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         true_on_policy: bool = False,
         quantization: Quantization = "none",
-        overlap: bool | None = False,
+        overlap: bool | None = None,
     ) -> ServingEngine:
         """Load a local HF directory behind a scheduler that stops on the model's EOS ids.
 
@@ -176,7 +176,7 @@ class ServingEngine(WeightUpdates):
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         true_on_policy: bool = False,
         quantization: Quantization = "none",
-        overlap: bool | None = False,
+        overlap: bool | None = None,
     ) -> ServingEngine:
         """Serve a loaded model (its device and dtype); the scheduler stops on its EOS ids.
         It can hold up to `max_adapters` LoRA adapters (`load_lora_adapter`); `true_on_policy`:

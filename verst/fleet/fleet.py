@@ -142,7 +142,7 @@ class Fleet:
         fault_tolerance: FaultToleranceConfig | None = None,
         true_on_policy: bool = False,
         quantization: Quantization = "none",
-        overlap: bool | None = False,
+        overlap: bool | None = None,
     ) -> Fleet:
         """Bring up `cfg.num_engines` engines with `model`'s weights (`true_on_policy`: each
         runs the batch-invariant forward; `quantization` fp8: fp8 projections; `overlap`:
@@ -539,7 +539,9 @@ def _engine_processes(
     """`verst serve` processes, one per device (started by `start_all`)."""
     common = ["--dtype", str(dtype).removeprefix("torch."), "--max-batch-size"]
     common += [str(cfg.max_batch_size)] + (["--true-on-policy"] if true_on_policy else [])
-    common += ["--quantization", quantization] + (["--overlap"] if overlap is not False else [])
+    common += ["--quantization", quantization] + (
+        ["--overlap" if overlap is not False else "--no-overlap"]
+    )
     if cfg.engine_threads is not None:
         common += ["--num-threads", str(cfg.engine_threads)]
     kwargs: dict[str, Any] = dict(

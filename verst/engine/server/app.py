@@ -167,7 +167,7 @@ def run_server(
     tool_call_parser: str | None = None,
     true_on_policy: bool = False,
     quantization: Quantization = "none",
-    overlap: bool | None = False,
+    overlap: bool | None = None,
 ) -> None:
     """Load `model_path` and serve it until interrupted (SIGINT / SIGTERM), or, with
     `parent_pid`, until that process is gone (a training run that launched it and died)."""
