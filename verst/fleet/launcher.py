@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -71,11 +72,39 @@ class LocalEngine:
         self.stop()
 
 
+PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LISTEN_PORTS_FROM = 15000  # the lowest port `free_port` picks outside the ephemeral range
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    # The port is free now; another process could still take it before the server binds.
+    """A port free on `host` now, for a server that binds it soon after. On Linux it is taken
+    below the kernel's ephemeral range: a port `bind(0)` hands out there can be taken by any
+    outgoing connection before the server binds it (seen as EADDRINUSE in a trainer group's
+    rendezvous while Ray held many connections); only an explicit bind can take one below."""
+    low = _ephemeral_low()
+    if low is not None and low > LISTEN_PORTS_FROM:
+        for port in random.sample(range(LISTEN_PORTS_FROM, low), 64):
+            if _bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int | None:
+    try:
+        return int(PORT_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None  # not Linux: bind(0)'s port
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _start(
