@@ -28,7 +28,8 @@ ignored so every request generates exactly its new tokens.
     python bench/engine_throughput.py --preset host --engines --sessions 0 --staggered 0 \
         --stream-ab 16 64 --threads 1 --repeats 5   # the same against a short, GPU-like step
 
-Prints tokens/s and the ratio to HF, and saves JSON.
+Prints tokens/s, the ratio to HF and each figure's share of the decode roofline (the weights'
+and KV's bytes a step over the device copy's measured bandwidth, `roofline.py`), and saves JSON.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from roofline import decode_roofline_tok_s, memory_bandwidth  # bench/, beside this script
 
 from verst.engine import GenerateRequest, SamplingParams
 from verst.engine.kv_pool import KVPool
@@ -287,8 +289,9 @@ def time_server(name, start, model, args, preset, batches, seconds) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_batches(model, args, preset, dtype, device) -> list[dict]:
-    """Every engine at every batch size; the HTTP servers (vLLM, `verst serve`) go first."""
+def run_batches(model, args, preset, dtype, device, bandwidth: float) -> list[dict]:
+    """Every engine at every batch size; the HTTP servers (vLLM, `verst serve`) go first. Each
+    row also has the decode roofline at `bandwidth` (`roofline.py`)."""
     batches = args.batches or preset["batches"]
     seconds: dict[int, dict[str, float]] = {batch: {} for batch in batches}
     servers = {
@@ -309,7 +312,10 @@ def run_batches(model, args, preset, dtype, device) -> list[dict]:
         for name in others:
             run = engine_run(name, model, bf16_model, args, preset, dtype, device, batch)
             seconds[batch][name] = min(timed(run) for _ in range(args.repeats))
-        rows.append(batch_row(batch, preset, seconds[batch]))
+        roofline = decode_roofline_tok_s(
+            model, batch, preset["prompt_tokens"], preset["new_tokens"], bandwidth
+        )
+        rows.append(batch_row(batch, preset, seconds[batch], roofline))
     return rows
 
 
@@ -353,12 +359,15 @@ def engine_run(name, model, bf16_model, args, preset, dtype, device, batch):
     return hf_generate
 
 
-def batch_row(batch: int, preset: dict, seconds: dict[str, float]) -> dict:
-    """tok/s of each engine at this batch, with the ratios; printed as a line."""
+def batch_row(batch: int, preset: dict, seconds: dict[str, float], roofline: float) -> dict:
+    """tok/s of each engine at this batch, with the ratios and the share of the decode roofline;
+    printed as a line."""
     new = preset["new_tokens"]
     row = {"batch": batch, "prompt_tokens": preset["prompt_tokens"], "new_tokens": new}
+    row["roofline_tok_s"] = roofline
     for name, spent in seconds.items():
         row[f"{name}_tok_s"] = batch * new / spent
+        row[f"{name}_of_roofline"] = row[f"{name}_tok_s"] / roofline
     if "verst-scheduler" in seconds and "hf-generate" in seconds:
         row["scheduler_over_hf"] = row["verst-scheduler_tok_s"] / row["hf-generate_tok_s"]
     if "vllm" in seconds:
@@ -369,7 +378,8 @@ def batch_row(batch: int, preset: dict, seconds: dict[str, float]) -> dict:
     print(
         f"batch {batch:4d}: "
         + " | ".join(f"{name} {row[f'{name}_tok_s']:9.1f} tok/s" for name in seconds)
-        + "".join(f" | {k} {v:.2f}x" for k, v in ratios.items()),
+        + "".join(f" | {k} {v:.2f}x" for k, v in ratios.items())
+        + f" | roofline {roofline:9.1f} tok/s",
         flush=True,
     )
     return row
@@ -671,6 +681,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, preset["dtype"])
     model = build_model(preset["model"], dtype, device)
+    bandwidth = memory_bandwidth(device)
+    print(f"memory bandwidth (device copy, read + written): {bandwidth / 1e9:.0f} GB/s")
     result = {
         "preset": args.preset,
         "device": torch.cuda.get_device_name()
@@ -679,7 +691,10 @@ def main() -> None:
         "threads": args.threads,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "batches": run_batches(model, args, preset, dtype, device) if args.engines else [],
+        "memory_bandwidth_gb_s": bandwidth / 1e9,
+        "batches": run_batches(model, args, preset, dtype, device, bandwidth)
+        if args.engines
+        else [],
     }
     if args.logprob_ab:
         result["logprob_ab"] = run_logprob_ab(model, args, preset, dtype, device)
