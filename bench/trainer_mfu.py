@@ -22,6 +22,14 @@ Liger's Triton RMSNorm, SwiGLU MLP and rotary kernels (`trainer.kernels=liger`; 
 into Qwen2's classes; `pip install liger-kernel`), `-ckpt` the trainer's
 `gradient_checkpointing` (`verst-liger-ckpt:65536:4096` both).
 
+`-cudnn` lets SDPA use cuDNN's attention again (the trainer leaves it out on CUDA:
+`verst.models.forward.SHAPE_FREE_SDPA`); with `--vary-lengths` every step's prompts and
+responses are shorter by a multiple of 8 tokens on the H200 preset (0, 8, ..., 120 in turn,
+one token on the CPU preset), so each step brings
+new shapes as an RL step does (`--variants verst-cudnn:65536:4096 verst:65536:4096
+--vary-lengths` measures what cuDNN's per-shape plans cost); rates then use the timed steps'
+mean FLOPs.
+
 `--profile` runs one more step of each variant under `torch.profiler` and stores its kernels'
 device time by operator (the top 25), beside the step's total, in the variant's row.
 """
@@ -86,8 +94,23 @@ PRESETS = {
 }
 
 
-def model_flops(preset: dict) -> float:
-    """The FLOPs of one training step's forward and backward over the preset's batch."""
+TRIM_CYCLE = 16  # --vary-lengths: step i is shorter by (i % 16) units
+
+
+def trim(preset: dict, step: int, vary: bool) -> int:
+    """Tokens off each prompt and each response at `step` (0 without `--vary-lengths`): units
+    of 1/128 of the shorter of the two (8 tokens on the H200 preset), at least one token."""
+    unit = max(1, min(preset["prompt_tokens"], preset["response_tokens"]) // 128)
+    return unit * (step % TRIM_CYCLE) if vary else 0
+
+
+def model_flops(preset: dict, trimmed: int = 0) -> float:
+    """The FLOPs of one training step's forward and backward over the preset's batch, each
+    prompt and response `trimmed` tokens shorter."""
+    preset = preset | {
+        "prompt_tokens": preset["prompt_tokens"] - trimmed,
+        "response_tokens": preset["response_tokens"] - trimmed,
+    }
     spec = preset["model"]
     d, ffn, layers = spec["hidden_size"], spec["intermediate_size"], spec["num_hidden_layers"]
     head_dim = d // spec["num_attention_heads"]
@@ -108,15 +131,17 @@ def build(preset: dict) -> torch.nn.Module:
     return transformers.Qwen2ForCausalLM(config)
 
 
-def batch(preset: dict):
-    """Distinct random prompts (no prefix shared, so no variant skips work) and responses."""
+def batch(preset: dict, trimmed: int = 0):
+    """Distinct random prompts (no prefix shared, so no variant skips work) and responses, each
+    `trimmed` tokens shorter than the preset's."""
     from verst.train.batching import TrainItem
 
     gen = torch.Generator().manual_seed(0)
-    vocab, length = preset["model"]["vocab_size"], preset["response_tokens"]
+    vocab, length = preset["model"]["vocab_size"], preset["response_tokens"] - trimmed
     items = []
     for i in range(preset["sequences"]):
-        prompt = torch.randint(10, vocab, (preset["prompt_tokens"],), generator=gen).tolist()
+        prompt_length = preset["prompt_tokens"] - trimmed
+        prompt = torch.randint(10, vocab, (prompt_length,), generator=gen).tolist()
         response = torch.randint(10, vocab, (length,), generator=gen).tolist()
         logprobs = (-3 * torch.rand(length, generator=gen)).tolist()
         advantage = 1.0 if i % 2 else -1.0
@@ -136,6 +161,7 @@ def verst_steps(
     chunk_tokens: int,
     device: torch.device,
     options: set[str],
+    vary: bool,
 ):
     from verst.train.algorithms import LossConfig
     from verst.train.trainer import Trainer, TrainerConfig
@@ -155,21 +181,30 @@ def verst_steps(
         trainer = MegatronTrainer(build(preset), cfg, LossConfig(), seed=0, **common)
     else:
         trainer = Trainer(build(preset), cfg, LossConfig(), **common)
-    items = batch(preset)
-    return lambda step: trainer.step(items, step=step)["train/loss"]
+    batches = {}
+
+    def step(index: int) -> float:
+        trimmed = trim(preset, index, vary)
+        items = batches.setdefault(trimmed, batch(preset, trimmed))
+        return trainer.step(items, step=index)["train/loss"]
+
+    return step
 
 
-def hf_steps(preset: dict, device: torch.device):
+def hf_steps(preset: dict, device: torch.device, vary: bool):
     model = build(preset).to(device).train()
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=fused)
-    items = batch(preset)
-    ids = torch.tensor([item.tokens for item in items], device=device)
-    length = preset["response_tokens"]
     micro = preset["hf_micro_sequences"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    def step(_: int) -> float:
+    batches = {}
+
+    def step(index: int) -> float:
+        trimmed = trim(preset, index, vary)
+        items = batches.setdefault(trimmed, batch(preset, trimmed))
+        ids = torch.tensor([item.tokens for item in items], device=device)
+        length = preset["response_tokens"] - trimmed
         total = 0.0
         for start in range(0, len(items), micro):
             rows = ids[start : start + micro]
@@ -193,18 +228,25 @@ def worker(spec: dict) -> dict:
     device = torch.device(preset["device"])
     kind, *suffixes = spec["kind"].split("-")
     options = set(suffixes)
-    if options - {"liger", "ckpt"} or (kind == "hf" and "ckpt" in options):
+    if options - {"liger", "ckpt", "cudnn"} or (kind == "hf" and options & {"ckpt", "cudnn"}):
         raise SystemExit(f"unknown kind {spec['kind']}")
+    if "cudnn" in options:
+        from torch.nn.attention import SDPBackend
+
+        from verst.models import forward
+
+        forward.SHAPE_FREE_SDPA.insert(0, SDPBackend.CUDNN_ATTENTION)
+    vary = spec.get("vary_lengths", False)
     if kind == "hf":
         if "liger" in options:  # Liger's Triton RMSNorm, SwiGLU and RoPE in Qwen2's classes
             from liger_kernel.transformers import apply_liger_kernel_to_qwen2
 
             apply_liger_kernel_to_qwen2(fused_linear_cross_entropy=False)
-        step = hf_steps(preset, device)
+        step = hf_steps(preset, device, vary)
     else:
         backend = "megatron" if kind == "megatron" else "fsdp2"
         micro, chunk = spec["micro_tokens"], spec["chunk_tokens"]
-        step = verst_steps(preset, backend, micro, chunk, device, options)
+        step = verst_steps(preset, backend, micro, chunk, device, options, vary)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
@@ -216,6 +258,9 @@ def worker(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
     timed = times[preset["warmup_steps"] :]
     result = {"step_s": times, "step_median_s": statistics.median(timed), "losses": losses}
+    first = preset["warmup_steps"] + 1
+    flops = [model_flops(preset, trim(preset, i, vary)) for i in range(first, first + len(timed))]
+    result["flops_per_step"] = statistics.mean(flops)
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     if spec.get("profiled"):
@@ -245,7 +290,12 @@ def profile_step(step, index: int, device: torch.device, top: int = 25) -> dict:
 
 
 def run_variant(
-    preset_name: str, kind: str, micro_tokens: int, chunk_tokens: int, profile: bool = False
+    preset_name: str,
+    kind: str,
+    micro_tokens: int,
+    chunk_tokens: int,
+    profile: bool = False,
+    vary_lengths: bool = False,
 ) -> dict:
     spec = dict(
         preset=preset_name,
@@ -253,6 +303,7 @@ def run_variant(
         micro_tokens=micro_tokens,
         chunk_tokens=chunk_tokens,
         profiled=profile,
+        vary_lengths=vary_lengths,
     )
     out = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True
@@ -286,6 +337,12 @@ def main() -> None:
         nargs="*",
         help="run these variants, each KIND:MICRO_TOKENS:CHUNK_TOKENS (hf first: the baseline)",
     )
+    parser.add_argument(
+        "--vary-lengths",
+        action="store_true",
+        help="each step's sequences shorter by step %% 16 units of 8 tokens (H200 preset): new "
+        "shapes every step",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -307,6 +364,7 @@ def main() -> None:
         "preset": args.preset,
         "model": preset["model"],
         "batch": {k: preset[k] for k in ("sequences", "prompt_tokens", "response_tokens")},
+        "vary_lengths": args.vary_lengths,
         "model_flops_per_step": flops,
         "device": torch.cuda.get_device_name() if preset["device"] == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -315,10 +373,12 @@ def main() -> None:
     out = args.out or REPO / "bench" / "results" / f"trainer_mfu_{args.preset}.json"
     baseline = None
     for variant in variants:  # each row printed and saved as it comes (a long run may be cut)
-        row = run_variant(args.preset, *variant, profile=args.profile)
+        row = run_variant(
+            args.preset, *variant, profile=args.profile, vary_lengths=args.vary_lengths
+        )
         if row["kind"] == "hf" and "error" not in row:
             baseline = row["step_median_s"]
-        report(row, flops, preset["peak_flops"], baseline)
+        report(row, row.get("flops_per_step", flops), preset["peak_flops"], baseline)
         result["variants"].append(row)
         out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
