@@ -23,9 +23,10 @@ Reductions over a fixed-length last dimension (a norm's mean, a chunk's sum), GE
 rows of a fixed depth (whatever their 16+ columns, batch count or operand strides) and
 `torch.log_softmax` per row were measured invariant to the number of rows
 (tests/test_batch_invariant.py). So were GEMMs of 4, 8 or 12 rows, fp32 and bf16, batched
-or one matrix, on 1 and 2 threads; 2 or 3 rows never matched, and 5 or 6 rows not with one
-matrix on 2 threads (MKL splits its rows between the threads, and a share of fewer than 4
-rows takes another kernel): attention pads its rows to `ATTENTION_ROWS` = 8, 4 a thread on 2.
+or one matrix, on 1 and 2 threads; 1 to 3 rows never matched, and 5 to 7 or 9 to 11 rows not
+with one matrix on 2 threads (MKL splits its rows between the threads, and a share of fewer
+than 4 rows takes another kernel): attention pads fewer than 12 rows up to a multiple of 4
+(`ATTENTION_ROWS`; a decode step has H / G rows, often 4 or fewer).
 A GEMM's column count matters below 16 in fp32, so attention's rows are queries, not keys.
 
 On CUDA, cuBLAS's GEMMs and PyTorch's reductions pick their kernels (and summation orders)
@@ -45,22 +46,21 @@ import torch.nn.functional as F
 from verst.models import invariant_cuda
 
 ROW_TILE = 16  # fewest rows a linear runs with (the GEMM kernel of 16+ rows is row-invariant)
-ATTENTION_ROWS = 8  # fewest rows attention's GEMMs run with (decode has H / G a KV head)
+ATTENTION_ROWS = (4, 8, 12)  # row counts attention's GEMMs round fewer rows up to
 POINTWISE_CHUNK = 16384  # elements a pointwise call sees: a multiple of 64, below ATen's grain
 KEY_CHUNK = 16  # keys reduced together in attention's softmax and weighted sum
 
 
 def linear(x_N_I: torch.Tensor, weight_O_I: torch.Tensor, bias_O: torch.Tensor | None = None):
     """`F.linear` over the last dimension, each row computed as in a call of 16+ rows."""
-    rows_N_I = x_N_I.reshape(-1, x_N_I.shape[-1])
-    n = rows_N_I.shape[0]
     if x_N_I.is_cuda:
-        out_N_O = invariant_cuda.matmul(rows_N_I, weight_O_I.t())
+        out_N_O = invariant_cuda.matmul(x_N_I.reshape(-1, x_N_I.shape[-1]), weight_O_I.t())
         out_N_O = out_N_O if bias_O is None else out_N_O + bias_O
         return out_N_O.reshape(*x_N_I.shape[:-1], out_N_O.shape[-1])
+    n = x_N_I.numel() // x_N_I.shape[-1]
     if n >= ROW_TILE:
         return F.linear(x_N_I, weight_O_I, bias_O)
-    rows_N_I = F.pad(rows_N_I, (0, 0, 0, ROW_TILE - n))
+    rows_N_I = F.pad(x_N_I.reshape(n, -1), (0, 0, 0, ROW_TILE - n))
     out_N_O = F.linear(rows_N_I, weight_O_I, bias_O)[:n]
     return out_N_O.reshape(*x_N_I.shape[:-1], out_N_O.shape[-1])
 
@@ -105,19 +105,22 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rotary_tables(
     positions_B_T: torch.Tensor, inv_freq_D2: torch.Tensor, scaling: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [B, T, D] of HF's default rotary embedding at these positions."""
+    """(cos, sin) [B, T, 1, D] of HF's default rotary embedding at these positions, for
+    `apply_rotary`: sin with its first half negated (rotate_half's sign)."""
     freqs_B_T_D2 = positions_B_T[..., None].float() * inv_freq_D2.to(positions_B_T.device)
-    emb_B_T_D = torch.cat([freqs_B_T_D2, freqs_B_T_D2], dim=-1)
-    cos = pointwise(torch.cos, emb_B_T_D) * scaling
-    sin = pointwise(torch.sin, emb_B_T_D) * scaling
-    return cos.to(dtype), sin.to(dtype)
+    cos_B_T_D2 = (pointwise(torch.cos, freqs_B_T_D2) * scaling).to(dtype)
+    sin_B_T_D2 = (pointwise(torch.sin, freqs_B_T_D2) * scaling).to(dtype)
+    cos_B_T_D = torch.cat([cos_B_T_D2, cos_B_T_D2], dim=-1)
+    sin_B_T_D = torch.cat([-sin_B_T_D2, sin_B_T_D2], dim=-1)
+    return cos_B_T_D[:, :, None], sin_B_T_D[:, :, None]
 
 
-def apply_rotary(x_B_T_H_D: torch.Tensor, cos_B_T_D: torch.Tensor, sin_B_T_D: torch.Tensor):
-    """HF's x · cos + rotate_half(x) · sin."""
+def apply_rotary(x_B_T_H_D: torch.Tensor, cos_B_T_1_D: torch.Tensor, sin_B_T_1_D: torch.Tensor):
+    """HF's x · cos + rotate_half(x) · sin, rotate_half(x) = [-x2, x1] for x = [x1, x2]: here
+    [x2, x1] · sin of `rotary_tables` (its sign moved onto sin; IEEE products are symmetric
+    in sign, so the bits are the same)."""
     half = x_B_T_H_D.shape[-1] // 2
-    rotated = torch.cat([-x_B_T_H_D[..., half:], x_B_T_H_D[..., :half]], dim=-1)
-    return x_B_T_H_D * cos_B_T_D[:, :, None] + rotated * sin_B_T_D[:, :, None]
+    return x_B_T_H_D * cos_B_T_1_D + x_B_T_H_D.roll(half, -1) * sin_B_T_1_D
 
 
 def chunked_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -158,12 +161,13 @@ def attention(
     the chunks then added left to right. Keys past a query have exact zero weights, so a row's
     result does not depend on W: chunks past every query add exact zero sums."""
     B, T, H, D = q_B_T_H_D.shape
-    G = k_B_G_W_D.shape[1]
+    G, W = k_B_G_W_D.shape[1:3]
     R, M = H // G, H // G * T
-    # rows (r, t) of query head g·R + r at token t
-    q_B_G_M_D = q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B, G, M, D)
-    scores_B_G_M_W = _matmul(_pad_rows(q_B_G_M_D), k_B_G_W_D.transpose(-1, -2))
-    scores_B_G_M_W = scores_B_G_M_W[:, :, :M].float() * scaling
+    # rows (r, t) of query head g·R + r at token t, a matrix for each (b, g): X = B·G
+    q_X_M_D = q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B * G, M, D)
+    k_X_W_D = k_B_G_W_D.reshape(B * G, W, D)
+    scores_X_M_W = _matmul(_pad_rows(q_X_M_D), k_X_W_D.transpose(-1, -2))
+    scores_B_G_M_W = scores_X_M_W[:, :M].view(B, G, M, W).float() * scaling
     scores_B_G_M_W.masked_fill_(unseen_B_1_M_W, float("-inf"))
     top_B_G_M_1 = scores_B_G_M_W.amax(-1, keepdim=True)
     weights_B_G_M_W = pointwise(torch.exp, scores_B_G_M_W - top_B_G_M_1)
@@ -196,21 +200,22 @@ def heads_first(x_B_S_G_D: torch.Tensor) -> torch.Tensor:
 
 def _value_sum(probs_B_G_M_W: torch.Tensor, v_B_G_W_D: torch.Tensor) -> torch.Tensor:
     """probs @ v [B, G, M, D]: on the CPU a GEMM per chunk of KEY_CHUNK keys, all in one call
-    (of at least ATTENTION_ROWS rows), then the chunks added left to right; on CUDA one invariant
-    GEMM over every key."""
+    (of `_gemm_rows` rows), then the chunks added left to right; on CUDA one invariant GEMM
+    over every key."""
     if probs_B_G_M_W.is_cuda:
         return invariant_cuda.matmul(probs_B_G_M_W.contiguous(), v_B_G_W_D)
     B, G, M, W = probs_B_G_M_W.shape
     C = W // KEY_CHUNK
     # [B, G, C, M, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks;
     # the rows padded with zeros in the same copy that lays the chunks out
-    shape = (B, G, C, max(M, ATTENTION_ROWS), KEY_CHUNK)
-    fresh = probs_B_G_M_W.new_zeros if M < ATTENTION_ROWS else probs_B_G_M_W.new_empty
-    probs_B_G_C_M_K = fresh(shape)
+    rows = _gemm_rows(M)
+    fresh = probs_B_G_M_W.new_zeros if M < rows else probs_B_G_M_W.new_empty
+    probs_B_G_C_M_K = fresh((B, G, C, rows, KEY_CHUNK))
     probs_B_G_C_M_K[:, :, :, :M] = probs_B_G_M_W.unflatten(-1, (C, KEY_CHUNK)).transpose(2, 3)
-    v_B_G_C_K_D = v_B_G_W_D.unflatten(2, (C, KEY_CHUNK))
-    out_B_G_C_M_D = torch.matmul(probs_B_G_C_M_K, v_B_G_C_K_D)
-    return _left_to_right(out_B_G_C_M_D.unbind(2))[:, :, :M]
+    v_N_K_D = v_B_G_W_D.reshape(B * G * C, KEY_CHUNK, -1)  # N = B·G·C matrices
+    out_N_M_D = torch.bmm(probs_B_G_C_M_K.view(B * G * C, rows, KEY_CHUNK), v_N_K_D)
+    out_B_G_C_M_D = out_N_M_D.view(B, G, C, rows, -1)
+    return _left_to_right(out_B_G_C_M_D[:, :, :, :M].unbind(2))
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -218,9 +223,14 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_rows(x_X_M_K: torch.Tensor) -> torch.Tensor:
-    """x with zero rows appended up to ATTENTION_ROWS: a CPU GEMM of fewer rows runs another
+    """x with zero rows appended up to `_gemm_rows`: a CPU GEMM of fewer rows runs another
     kernel (CUDA's invariant GEMM does not)."""
     M = x_X_M_K.shape[-2]
-    if M >= ATTENTION_ROWS or x_X_M_K.is_cuda:
-        return x_X_M_K
-    return F.pad(x_X_M_K, (0, 0, 0, ATTENTION_ROWS - M))
+    rows = M if x_X_M_K.is_cuda else _gemm_rows(M)
+    return x_X_M_K if rows == M else F.pad(x_X_M_K, (0, 0, 0, rows - M))
+
+
+def _gemm_rows(M: int) -> int:
+    """The rows a CPU GEMM of attention runs M query rows with: the first of ATTENTION_ROWS
+    that holds them, M itself from the largest up."""
+    return next((rows for rows in ATTENTION_ROWS if rows >= M), M)
