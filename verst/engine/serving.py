@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from verst.engine import request_checks
 from verst.engine.adapters import DEFAULT_MAX_ADAPTERS
 from verst.engine.config import Quantization
 from verst.engine.metrics import EngineMetrics
@@ -369,43 +370,16 @@ class ServingEngine(WeightUpdates):
         return_routed_experts: bool = False,
     ) -> None:
         """Raise ValueError for a request the engine cannot run (before it reaches a batch)."""
-        params.validate()
-        if return_routed_experts and self.scheduler.runner.routing is None:
-            raise ValueError(
-                "return_routed_experts: the model has no mixture-of-experts layers to report"
-            )
-        self._check_logprob_options(top_logprobs_num, token_ids_logprob)
-        if lora_path is not None:
-            self.scheduler.adapter_registry().slot(lora_path)  # AdapterError names the held ones
-        if not input_ids:
-            raise ValueError("input_ids must be non-empty")
-        if self.vocab_size and (min(input_ids) < 0 or max(input_ids) >= self.vocab_size):
-            bad = next(t for t in input_ids if not 0 <= t < self.vocab_size)
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if params.constraint is not None:
-            self.scheduler.grammar_matcher(params.constraint)  # compiles it (then cached)
-        vocab = self.scheduler.penalties.vocab
-        outside = [t for t in params.logit_bias if t >= vocab]
-        if outside:
-            raise ValueError(
-                f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})"
-            )
-
-    def _check_logprob_options(self, top_k: int, token_ids: list[int] | None) -> None:
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
-            raise ValueError(f"top_logprobs_num must be an int >= 0, got {top_k!r}")
-        if self.vocab_size and top_k > self.vocab_size:
-            raise ValueError(
-                f"top_logprobs_num ({top_k}) is larger than the vocabulary ({self.vocab_size})"
-            )
-        for token_id in token_ids or ():
-            if not isinstance(token_id, int) or isinstance(token_id, bool):
-                raise ValueError("token_ids_logprob must be a flat list of integers.")
-            if token_id < 0 or (self.vocab_size and token_id >= self.vocab_size):
-                raise ValueError(
-                    f"token_ids_logprob contains out-of-vocabulary token id {token_id}; "
-                    f"valid range is [0, {self.vocab_size})."
-                )
+        request_checks.check_request(
+            self.scheduler,
+            self.vocab_size,
+            input_ids,
+            params,
+            lora_path,
+            top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
+            return_routed_experts=return_routed_experts,
+        )
 
     def rid_is_free(self, rid: str) -> bool:
         """No request with this rid is in flight (SGLang answers a second one with a 400)."""
