@@ -118,6 +118,26 @@ def tiny(family: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_qkv_as_one_gemm_gives_the_bits_of_three(family, dtype):
+    """The CPU's Q/K/V from one GEMM of the stacked weights, Q and K normed and rotated as one
+    tensor, are bitwise the three GEMMs, two norms and two rotations run apart (CUDA's way), at
+    the engine's decode rows and the trainer's whole sequences."""
+    model = tiny(family, dtype)
+    decoder = InvariantDecoder(model)
+    attn = model.get_decoder().layers[1].self_attn
+    torch.manual_seed(2)
+    for B, T in [(3, 1), (1, 7), (4, 33)]:
+        h = torch.randn(B, T, model.config.hidden_size).to(dtype)
+        positions = torch.randint(0, 60, (B, T))
+        rotary = bi.rotary_tables(positions, decoder.inv_freq_D2, 1.0, dtype)
+        with torch.no_grad():
+            together = decoder._qkv_together(1, attn, h, rotary)
+            apart = decoder._qkv_apart(attn, h, rotary)
+        assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "qwen3-moe"])
 def test_forward_incremental_equals_whole_sequence(family, dtype):
     """Prefill of 7 tokens then one-token decode steps (the engine's way) give the logits of
