@@ -46,6 +46,25 @@ def test_pointwise_and_norm_rows_do_not_depend_on_the_batch(dtype):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_pointwise_calls_of_a_whole_chunk_match_each_element_alone(threads, dtype):
+    """A call of POINTWISE_CHUNK elements (ATen's grain size less 64) runs on one thread
+    through the vectorised loop: every element comes out as in a call of its own 64."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (bi.POINTWISE_CHUNK, 2 * bi.POINTWISE_CHUNK + 640):
+            x = (torch.randn(n // 64, 64) * 4).to(dtype)
+            for fn in (F.silu, torch.exp):
+                whole = bi.pointwise(fn, x)
+                alone = torch.cat([bi.pointwise(fn, row[None]) for row in x])
+                assert torch.equal(whole, alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_gemm_rows_from_its_tile_up_do_not_depend_on_the_count(threads, dtype):
     """Attention's GEMMs run with 4, 8, 12 or more rows (ATTENTION_ROWS): a row comes out
     the same in a GEMM of 4, 8 or 12 rows as in one of hundreds (one matrix or a batch, on 1

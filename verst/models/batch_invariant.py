@@ -47,7 +47,9 @@ from verst.models import invariant_cuda
 
 ROW_TILE = 16  # fewest rows a linear runs with (the GEMM kernel of 16+ rows is row-invariant)
 ATTENTION_ROWS = (4, 8, 12)  # row counts attention's GEMMs round fewer rows up to
-POINTWISE_CHUNK = 16384  # elements a pointwise call sees: a multiple of 64, below ATen's grain
+# elements a pointwise call sees: the largest multiple of 64 below ATen's grain size (32768),
+# under which an elementwise op runs on one thread, in one vectorised loop
+POINTWISE_CHUNK = 32704
 KEY_CHUNK = 16  # keys reduced together in attention's softmax and weighted sum
 
 
