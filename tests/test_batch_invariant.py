@@ -46,6 +46,25 @@ def test_pointwise_and_norm_rows_do_not_depend_on_the_batch(dtype):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_pointwise_calls_of_a_whole_chunk_match_each_element_alone(threads, dtype):
+    """A call of POINTWISE_CHUNK elements (ATen's grain size less 64) runs on one thread
+    through the vectorised loop: every element comes out as in a call of its own 64."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (bi.POINTWISE_CHUNK, 2 * bi.POINTWISE_CHUNK + 640):
+            x = (torch.randn(n // 64, 64) * 4).to(dtype)
+            for fn in (F.silu, torch.exp):
+                whole = bi.pointwise(fn, x)
+                alone = torch.cat([bi.pointwise(fn, row[None]) for row in x])
+                assert torch.equal(whole, alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_gemm_rows_from_its_tile_up_do_not_depend_on_the_count(threads, dtype):
     """Attention's GEMMs run with 4, 8, 12 or more rows (ATTENTION_ROWS): a row comes out
     the same in a GEMM of 4, 8 or 12 rows as in one of hundreds (one matrix or a batch, on 1
@@ -115,6 +134,26 @@ def check_attention(dtype: torch.dtype, D: int, T: int, queries, extra: int = 0)
 def tiny(family: str, dtype: torch.dtype) -> torch.nn.Module:
     cfg = TinyModelConfig(**TINY.model_dump(exclude={"family"}), family=family)
     return build_tiny_model(cfg, vocab_size=40, seed=0).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_qkv_as_one_gemm_gives_the_bits_of_three(family, dtype):
+    """The CPU's Q/K/V from one GEMM of the stacked weights, Q and K normed and rotated as one
+    tensor, are bitwise the three GEMMs, two norms and two rotations run apart (CUDA's way), at
+    the engine's decode rows and the trainer's whole sequences."""
+    model = tiny(family, dtype)
+    decoder = InvariantDecoder(model)
+    attn = model.get_decoder().layers[1].self_attn
+    torch.manual_seed(2)
+    for B, T in [(3, 1), (1, 7), (4, 33)]:
+        h = torch.randn(B, T, model.config.hidden_size).to(dtype)
+        positions = torch.randint(0, 60, (B, T))
+        rotary = bi.rotary_tables(positions, decoder.inv_freq_D2, 1.0, dtype)
+        with torch.no_grad():
+            together = decoder._qkv_together(1, attn, h, rotary)
+            apart = decoder._qkv_apart(attn, h, rotary)
+        assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

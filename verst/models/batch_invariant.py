@@ -47,7 +47,9 @@ from verst.models import invariant_cuda
 
 ROW_TILE = 16  # fewest rows a linear runs with (the GEMM kernel of 16+ rows is row-invariant)
 ATTENTION_ROWS = (4, 8, 12)  # row counts attention's GEMMs round fewer rows up to
-POINTWISE_CHUNK = 16384  # elements a pointwise call sees: a multiple of 64, below ATen's grain
+# elements a pointwise call sees: the largest multiple of 64 below ATen's grain size (32768),
+# under which an elementwise op runs on one thread, in one vectorised loop
+POINTWISE_CHUNK = 32704
 KEY_CHUNK = 16  # keys reduced together in attention's softmax and weighted sum
 
 
@@ -151,9 +153,9 @@ def attention(
 ) -> torch.Tensor:
     """Causal attention [B, T, H, D]: the query at position p of row b sees that row's keys at
     positions 0..p, key w of `k_B_G_W_D` (heads first, W a multiple of KEY_CHUNK) sitting at
-    position w; `unseen_keys` masks the others. Keys past every query may hold anything in K,
-    anything finite in V (their weights are exact zeros, and NaN · 0 is NaN): see `key_width`
-    and `heads_first`.
+    position w; `unseen_keys` masks the others. Keys past every query may hold anything finite
+    in K and V (on the CPU their scores get -inf added, and NaN + -inf is NaN; their weights
+    are exact zeros, and NaN · 0 is NaN): see `key_width` and `heads_first`.
 
     The R = H / G query heads that share a KV head are rows of one GEMM with that head's keys
     (no copy of K or V per query head). Scores are GEMMs over the head dimension (a fixed
@@ -168,7 +170,10 @@ def attention(
     k_X_W_D = k_B_G_W_D.reshape(B * G, W, D)
     scores_X_M_W = _matmul(_pad_rows(q_X_M_D), k_X_W_D.transpose(-1, -2))
     scores_B_G_M_W = scores_X_M_W[:, :M].view(B, G, M, W).float() * scaling
-    scores_B_G_M_W.masked_fill_(unseen_B_1_M_W, float("-inf"))
+    if scores_B_G_M_W.is_cuda:
+        scores_B_G_M_W.masked_fill_(unseen_B_1_M_W, float("-inf"))
+    else:
+        scores_B_G_M_W = scores_B_G_M_W + unseen_B_1_M_W
     top_B_G_M_1 = scores_B_G_M_W.amax(-1, keepdim=True)
     weights_B_G_M_W = pointwise(torch.exp, scores_B_G_M_W - top_B_G_M_1)
     probs_B_G_M_W = weights_B_G_M_W / chunked_sum(weights_B_G_M_W)[..., None]
@@ -177,10 +182,15 @@ def attention(
 
 
 def unseen_keys(q_positions_B_T: torch.Tensor, R: int, W: int) -> torch.Tensor:
-    """`attention`'s mask [B, 1, R·T, W] for R query heads a KV head: True where key w lies
-    past the query of row (r, t). The same for every layer of a forward."""
+    """`attention`'s mask [B, 1, R·T, W] for R query heads a KV head, where key w lies past
+    the query of row (r, t): True there on CUDA; on the CPU, fp32 -inf there and 0 elsewhere,
+    to add to the scores (exact: s + 0 is s), at a fraction of a masked fill's cost. The same
+    for every layer of a forward."""
     keys_W = torch.arange(W, device=q_positions_B_T.device)
-    return (keys_W > q_positions_B_T.repeat(1, R)[..., None])[:, None]
+    unseen_B_1_M_W = (keys_W > q_positions_B_T.repeat(1, R)[..., None])[:, None]
+    if unseen_B_1_M_W.is_cuda:
+        return unseen_B_1_M_W
+    return torch.zeros(unseen_B_1_M_W.shape).masked_fill_(unseen_B_1_M_W, float("-inf"))
 
 
 def key_width(keys: int) -> int:

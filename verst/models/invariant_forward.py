@@ -120,19 +120,52 @@ class InvariantDecoder:
         unseen: Callable[[int], torch.Tensor],
         keys: KeySource,
     ) -> torch.Tensor:
-        cos, sin = rotary
         B, T, _ = h_B_T_E.shape
-        D = self.head_dim
+        if h_B_T_E.is_cuda:
+            q, k, v = self._qkv_apart(attn, h_B_T_E, rotary)
+        else:
+            q, k, v = self._qkv_together(index, attn, h_B_T_E, rotary)
+        k_B_G_W_D, v_B_G_W_D = keys(index, k, v)
+        unseen_B_1_M_W = unseen(k_B_G_W_D.shape[2])
+        out = bi.attention(q, k_B_G_W_D, v_B_G_W_D, unseen_B_1_M_W, attn.scaling)
+        return _linear(attn.o_proj, out.reshape(B, T, -1))
+
+    def _qkv_apart(
+        self, attn: torch.nn.Module, h_B_T_E: torch.Tensor, rotary: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K (normed, rotated) and V [B, T, heads, D], a GEMM and a norm each."""
+        (B, T, _), D = h_B_T_E.shape, self.head_dim
         q = _linear(attn.q_proj, h_B_T_E).view(B, T, self.heads, D)
         k = _linear(attn.k_proj, h_B_T_E).view(B, T, self.kv_heads, D)
         v = _linear(attn.v_proj, h_B_T_E).view(B, T, self.kv_heads, D)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head norms
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-        q, k = bi.apply_rotary(q, cos, sin), bi.apply_rotary(k, cos, sin)
-        k_B_G_W_D, v_B_G_W_D = keys(index, k, v)
-        unseen_B_1_M_W = unseen(k_B_G_W_D.shape[2])
-        out = bi.attention(q, k_B_G_W_D, v_B_G_W_D, unseen_B_1_M_W, attn.scaling)
-        return _linear(attn.o_proj, out.reshape(B, T, -1))
+        return bi.apply_rotary(q, *rotary), bi.apply_rotary(k, *rotary), v
+
+    def _qkv_together(
+        self,
+        index: int,
+        attn: torch.nn.Module,
+        h_B_T_E: torch.Tensor,
+        rotary: tuple[torch.Tensor, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_qkv_apart`'s results from one GEMM of the three weights, Q and K then normed and
+        rotated as one tensor: a row's bits do not depend on its neighbours in either (the
+        CPU's GEMM of 16+ rows, a norm over each head's contiguous D)."""
+        (B, T, _), D, H, G = h_B_T_E.shape, self.head_dim, self.heads, self.kv_heads
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        weight_O_E = torch.cat([m.weight for m in projections])
+        biases = [m.bias for m in projections]
+        bias_O = None if biases[0] is None else torch.cat(biases)
+        qkv = bi.linear(h_B_T_E, weight_O_E, bias_O)
+        qk_B_T_F_D = qkv[..., : (H + G) * D].view(B, T, H + G, D)
+        v = qkv[..., (H + G) * D :].view(B, T, G, D)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3's per-head norms (one eps)
+            q_norm, k_norm = attn.q_norm.weight, attn.k_norm.weight
+            weight_F_D = torch.cat([q_norm.expand(H, D), k_norm.expand(G, D)])
+            qk_B_T_F_D = bi.rms_norm(qk_B_T_F_D, weight_F_D, attn.q_norm.variance_epsilon)
+        qk_B_T_F_D = bi.apply_rotary(qk_B_T_F_D, *rotary)
+        return qk_B_T_F_D[:, :, :H], qk_B_T_F_D[:, :, H:], v
 
 
 def own_keys(layer: int, k_B_T_G_D: torch.Tensor, v_B_T_G_D: torch.Tensor):
