@@ -38,8 +38,18 @@ def test_a_taken_port_is_never_given(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         ranges = tmp_path / "ip_local_port_range"
         ranges.write_text(f"{port + 1}\t60999\n")
         monkeypatch.setattr(launcher, "PORT_RANGE_FILE", ranges)
-        monkeypatch.setattr(launcher.random, "sample", lambda pool, k: [port, port - 1])
+        monkeypatch.setattr(launcher._PORT_DRAWS, "sample", lambda pool, k: [port, port - 1])
         assert launcher.free_port() == port - 1
+
+
+def test_processes_seeded_alike_draw_different_ports() -> None:
+    """Runs seed `random` (a trainer, every test worker): the draws must not follow it."""
+    import random
+
+    random.seed(0)
+    first = [launcher.free_port() for _ in range(5)]
+    random.seed(0)
+    assert [launcher.free_port() for _ in range(5)] != first
 
 
 def test_without_a_port_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch) -> None:

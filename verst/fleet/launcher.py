@@ -74,6 +74,9 @@ class LocalEngine:
 
 PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LISTEN_PORTS_FROM = 15000  # the lowest port `free_port` picks outside the ephemeral range
+# the OS's randomness, not `random`'s: runs seed `random` alike, and two processes seeded the
+# same would draw the same ports
+_PORT_DRAWS = random.SystemRandom()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -83,7 +86,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     rendezvous while Ray held many connections); only an explicit bind can take one below."""
     low = _ephemeral_low()
     if low is not None and low > LISTEN_PORTS_FROM:
-        for port in random.sample(range(LISTEN_PORTS_FROM, low), 64):
+        for port in _PORT_DRAWS.sample(range(LISTEN_PORTS_FROM, low), 64):
             if _bindable(host, port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
