@@ -16,7 +16,7 @@ from verst.cli import main  # noqa: E402
 from verst.envs.sandbox import bubblewrap_problem  # noqa: E402
 
 EXAMPLE = "examples/python_tool.yaml"
-QUICK = [
+TINY_RUN = [  # two steps of a tiny model on the CPU, for any recipe
     "num_steps=2",
     "num_threads=1",
     "trainer.device=cpu",
@@ -24,6 +24,9 @@ QUICK = [
     "intermediate_size: 64, max_position_embeddings: 256}",
     "rollout.prompts_per_step=2",
     "rollout.n_samples_per_prompt=4",
+]
+QUICK = [
+    *TINY_RUN,
     "warm_start.max_steps=2",
     "warm_start.batch_size=8",
     "warm_start.check_interval_steps=1",

@@ -23,6 +23,7 @@ from examples.verifiers_guess import (  # noqa: E402
     hint,  # noqa: E402
 )
 from tests.test_builtin_envs import scripted  # noqa: E402
+from tests.test_env_train import TINY_RUN  # noqa: E402
 from tests.test_envs import KWARGS, sessions_url  # noqa: E402, F401
 from tests.test_loop import records  # noqa: E402
 from verst.cli import main  # noqa: E402
@@ -219,16 +220,8 @@ def test_episodes_through_the_session_server(sessions_url: str) -> None:  # noqa
 
 def test_verifiers_guess_example_trains_through_the_cli(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    quick = [
-        "num_steps=2",
-        "num_threads=1",
-        "trainer.device=cpu",
-        "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
-        "intermediate_size: 64, max_position_embeddings: 256}",
-        "rollout.prompts_per_step=2",
-        "rollout.n_samples_per_prompt=4",
-    ]
-    assert main(["train", "examples/verifiers_guess.yaml", *quick, "--run-dir", str(run_dir)]) == 0
+    args = ["train", "examples/verifiers_guess.yaml", *TINY_RUN, "--run-dir", str(run_dir)]
+    assert main(args) == 0
     records_ = records(run_dir)
     assert [r["step"] for r in records_] == [0, 1, 2]
     for row in records_[1:]:
