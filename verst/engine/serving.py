@@ -321,7 +321,9 @@ class ServingEngine(WeightUpdates):
         """Check a request, wait while the engine is paused or updating, and queue it."""
         cond = self._started()
         submitted_s = time.perf_counter()
-        self.check_request(
+        request_checks.check_request(
+            self.scheduler,
+            self.vocab_size,
             request.input_ids,
             request.sampling_params,
             request.lora_path,
@@ -358,28 +360,6 @@ class ServingEngine(WeightUpdates):
                 del self._running[rid]
                 self._control.append(lambda: self.scheduler.abort(rid, exact=True))
             cond.notify_all()
-
-    def check_request(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        lora_path: str | None = None,
-        *,
-        top_logprobs_num: int = 0,
-        token_ids_logprob: list[int] | None = None,
-        return_routed_experts: bool = False,
-    ) -> None:
-        """Raise ValueError for a request the engine cannot run (before it reaches a batch)."""
-        request_checks.check_request(
-            self.scheduler,
-            self.vocab_size,
-            input_ids,
-            params,
-            lora_path,
-            top_logprobs_num=top_logprobs_num,
-            token_ids_logprob=token_ids_logprob,
-            return_routed_experts=return_routed_experts,
-        )
 
     def rid_is_free(self, rid: str) -> bool:
         """No request with this rid is in flight (SGLang answers a second one with a 400)."""

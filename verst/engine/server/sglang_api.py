@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from verst.engine import request_checks
 from verst.engine.grammar import GRAMMAR_FIELDS, Constraint
 from verst.engine.results import DetokenizeParams
 from verst.engine.sampling import SEED_LIMIT, SamplingParams
@@ -515,7 +516,9 @@ def check_job(serving: ServingEngine, job: GenerateJob) -> None:
     flight is a 400, and the good items batched with it never start."""
     for item in job.items:
         try:
-            serving.check_request(
+            request_checks.check_request(
+                serving.scheduler,
+                serving.vocab_size,
                 item.input_ids,
                 item.params,
                 item.lora_path,
