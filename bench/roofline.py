@@ -17,9 +17,10 @@ import time
 import torch
 
 
-def memory_bandwidth(device: str, gib: float = 1.0, repeats: int = 10) -> float:
-    """Bytes a second a device copy moves (read + written), median of `repeats`."""
-    nbytes = int(gib * (1 << 30)) if device == "cuda" else int(gib * (1 << 28))
+def memory_bandwidth(device: str, nbytes: int | None = None, repeats: int = 10) -> float:
+    """Bytes a second a device copy of `nbytes` (default 1 GiB on CUDA, 256 MiB on the CPU)
+    moves (read + written), median of `repeats`."""
+    nbytes = nbytes or (1 << 30 if device == "cuda" else 1 << 28)
     source = torch.empty(nbytes, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     target.copy_(source)  # first touch: page faults on the CPU, lazy allocation
