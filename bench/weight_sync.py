@@ -352,22 +352,36 @@ def bench_broadcast_update(
             await transport.connect([client])
             protocol = WeightSync([client], transport, pause_mode="retract")
             first = await protocol.push(lambda: named.items(), version=1)
-            send_s, push_s = [], []
-            for version in range(2, 2 + repeats):
+            send_s = []
+            for version in range(2, 2 + repeats):  # SGLang's request alone, a bucket each
                 sync()
                 start = time.perf_counter()
                 await transport.send([client], lambda: named.items(), version)
                 sync()
                 send_s.append(time.perf_counter() - start)
-            steps.clear()
-            for version in range(2 + repeats, 2 + 2 * repeats):
-                sync()
-                push_s.append((await protocol.push(lambda: named.items(), version)).seconds)
+            # verst's one request and SGLang's calls alternate, each first in turn
+            push_s: dict[str, list[float]] = {"one": [], "stepwise": []}
+            calls: dict[str, dict[str, list[float]]] = {"one": {}, "stepwise": {}}
+            version = 2 + repeats
+            for repeat in range(repeats):
+                for path in ("one", "stepwise") if repeat % 2 == 0 else ("stepwise", "one"):
+                    transport.whole_updates = path == "one"
+                    sync()
+                    steps.clear()
+                    push_s[path].append(
+                        (await protocol.push(lambda: named.items(), version)).seconds
+                    )
+                    for name, seconds in steps.items():
+                        calls[path].setdefault(name, []).extend(seconds)
+                    version += 1
             checks = {}
             for name in ("model.norm.weight", "model.layers.0.mlp.down_proj.weight"):
                 status, values = await _get_weights(engine.url, name, 4)
                 checks[name] = status == 200 and values == named[name].float().cpu()[:4].tolist()
-            step_ms = {name: 1e3 * statistics.median(s) for name, s in steps.items()}
+            step_ms = {
+                path: {name: 1e3 * statistics.median(s) for name, s in by_call.items()}
+                for path, by_call in calls.items()
+            }
             await client.inner.close()
             return {
                 "first": first.seconds,
@@ -382,6 +396,8 @@ def bench_broadcast_update(
     finally:
         engine.stop()
     send_best = min(measured["send"])
+    one, stepwise = measured["push"]["one"], measured["push"]["stepwise"]
+    link = NCCL_REFERENCE_GB_S if on_cuda else None
     return {
         "transport": "broadcast_nccl" if on_cuda else "broadcast_gloo",
         "model": "qwen2-0.5b-shaped bf16" if on_cuda else "qwen3-shaped fp32",
@@ -391,13 +407,24 @@ def bench_broadcast_update(
         "send_s": send_best,
         "send_gb_s": nbytes / 1e9 / send_best,
         "send_vs_memcpy": memcpy_s / send_best,
-        "send_vs_reference_link": (
-            nbytes / 1e9 / send_best / NCCL_REFERENCE_GB_S if on_cuda else None
+        "send_vs_reference_link": nbytes / 1e9 / send_best / link if link else None,
+        # the whole update as verst runs it: one request (pause, flush, every bucket behind
+        # its header, version, continue), confirmed by its answer
+        "whole_update_s": min(one),
+        "whole_update_median_s": statistics.median(one),
+        "whole_update_median_vs_reference_link": (
+            nbytes / 1e9 / statistics.median(one) / link if link else None
         ),
-        "whole_update_s": min(measured["push"]),
-        "whole_update_median_s": statistics.median(measured["push"]),
+        # the same through SGLang's calls (pause, flush, a request per bucket, version,
+        # continue, confirm), alternating with it in this run
+        "stepwise_whole_update_s": min(stepwise),
+        "stepwise_whole_update_median_s": statistics.median(stepwise),
+        "stepwise_vs_one_request_median": statistics.median(stepwise) / statistics.median(one),
         "first_update_s": measured["first"],
-        "whole_update_step_median_ms": measured["steps"],
+        "whole_update_step_median_ms": measured["steps"]["one"],
+        "stepwise_step_median_ms": measured["steps"]["stepwise"],
+        "all_whole_update_s": one,
+        "all_stepwise_whole_update_s": stepwise,
         "buckets_bytes": measured["buckets"],
         "exact": measured["exact"],
     }
@@ -466,6 +493,18 @@ def print_shared(result: dict) -> None:
     print(f"  bit-exact spot checks: {result['exact']}")
 
 
+def print_broadcast(result: dict) -> None:
+    link = result["whole_update_median_vs_reference_link"]
+    print(
+        f"broadcast of {result['gb']:.2f} GB, whole update (median, best): one request "
+        f"{result['whole_update_median_s'] * 1e3:.2f} ms, {result['whole_update_s'] * 1e3:.2f} ms"
+        + (f" = {link:.2f} x the {NCCL_REFERENCE_GB_S:.0f} GB/s link" if link else "")
+        + f"; SGLang's calls {result['stepwise_whole_update_median_s'] * 1e3:.2f} ms, "
+        f"{result['stepwise_whole_update_s'] * 1e3:.2f} ms "
+        f"({result['stepwise_vs_one_request_median']:.2f}x the one request)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=0.5)
@@ -502,6 +541,7 @@ def main() -> None:
         finally:
             shutil.rmtree(root, ignore_errors=True)
         print(json.dumps(result, indent=2))
+        print_broadcast(result)
         name = "h200x2" if args.device == "cuda" else "cpu"
         out = args.out or results_dir / f"weight_sync_broadcast_{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -214,7 +214,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_broadcast_transport_in_buckets_is_exact(model_dir: Path) -> None:
+@pytest.mark.parametrize("whole", [True, False], ids=["one-request", "sglang-calls"])
+def test_broadcast_transport_in_buckets_is_exact(model_dir: Path, whole: bool) -> None:
     from verst.sync.broadcast import BroadcastTransport, TensorSpec
     from verst.sync.buckets import bucketed
 
@@ -224,10 +225,14 @@ def test_broadcast_transport_in_buckets_is_exact(model_dir: Path) -> None:
 
     async def scenario() -> list[int]:
         clients = await engines(model_dir, 2)
-        transport = BroadcastTransport(master_port=free_port(), bucket_bytes=bucket_bytes)
+        transport = BroadcastTransport(
+            master_port=free_port(), bucket_bytes=bucket_bytes, whole_updates=whole
+        )
         await transport.connect(clients)
         sync = WeightSync(clients, transport)
-        await sync.push(lambda: weights.items(), version=5)
+        report = await sync.push(lambda: weights.items(), version=5)
+        steps = ["pause", "flush", "send", "set_version", "continue"]
+        assert report.calls == (["update"] if whole else steps)
         for client in clients:
             assert_engine_has(client, weights)
             assert await client.get_weight_version() == "5"
@@ -267,5 +272,59 @@ def test_broadcast_over_http(model_dir: Path) -> None:
         assert await client.get_weight_version() == "9"
         await client.close()
         await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_broadcast_whole_update_that_the_trainer_abandons(model_dir: Path) -> None:
+    """Walking the tensors fails after a bucket: the engine is told, answers the failure
+    without stamping the version, and the next push forms a new group and lands."""
+    from verst.fleet.client import EngineError
+    from verst.sync.broadcast import BroadcastTransport
+
+    source = build_tiny_model(TINY, vocab_size=100, seed=14)
+    weights = {n: p.detach() for n, p in source.named_parameters()}
+
+    def failing():
+        for index, item in enumerate(weights.items()):
+            if index == 3:
+                raise RuntimeError("gather failed")
+            yield item
+
+    async def scenario() -> None:
+        (client,) = await engines(model_dir, 1)
+        transport = BroadcastTransport(master_port=free_port(), bucket_bytes=20_000)
+        sync = WeightSync([client], transport)
+        with pytest.raises((EngineError, WeightSyncError), match="trainer's side"):
+            await sync.push(failing, version=2)
+        assert transport.group is None
+        assert await client.get_weight_version() != "2"
+        report = await sync.push(lambda: weights.items(), version=3)
+        assert report.calls == ["update"] and transport.connects == 2
+        assert_engine_has(client, weights)
+        assert await client.get_weight_version() == "3"
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_broadcast_whole_update_with_an_unknown_name_is_refused(model_dir: Path) -> None:
+    """A bucket the engine cannot install is still received (the trainer never hangs); the
+    engine answers which name, keeps its version and stays paused."""
+    from verst.fleet.client import EngineError
+    from verst.sync.broadcast import BroadcastTransport
+
+    source = build_tiny_model(TINY, vocab_size=100, seed=15)
+    weights = {n: p.detach() for n, p in source.named_parameters()}
+    weights["model.bogus.weight"] = torch.ones(3)
+
+    async def scenario() -> None:
+        (client,) = await engines(model_dir, 1)
+        transport = BroadcastTransport(master_port=free_port(), bucket_bytes=1 << 20)
+        with pytest.raises(EngineError, match="model.bogus.weight"):
+            await WeightSync([client], transport).push(lambda: weights.items(), version=4)
+        assert await client.get_weight_version() != "4"
+        assert client.serving.is_paused
+        await client.close()
 
     asyncio.run(scenario())

@@ -84,7 +84,7 @@ def test_one_request_a_push_and_the_layout_sent_once(models: tuple[Path, Path]) 
             assert report.calls == ["update"]
             assert _holds(serving, weights) and serving.weight_version == str(version)
         calls = [name for name, _ in client.log]
-        assert calls == ["takes_buffer_updates", "update_weights_from_buffers"] * 4
+        assert calls == ["takes_whole_updates", "update_weights_from_buffers"] * 4
         bodies = client.bodies()
         assert ["payload" in b for body in bodies for b in body["buffers"]] == [
             True,
@@ -248,7 +248,7 @@ def test_an_unknown_layout_is_refused_before_anything_changes(models: tuple[Path
         engine = await serve_engine(ServingEngine.from_model_dir(str(models[0]), seed=0))
         try:
             client = HttpEngineClient(engine.url)
-            assert await client.takes_buffer_updates()
+            assert await client.takes_whole_updates()
             body = {
                 "buffers": [{"layout": "no-such-layout"}],
                 "pause_mode": "retract",
@@ -338,7 +338,7 @@ class Unreachable:
     def __init__(self, *, alive: bool) -> None:
         self.alive = alive
 
-    async def takes_buffer_updates(self) -> bool:
+    async def takes_whole_updates(self) -> bool:
         return True
 
     async def update_weights_from_buffers(self, body: dict[str, Any]) -> dict[str, Any]:

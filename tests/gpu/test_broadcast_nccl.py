@@ -65,3 +65,47 @@ def test_nccl_buckets_arrive_bit_exact_and_fast() -> None:
     print(
         f"NCCL broadcast of {gb:.2f} GB in {seconds[-1] * 1e3:.1f} ms: {gb / seconds[-1]:.1f} GB/s"
     )
+
+
+def test_whole_update_over_nccl_into_an_engine_on_the_other_gpu(tmp_path) -> None:
+    """verst's one-request update: headers and buckets through NCCL into a serving engine on
+    cuda:1, bit-exact, version stamped, and the engine generates afterwards."""
+    import asyncio
+
+    from verst.engine.serving import ServingEngine
+    from verst.fleet.client import InProcessEngineClient
+    from verst.models.tiny import TinyModelConfig, build_tiny_model, create_tiny
+    from verst.sync.broadcast import BroadcastTransport
+    from verst.sync.protocol import WeightSync
+
+    tiny = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    create_tiny(tmp_path / "m", tiny, seed=0)
+    source = build_tiny_model(tiny, vocab_size=100, seed=3).to("cuda:0", torch.bfloat16)
+    weights = {n: p.detach() for n, p in source.named_parameters()}
+
+    async def scenario() -> None:
+        serving = ServingEngine.from_model_dir(
+            str(tmp_path / "m"), device="cuda:1", dtype=torch.bfloat16, kv_cache_bytes=64 << 20
+        )
+        await serving.start()
+        client = InProcessEngineClient(serving, owns_serving=True)
+        transport = BroadcastTransport(
+            master_port=free_port(), bucket_bytes=100_000, backend="nccl"
+        )
+        sync = WeightSync([client], transport)
+        for version in (1, 2):
+            report = await sync.push(lambda: weights.items(), version=version)
+            assert report.calls == ["update"]
+        assert len(transport.buckets_sent) > 1
+        params = dict(serving.scheduler.model.named_parameters())
+        for name, tensor in weights.items():
+            assert torch.equal(params[name].detach().cpu(), tensor.cpu()), name
+        assert await client.get_weight_version() == "2"
+        reply = await client.generate(
+            {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        )
+        assert len(reply["output_ids"]) == 4
+        await client.close()
+
+    torch.cuda.set_device(0)
+    asyncio.run(scenario())

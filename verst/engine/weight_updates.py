@@ -25,6 +25,13 @@ from verst.engine.adapters import AdapterError, read_adapter_dir
 from verst.engine.weight_loading import checkpoint_files, checkpoint_tensors, load_published
 from verst.engine.weight_paths import allowed_weight_path, load_quietly
 from verst.engine.weight_paths import refusal as weight_path_refusal
+from verst.sync.broadcast import (
+    TrainerAborted,
+    create_group,
+    header_device,
+    receive_bucket,
+    receive_header,
+)
 from verst.sync.buffer_layouts import BufferEntry, LayoutRegistry, UnknownLayouts
 from verst.sync.shared_tensors import SharedTensorError
 
@@ -273,8 +280,6 @@ class WeightUpdates:
         backend: str = "gloo",
     ) -> tuple[bool, str]:
         """Join the trainer's weight-update group as rank `rank_offset` (blocks until all join)."""
-        from verst.sync.broadcast import create_group
-
         # One join at a time, on a thread of its own: joins that hang on a dead address must
         # never take the threads the serving loop steps the scheduler on.
         joins = self._group_joins()
@@ -318,8 +323,6 @@ class WeightUpdates:
     ) -> tuple[bool, str]:
         """Receive one bucket (`specs`: `TensorSpec`s) broadcast by the trainer (rank 0): model
         weights, or with `lora_name` the whole of that LoRA adapter."""
-        from verst.sync.broadcast import receive_bucket
-
         group = self._groups.get(group_name)
         if group is None:
             return False, f"no weights update group {group_name!r}: call init first"
@@ -338,6 +341,56 @@ class WeightUpdates:
             return True, "Succeeded to update model weights."
 
         return await self._update_weights(load, weight_version)
+
+    async def update_weights_whole_from_distributed(
+        self,
+        *,
+        group_name: str,
+        pause_mode: str | None,
+        flush_cache: bool,
+        weight_version: str | None,
+        continue_generation: bool,
+    ) -> tuple[bool, str]:
+        """verst's whole update over the broadcast group (`verst.sync.broadcast`): pause in
+        `pause_mode`, flush the prefix cache, receive and install every bucket the trainer
+        broadcasts (each behind its header) until its end, stamp `weight_version` and continue,
+        all between two scheduler steps as in `update_weights_from_buffers`.
+
+        Every bucket is received whatever happens, so the trainer's broadcasts always complete:
+        a bucket with unknown names or other shapes (or a refused flush) is received and
+        dropped, the rest of the update too, and the answer is False with the engine still
+        paused and its version unchanged (the buckets before it are installed)."""
+        group = self._groups.get(group_name)
+        if group is None:
+            return False, f"no weights update group {group_name!r}: call init first"
+        device = next(iter(self.scheduler.parameters().values())).device
+        if pause_mode is not None:
+            await self.pause(pause_mode)
+
+        def load() -> tuple[bool, str]:
+            refusal = None
+            if flush_cache and not self.scheduler.flush_cache():
+                refusal = "flush_cache refused: paused in place, requests hold KV pages"
+            while (specs := receive_header(group, header_device(group, device))) is not None:
+                received = receive_bucket(group, specs, device, flattened=True)
+                if refusal is None:
+                    try:
+                        self.scheduler.update_weights_from_tensors(
+                            received, self.scheduler.weight_version
+                        )
+                    except (KeyError, ValueError) as error:
+                        refusal = str(error)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # answered = installed
+            return (False, refusal) if refusal else (True, "Succeeded to update model weights.")
+
+        try:
+            ok, message = await self._update_weights(load, weight_version)
+        except TrainerAborted as error:
+            return False, str(error)
+        if ok and continue_generation:
+            await self.resume()
+        return ok, message
 
     async def _update_weights(
         self, load: Callable[[], tuple[bool, str]], weight_version: str | None

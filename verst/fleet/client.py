@@ -17,6 +17,7 @@ from verst.engine.server import control_api as control
 from verst.engine.server import sglang_api as protocol
 from verst.engine.server.app import CONTROL_PATHS
 from verst.engine.serving import ServingEngine
+from verst.sync.broadcast import WHOLE_UPDATE_PATH
 from verst.sync.buffer_layouts import BUFFERS_PATH
 
 if TYPE_CHECKING:
@@ -109,14 +110,14 @@ class InProcessEngineClient:
             raise EngineError(400, {"success": False, "message": message})
 
     async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
-        return await self._adapter_call(
+        return await self._control_call(
             control.run_load_lora_adapter, {"lora_name": name, "lora_path": path}
         )
 
     async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
-        return await self._adapter_call(control.run_unload_lora_adapter, {"lora_name": name})
+        return await self._control_call(control.run_unload_lora_adapter, {"lora_name": name})
 
-    async def _adapter_call(self, run: Any, body: dict[str, Any]) -> dict[str, Any]:
+    async def _control_call(self, run: Any, body: dict[str, Any]) -> dict[str, Any]:
         try:
             status, reply = await run(self.serving, body)
         except protocol.ProtocolError as error:
@@ -136,26 +137,18 @@ class InProcessEngineClient:
             raise EngineError(status, reply)
 
     async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            status, reply = await control.run_update_weights_from_tensor(self.serving, body)
-        except protocol.ProtocolError as error:
-            raise EngineError(error.status, error.body) from error
-        if status != 200:
-            raise EngineError(status, reply)
-        return reply
+        return await self._control_call(control.run_update_weights_from_tensor, body)
 
     async def update_weights_from_buffers(self, body: dict[str, Any]) -> dict[str, Any]:
         """verst's whole-update request (`verst.sync.buffer_layouts`)."""
-        try:
-            status, reply = await control.run_update_weights_from_buffers(self.serving, body)
-        except protocol.ProtocolError as error:
-            raise EngineError(error.status, error.body) from error
-        if status != 200:
-            raise EngineError(status, reply)
-        return reply
+        return await self._control_call(control.run_update_weights_from_buffers, body)
 
-    async def takes_buffer_updates(self) -> bool:
-        """Whether the engine answers verst's whole-update request: always, in-process."""
+    async def update_weights_whole_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """verst's whole update over the broadcast group (`verst.sync.broadcast`)."""
+        return await self._control_call(control.run_update_weights_whole_from_distributed, body)
+
+    async def takes_whole_updates(self) -> bool:
+        """Whether the engine answers verst's whole-update requests: always, in-process."""
         return True
 
     async def update_weight_version(self, version: str, *, abort_all: bool = False) -> None:
@@ -185,7 +178,7 @@ class HttpEngineClient:
         self.timeout_s = timeout_s
         self.api_keys = api_keys or ApiKeys()
         self._session: Any = None
-        self._verst_server: bool | None = None  # `takes_buffer_updates`, once known
+        self._verst_server: bool | None = None  # `takes_whole_updates`, once known
 
     def _client(self) -> Any:
         try:
@@ -281,9 +274,14 @@ class HttpEngineClient:
         """verst's whole-update request (`verst.sync.buffer_layouts`); a verst server only."""
         return (await self._request("POST", BUFFERS_PATH, body))[1]
 
-    async def takes_buffer_updates(self) -> bool:
+    async def update_weights_whole_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """verst's whole update over the broadcast group (`verst.sync.broadcast`); a verst
+        server only."""
+        return (await self._request("POST", WHOLE_UPDATE_PATH, body))[1]
+
+    async def takes_whole_updates(self) -> bool:
         """Whether the server is a `verst serve` (its `/server_info` version reads "verst..."),
-        which answers verst's whole-update request; an SGLang server is sent SGLang's calls.
+        which answers verst's whole-update requests; an SGLang server is sent SGLang's calls.
         Asked once per client."""
         if self._verst_server is None:
             try:

@@ -8,11 +8,20 @@ without touching the default group. Engines join it through SGLang's
 shapes travel in the HTTP body while the bytes travel through the group, flattened into one
 buffer (`load_format: "flattened_bucket"`) or tensor by tensor (SGLang's default). Buckets hold
 at most `bucket_bytes` (a single larger tensor travels alone).
+
+A `verst serve` engine is updated in one request instead (`BroadcastTransport.update_whole`):
+`POST /verst/update_weights_from_distributed` carries the pause mode, the flush, the version and
+the continue, and every bucket travels through the group behind a header that also travels
+through it (its length, then the JSON of its names, dtypes and shapes; a zero length ends the
+update). So the tensors are walked once, as they are sent, and one HTTP round trip serves the
+whole update whatever the number of buckets.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,6 +33,9 @@ import torch.distributed as dist
 
 from verst.plugins import AdapterUpdate, EngineClient
 from verst.sync.buckets import adapter_fields, bucket_limit, bucketed
+
+WHOLE_UPDATE_PATH = "/verst/update_weights_from_distributed"
+ABORTED = -1  # a header's length when the trainer's side failed
 
 
 @dataclass(frozen=True)
@@ -115,6 +127,57 @@ def bucket_specs(body: dict[str, Any]) -> list[TensorSpec]:
     ]
 
 
+def spec_fields(specs: list[TensorSpec]) -> dict[str, list]:
+    """The parallel lists `bucket_specs` reads."""
+    return {
+        "names": [s.name for s in specs],
+        "dtypes": [s.dtype for s in specs],
+        "shapes": [list(s.shape) for s in specs],
+    }
+
+
+def send_header(
+    group: dist.Backend,
+    specs: list[TensorSpec] | None,
+    device: torch.device,
+    *,
+    aborted: bool = False,
+) -> None:
+    """Rank 0 announces the next bucket of a whole update; None: the update ends (`aborted`:
+    the trainer failed, install nothing more)."""
+    payload = b"" if specs is None else json.dumps(spec_fields(specs)).encode()
+    length = ABORTED if aborted else len(payload)
+    group.broadcast(torch.tensor([length], dtype=torch.int64, device=device), 0).wait()
+    if payload:
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        group.broadcast(raw, 0).wait()
+
+
+def header_device(group: dist.Backend, device: torch.device) -> torch.device:
+    """Where a whole update's headers travel: NCCL moves GPU tensors only (`device`, the
+    weights'), gloo the CPU's."""
+    return device if group.name() == "nccl" else torch.device("cpu")
+
+
+class TrainerAborted(RuntimeError):
+    """The trainer's side of a whole update failed before its end."""
+
+
+def receive_header(group: dist.Backend, device: torch.device) -> list[TensorSpec] | None:
+    """An engine's side of `send_header`: the next bucket's specs, or None at the end
+    (`TrainerAborted` when the trainer gave up)."""
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    group.broadcast(length, 0).wait()
+    size = int(length.item())
+    if size == ABORTED:
+        raise TrainerAborted("the trainer's side of the weight update failed")
+    if size == 0:
+        return None
+    raw = torch.empty(size, dtype=torch.uint8, device=device)
+    group.broadcast(raw, 0).wait()
+    return bucket_specs(json.loads(raw.cpu().numpy().tobytes()))
+
+
 def send_bucket(group: dist.Backend, tensors: list[torch.Tensor], *, flattened: bool) -> None:
     """Rank 0's side of one bucket."""
     if not flattened:
@@ -148,7 +211,8 @@ def receive_bucket(
 
 class BroadcastTransport:
     """The trainer's side: `connect` forms the group with the engines (a first `send` does it
-    too), `send` broadcasts to it.
+    too), `send` broadcasts to it. When every engine is a `verst serve` (`whole_update_engines`),
+    `update_whole` runs the whole update protocol in one request per engine instead.
 
     A send to another set of engines than the group's (one died, one joined) first re-forms the
     group with exactly those engines, on a fresh port; members that join no group within
@@ -163,6 +227,7 @@ class BroadcastTransport:
         backend: str = "gloo",
         group_name: str = "weight_update_group",
         join_timeout_s: float = 300.0,
+        whole_updates: bool = True,
     ) -> None:
         self.master_address = master_address
         self.master_port = master_port
@@ -174,6 +239,7 @@ class BroadcastTransport:
         self.members: list[EngineClient] = []  # the engines of the group, by rank - 1
         self.connects = 0
         self.buckets_sent: list[int] = []  # bytes of each bucket of the last send
+        self.whole_updates = whole_updates  # `update_whole` to verst engines; False: SGLang's calls
 
     async def connect(self, engines: list[EngineClient]) -> None:
         if self.connects:  # the old group's store may still hold the port
@@ -231,9 +297,7 @@ class BroadcastTransport:
     ) -> None:
         specs = [TensorSpec.of(name, t) for name, t in bucket]
         body = {
-            "names": [s.name for s in specs],
-            "dtypes": [s.dtype for s in specs],
-            "shapes": [list(s.shape) for s in specs],
+            **spec_fields(specs),
             "group_name": self.group_name,
             "load_format": "flattened_bucket",
             **fields,
@@ -243,6 +307,113 @@ class BroadcastTransport:
             *(e.update_weights_from_distributed(body) for e in engines),
         )
         self.buckets_sent.append(sum(s.nbytes for s in specs))
+
+    # ---- verst engines: the whole update in one request -------------------------------------
+
+    async def whole_update_engines(self, engines: list[EngineClient]) -> list[EngineClient]:
+        """Every one of `engines` when each takes verst's whole-update request, else none: they
+        share one group, so one broadcast serves them all or none. None with `whole_updates`
+        off."""
+        if not self.whole_updates or not engines:
+            return []
+        answers = await asyncio.gather(*(_takes_whole(e) for e in engines), return_exceptions=True)
+        return list(engines) if all(a is True for a in answers) else []
+
+    async def update_whole(
+        self,
+        engines: list[EngineClient],
+        tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        version: int,
+        pause_mode: str,
+        timeout_s: float | None = None,
+    ) -> dict[EngineClient, BaseException | None]:
+        """One request per engine pauses it in `pause_mode`, flushes its cache (but in place),
+        receives every bucket through the group, stamps `version` and continues; meanwhile the
+        tensors are walked once and broadcast, each bucket behind its header. Each engine's
+        failure (no answer within `timeout_s` is one), or None where it answered `version`."""
+        if self.group is None or not _same_members(self.members, engines):
+            await self.connect(engines)
+        body = {
+            "group_name": self.group_name,
+            "pause_mode": pause_mode,
+            "flush_cache": pause_mode != "in_place",
+            "weight_version": str(version),
+            "continue_generation": True,
+        }
+        self.buckets_sent = []
+        sending = asyncio.ensure_future(asyncio.to_thread(self._send_whole, tensors))
+        replies = await asyncio.gather(
+            *(
+                asyncio.wait_for(e.update_weights_whole_from_distributed(body), timeout_s)
+                for e in engines
+            ),
+            return_exceptions=True,
+        )
+        sent = await self._sent(sending, all(not isinstance(r, BaseException) for r in replies))
+        return {
+            engine: _whole_failure(index, sent, reply, str(version))
+            for index, (engine, reply) in enumerate(zip(engines, replies, strict=True))
+        }
+
+    def _send_whole(self, tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """Rank 0's side of a whole update: each bucket's header, then its bytes, then the end
+        (or, when walking the tensors failed, an abort, so no engine waits for more)."""
+        assert self.group is not None
+        device = None
+        try:
+            for bucket in bucketed(tensors(), self.bucket_bytes):
+                device = device or header_device(self.group, bucket[0][1].device)
+                specs = [TensorSpec.of(name, t) for name, t in bucket]
+                send_header(self.group, specs, device)
+                send_bucket(self.group, [t for _, t in bucket], flattened=True)
+                self.buckets_sent.append(sum(s.nbytes for s in specs))
+        except Exception:
+            with contextlib.suppress(Exception):  # the group itself may be what failed
+                send_header(self.group, None, device or self._first_device(), aborted=True)
+            raise
+        send_header(self.group, None, device or self._first_device())
+
+    def _first_device(self) -> torch.device:
+        """Where headers go when no tensor has said (nothing to send, or the walk failed)."""
+        on_gpu = self.backend == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+
+    async def _sent(self, sending: asyncio.Future[None], answered: bool) -> BaseException | None:
+        """The broadcast's outcome. When an engine failed, it may never have joined the
+        collectives: the group is dropped (the next send forms a new one) and the sending
+        thread left to its collectives' timeout rather than waited for."""
+        if not answered:
+            self.group = None
+            sending.add_done_callback(lambda f: f.cancelled() or f.exception())
+            return None
+        try:
+            await sending
+        except BaseException as error:
+            self.group = None
+            return error
+        return None
+
+
+async def _takes_whole(engine: EngineClient) -> bool:
+    ask = getattr(engine, "takes_whole_updates", None)
+    return ask is not None and bool(await ask())
+
+
+def _whole_failure(
+    index: int, sent: BaseException | None, reply: Any, version: str
+) -> BaseException | None:
+    if isinstance(reply, TimeoutError):
+        return TimeoutError(f"engine {index}: no answer to the weight update")
+    if isinstance(reply, BaseException):
+        return reply
+    if sent is not None:
+        return sent
+    answered = reply.get("weight_version") if isinstance(reply, dict) else None
+    if answered != version:
+        return RuntimeError(
+            f"engine {index} answered version {answered!r} to the update to version {version}"
+        )
+    return None
 
 
 def _same_members(members: list[EngineClient], engines: list[EngineClient]) -> bool:

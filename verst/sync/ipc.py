@@ -329,7 +329,7 @@ class IpcBucketSender:
             return []
 
         async def takes(engine: Any) -> bool:
-            ask = getattr(engine, "takes_buffer_updates", None)
+            ask = getattr(engine, "takes_whole_updates", None)
             return ask is not None and bool(await ask())
 
         answers = await asyncio.gather(*(takes(e) for e in engines), return_exceptions=True)

@@ -182,23 +182,36 @@ class WeightSync:
     async def _update_whole(
         self, report: PushReport, whole: list[EngineClient], tensors: NamedTensors, version: int
     ) -> None:
-        """The one-request update; an engine that failed it is lost when found dead, and fails
-        the push when alive (its weights were refused), as a failed send does."""
+        """The one-request update. As after a failed send, the engines that failed it and are
+        found dead are lost and the update is repeated for those alive that failed (on a
+        broadcast group a hung member stalls every other's update; the transport re-forms the
+        group without it); with none dead, an alive engine that failed fails the push."""
         assert isinstance(self.transport, WholeUpdates)
-        failures = await self.transport.update_whole(
-            whole, tensors, version, self.pause_mode, self.call_timeout_s
-        )
-        failed = [(e, error) for e, error in failures.items() if error is not None]
-        if failed and self.on_engine_lost is None:
-            raise failed[0][1]
-        alive = await asyncio.gather(*(self._alive(e) for e, _ in failed))
-        for (engine, error), ok in zip(failed, alive, strict=True):
-            if ok:
+        engines = list(whole)
+        while engines:
+            failures = await self.transport.update_whole(
+                engines, tensors, version, self.pause_mode, self.call_timeout_s
+            )
+            failed = [(e, error) for e, error in failures.items() if error is not None]
+            if failed and self.on_engine_lost is None:
+                raise failed[0][1]
+            alive = await asyncio.gather(*(self._alive(e) for e, _ in failed))
+            if failed and all(alive):
+                engine, error = failed[0]
                 raise WeightSyncError(
                     f"engine {_index(self.engines, engine)} is alive but failed the update to "
                     f"version {version}: {_describe(error)}"
                 ) from error
-            self._lose(report, engine, f"update failed: {_describe(error)}", error)
+            for (engine, error), ok in zip(failed, alive, strict=True):
+                if not ok:
+                    self._lose(report, engine, f"update failed: {_describe(error)}", error)
+            retry = [(e, error) for (e, error), ok in zip(failed, alive, strict=True) if ok]
+            if retry and not self.repeat_send:
+                raise WeightSyncError(
+                    f"the update to version {version} failed ({_describe(retry[0][1])}), and "
+                    "it cannot be repeated: the other trainer ranks gathered the weights once"
+                ) from retry[0][1]
+            engines = [e for e, _ in retry]
 
     async def _each(
         self,

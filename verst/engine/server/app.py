@@ -19,10 +19,13 @@ from verst.engine.adapters import DEFAULT_MAX_ADAPTERS, read_adapter_dir
 from verst.engine.config import Quantization
 from verst.engine.serving import ServingEngine
 from verst.http_limits import HttpLimits, limited_app
+from verst.sync.broadcast import WHOLE_UPDATE_PATH
 from verst.sync.buffer_layouts import BUFFERS_PATH
 
 if TYPE_CHECKING:
     from aiohttp import web
+
+    from verst.engine.server.handlers import EngineHandlers
 
 HEALTH_TIMEOUT_S = 20.0
 # A client that leaves these aborts its request; every other route runs to its end.
@@ -39,6 +42,7 @@ CONTROL_PATHS = frozenset(
         "/update_weights_from_distributed",
         "/update_weights_from_tensor",
         BUFFERS_PATH,
+        WHOLE_UPDATE_PATH,
         "/update_weight_version",
         "/get_weights_by_name",
         "/pause_generation",
@@ -105,7 +109,14 @@ def make_app(
         middlewares.insert(0, auth_middleware(api_keys, is_control_request))
     limits = limits or HttpLimits()
     app = limited_app(limits, *middlewares, cancellable=GENERATION_PATHS.__contains__)
-    routes = app.router
+    _add_routes(app.router, h)
+    app.router.add_get("/metrics", metrics_handler(serving, served_model_name))
+    app.cleanup_ctx.append(h.lifecycle)
+    return app
+
+
+def _add_routes(routes: Any, h: EngineHandlers) -> None:
+    """SGLang's routes (and verst's own) onto `h`'s handlers."""
     routes.add_route("POST", "/generate", h.generate)
     routes.add_route("PUT", "/generate", h.generate)
     routes.add_post("/v1/completions", h.completions)
@@ -135,15 +146,13 @@ def make_app(
     routes.add_post("/update_weights_from_distributed", h.update_weights_from_distributed)
     routes.add_post("/update_weights_from_tensor", h.update_weights_from_tensor)
     routes.add_post(BUFFERS_PATH, h.update_weights_from_buffers)  # verst's own
+    routes.add_post(WHOLE_UPDATE_PATH, h.update_weights_whole_from_distributed)  # verst's own
     for method in ("GET", "POST"):
         routes.add_route(method, "/get_weights_by_name", h.get_weights_by_name)
     routes.add_post("/load_lora_adapter", h.load_lora_adapter)
     routes.add_post("/unload_lora_adapter", h.unload_lora_adapter)
     routes.add_get("/get_weight_version", h.get_weight_version)
     routes.add_post("/update_weight_version", h.update_weight_version)
-    routes.add_get("/metrics", metrics_handler(serving, served_model_name))
-    app.cleanup_ctx.append(h.lifecycle)
-    return app
 
 
 def run_server(

@@ -199,6 +199,31 @@ async def run_update_weights_from_distributed(
     return (200 if ok else 400), {"success": ok, "message": message}
 
 
+async def run_update_weights_whole_from_distributed(
+    serving: ServingEngine, payload: Any
+) -> tuple[int, dict[str, Any]]:
+    """verst's `/verst/update_weights_from_distributed` (`verst.sync.broadcast`): the whole
+    update over the broadcast group, with the pause, the flush, the version and the continue in
+    the same request; the buckets' names, dtypes and shapes travel through the group."""
+    body = _body_dict(payload)
+    mode = body.get("pause_mode")
+    if mode is not None and mode not in PAUSE_MODES:
+        raise validation_error(f"pause_mode must be null or one of {', '.join(PAUSE_MODES)}")
+    version = body.get("weight_version")
+    ok, message = await serving.update_weights_whole_from_distributed(
+        group_name=str(body.get("group_name") or "weight_update_group"),
+        pause_mode=mode,
+        flush_cache=bool(body.get("flush_cache")),
+        weight_version=None if version is None else str(version),
+        continue_generation=bool(body.get("continue_generation")),
+    )
+    return (200 if ok else 400), {
+        "success": ok,
+        "message": message,
+        "weight_version": serving.weight_version,
+    }
+
+
 async def run_update_weights_from_tensor(
     serving: ServingEngine, payload: Any
 ) -> tuple[int, dict[str, Any]]:

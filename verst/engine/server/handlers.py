@@ -38,6 +38,7 @@ from verst.engine.server.control_api import (
     run_update_weights_from_disk,
     run_update_weights_from_distributed,
     run_update_weights_from_tensor,
+    run_update_weights_whole_from_distributed,
     server_info_body,
 )
 from verst.engine.server.openai_api import prepare_openai, run_openai
@@ -338,6 +339,9 @@ class EngineHandlers:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         return await self._weights(run_update_weights_from_distributed, request)
+
+    async def update_weights_whole_from_distributed(self, request: web.Request) -> web.Response:
+        return await self._weights(run_update_weights_whole_from_distributed, request)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         return await self._weights(run_update_weights_from_tensor, request)
