@@ -92,6 +92,34 @@ def test_without_gradients_a_checkpointed_layer_runs_as_is() -> None:
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
+def test_the_replay_allows_the_attention_backends_the_forward_did() -> None:
+    """The backward's replay runs outside the forward's `sdpa_kernel` scope; on CUDA another
+    backend there (cuDNN, which the trainer's passes exclude) saves other tensors and
+    checkpoint refuses the replay. Each layer call records the backends it may use."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = checkpoint_layers_of(tiny_model())
+    seen: list[tuple[bool, bool]] = []
+    layer = model.model.layers[0]
+    inner = type(layer).forward  # every layer's: the class's
+
+    def recording(self, *args, **kwargs):
+        seen.append(
+            (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+        )
+        return inner(self, *args, **kwargs)
+
+    type(layer).forward = recording
+    try:
+        with sdpa_kernel([SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]):
+            loss = model(input_ids=torch.randint(3, 40, (2, 10))).logits.sum()
+        loss.backward()
+    finally:
+        type(layer).forward = inner
+    assert len(seen) == 2 * TINY.num_layers  # each layer's forward, then its replay
+    assert set(seen) == {(False, False)}
+
+
 def checkpoint_layers_of(model: torch.nn.Module) -> torch.nn.Module:
     assert checkpoint_layers(model) == TINY.num_layers
     return model

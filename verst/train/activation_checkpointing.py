@@ -12,13 +12,21 @@ the same keys from that prefix and its recomputed new keys, and writes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 _CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5.x's name, then the older one
+_SDPA_ENABLED = {
+    SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+    SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+    SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+    SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled,
+}
 
 
 class _ReplayCache:
@@ -41,6 +49,15 @@ class _ReplayCache:
         return torch.cat([old_keys, keys], dim=-2), torch.cat([old_values, values], dim=-2)
 
 
+def _forwards_attention_backends() -> tuple[Any, Any]:
+    """`checkpoint`'s `context_fn`: the replay in the backward, which runs outside the forward's
+    `sdpa_kernel` scope (the trainer's passes exclude cuDNN, `shape_free_attention`), chooses
+    among the SDPA backends the forward allowed; another backend saves other tensors, which
+    checkpoint refuses."""
+    allowed = [backend for backend, enabled in _SDPA_ENABLED.items() if enabled()]
+    return contextlib.nullcontext(), sdpa_kernel(allowed)
+
+
 def _checkpointed_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(layer).forward
     if not torch.is_grad_enabled():
@@ -48,7 +65,14 @@ def _checkpointed_forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> 
     for name in _CACHE_KWARGS:
         if kwargs.get(name) is not None:
             kwargs[name] = _ReplayCache(kwargs[name])
-    return checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
+    return checkpoint(
+        forward,
+        layer,
+        *args,
+        use_reentrant=False,
+        context_fn=_forwards_attention_backends,
+        **kwargs,
+    )
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
