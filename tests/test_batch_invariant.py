@@ -110,6 +110,56 @@ def test_attention_over_long_sequences():
     check_attention(torch.float32, 32, 600, [0, 17, 255, 256, 511, 599])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "B, T, H, G, S",
+    [
+        (1, 1, 4, 2, 5),
+        (3, 1, 4, 2, 40),
+        (64, 1, 4, 2, 47),
+        (2, 7, 4, 2, 20),
+        (3, 33, 8, 2, 33),
+        (4, 1, 2, 2, 17),
+    ],
+)
+def test_cpu_attention_is_the_plain_ops_bit_for_bit(dtype, B, T, H, G, S):
+    """The CPU's attention, its copies folded for a decode step (rows laid out and padded in
+    one copy, scale and mask in one op, the division written into the value sum's chunks),
+    gives the bits of the same math as plain ops, with autograd on or off."""
+    torch.manual_seed(B + T)
+    D = 32
+    q = torch.randn(B, T, H, D).to(dtype)
+    k, v = (
+        bi.heads_first(torch.randn(B, S, G, D).to(dtype)),
+        bi.heads_first(torch.randn(B, S, G, D).to(dtype)),
+    )
+    unseen = bi.unseen_keys((torch.arange(T) + S - T).expand(B, T), H // G, k.shape[2])
+    plain = plain_attention(q, k, v, unseen, 0.17)
+    assert torch.equal(bi.attention(q, k, v, unseen, 0.17), plain)
+    with torch.enable_grad():
+        out = bi.attention(q.clone().requires_grad_(), k, v, unseen, 0.17)
+    assert torch.equal(out.detach(), plain)
+
+
+def plain_attention(q, k, v, unseen, scaling):
+    """`bi.attention`'s CPU math one plain op at a time: GEMMs of `ATTENTION_ROWS` rows, the
+    softmax's sum and the value sum in chunks of KEY_CHUNK keys added left to right."""
+    (B, T, H, D), (G, W) = q.shape, k.shape[1:3]
+    R, M, C = H // G, H // G * T, W // bi.KEY_CHUNK
+    rows = next((r for r in bi.ATTENTION_ROWS if r >= M), M)
+    q_X_M_D = q.view(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B * G, M, D)
+    q_X_M_D = F.pad(q_X_M_D, (0, 0, 0, rows - M))
+    scores = torch.matmul(q_X_M_D, k.reshape(B * G, W, D).transpose(1, 2))[:, :M]
+    scores = scores.reshape(B, G, M, W).float() * scaling + unseen
+    weights = bi.pointwise(torch.exp, scores - scores.amax(-1, keepdim=True))
+    sums = weights.unflatten(-1, (C, bi.KEY_CHUNK)).sum(-1)
+    probs = (weights / sum(sums.unbind(-1))[..., None]).to(v.dtype)
+    chunks = F.pad(probs.unflatten(-1, (C, bi.KEY_CHUNK)).transpose(2, 3), (0, 0, 0, rows - M))
+    out = torch.matmul(chunks, v.reshape(B, G, C, bi.KEY_CHUNK, D))[:, :, :, :M]
+    out = sum(out.unbind(2))
+    return out.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
 def check_attention(dtype: torch.dtype, D: int, T: int, queries, extra: int = 0) -> None:
     torch.manual_seed(0)
     B, H, G = 3, 4, 2

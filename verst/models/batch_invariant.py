@@ -38,7 +38,7 @@ alike wherever it sits, so `pointwise` calls them once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -85,8 +85,12 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
 
 def rms_norm(x_N_E: torch.Tensor, weight_E: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's Llama / Qwen RMSNorm: in fp32, rounded to the input's dtype, times the weight."""
-    xf_N_E = x_N_E.float().contiguous()
-    variance_N_1 = row_mean(xf_N_E * xf_N_E)[..., None]
+    if x_N_E.is_cuda:
+        xf_N_E = x_N_E.float().contiguous()
+        variance_N_1 = row_mean(xf_N_E * xf_N_E)[..., None]
+    else:  # x · x comes out contiguous whatever x's strides: its mean needs no copy of x
+        xf_N_E = x_N_E.float()
+        variance_N_1 = (xf_N_E * xf_N_E).mean(-1, keepdim=True)
     normed_N_E = xf_N_E * torch.rsqrt(variance_N_1 + eps)  # fp32: see the module docstring
     return weight_E * normed_N_E.to(x_N_E.dtype)
 
@@ -125,19 +129,7 @@ def apply_rotary(x_B_T_H_D: torch.Tensor, cos_B_T_1_D: torch.Tensor, sin_B_T_1_D
     return x_B_T_H_D * cos_B_T_1_D + x_B_T_H_D.roll(half, -1) * sin_B_T_1_D
 
 
-def chunked_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Sum over `dim` (a multiple of KEY_CHUNK long): each chunk's sum, then the chunks' sums
-    added left to right, so trailing chunks of zeros change nothing."""
-    # contiguous: a product of permuted operands may be laid out with this dimension outer,
-    # and a reduction over a strided dimension sums in an order set by the other dimensions
-    x = x.movedim(dim, -1).contiguous()
-    if x.is_cuda:
-        return row_sum(x)
-    parts = x.unflatten(-1, (-1, KEY_CHUNK)).sum(-1)
-    return _left_to_right(parts.movedim(-1, 0))
-
-
-def _left_to_right(parts: torch.Tensor) -> torch.Tensor:
+def _left_to_right(parts: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     total = parts[0]
     for part in parts[1:]:
         total = total + part
@@ -162,22 +154,67 @@ def attention(
     depth); the weighted sum of values is a GEMM per chunk of KEY_CHUNK keys (a fixed depth),
     the chunks then added left to right. Keys past a query have exact zero weights, so a row's
     result does not depend on W: chunks past every query add exact zero sums."""
+    if not q_B_T_H_D.is_cuda:
+        return _attention_cpu(q_B_T_H_D, k_B_G_W_D, v_B_G_W_D, unseen_B_1_M_W, scaling)
     B, T, H, D = q_B_T_H_D.shape
     G, W = k_B_G_W_D.shape[1:3]
     R, M = H // G, H // G * T
     # rows (r, t) of query head g·R + r at token t, a matrix for each (b, g): X = B·G
     q_X_M_D = q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B * G, M, D)
     k_X_W_D = k_B_G_W_D.reshape(B * G, W, D)
-    scores_X_M_W = _matmul(_pad_rows(q_X_M_D), k_X_W_D.transpose(-1, -2))
-    scores_B_G_M_W = scores_X_M_W[:, :M].view(B, G, M, W).float() * scaling
-    if scores_B_G_M_W.is_cuda:
-        scores_B_G_M_W.masked_fill_(unseen_B_1_M_W, float("-inf"))
-    else:
-        scores_B_G_M_W = scores_B_G_M_W + unseen_B_1_M_W
+    scores_X_M_W = invariant_cuda.matmul(q_X_M_D, k_X_W_D.transpose(-1, -2))
+    scores_B_G_M_W = scores_X_M_W.view(B, G, M, W).float() * scaling
+    scores_B_G_M_W.masked_fill_(unseen_B_1_M_W, float("-inf"))
+    top_B_G_M_1 = scores_B_G_M_W.amax(-1, keepdim=True)
+    weights_B_G_M_W = torch.exp(scores_B_G_M_W - top_B_G_M_1)
+    probs_B_G_M_W = weights_B_G_M_W / row_sum(weights_B_G_M_W.contiguous())[..., None]
+    probs_B_G_M_W = probs_B_G_M_W.to(v_B_G_W_D.dtype).contiguous()
+    out_B_G_M_D = invariant_cuda.matmul(probs_B_G_M_W, v_B_G_W_D)
+    return out_B_G_M_D.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _attention_cpu(
+    q_B_T_H_D: torch.Tensor,
+    k_B_G_W_D: torch.Tensor,
+    v_B_G_W_D: torch.Tensor,
+    unseen_B_1_M_W: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """`attention` on the CPU: its GEMMs run `_gemm_rows` rows (a GEMM of fewer takes another
+    kernel), the value sum one GEMM per chunk of KEY_CHUNK keys, the chunks then added left to
+    right. Written for a decode step, whose cost is per op: the query rows are laid out and
+    padded in one copy; scale and mask are one op (s · scaling + 0 or -inf rounds only the
+    product, fused or not); the probabilities are divided straight into the value sum's padded
+    chunk layout."""
+    B, T, H, D = q_B_T_H_D.shape
+    G, W = k_B_G_W_D.shape[1:3]
+    R, M = H // G, H // G * T
+    C, rows = W // KEY_CHUNK, _gemm_rows(M)
+    fresh = q_B_T_H_D.new_zeros if M < rows else q_B_T_H_D.new_empty
+    q_X_M_D = fresh((B * G, rows, D))  # X = B·G matrices, rows (r, t) for query head g·R + r
+    q_X_M_D.view(B, G, rows, D)[:, :, :M].view(B, G, R, T, D).copy_(
+        q_B_T_H_D.view(B, T, G, R, D).permute(0, 2, 3, 1, 4)
+    )
+    k_X_D_W = k_B_G_W_D.reshape(B * G, W, D).transpose(1, 2)
+    scores_B_G_M_W = torch.bmm(q_X_M_D, k_X_D_W).view(B, G, rows, W)[:, :, :M]
+    scores_B_G_M_W = torch.add(unseen_B_1_M_W, scores_B_G_M_W, alpha=scaling)
     top_B_G_M_1 = scores_B_G_M_W.amax(-1, keepdim=True)
     weights_B_G_M_W = pointwise(torch.exp, scores_B_G_M_W - top_B_G_M_1)
-    probs_B_G_M_W = weights_B_G_M_W / chunked_sum(weights_B_G_M_W)[..., None]
-    out_B_G_M_D = _value_sum(probs_B_G_M_W.to(v_B_G_W_D.dtype), v_B_G_W_D)
+    sums_B_G_M = _left_to_right(weights_B_G_M_W.view(B, G, M, C, KEY_CHUNK).sum(-1).unbind(-1))
+    # [B, G, C, rows, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks
+    fresh = v_B_G_W_D.new_zeros if M < rows else v_B_G_W_D.new_empty
+    probs_B_G_C_M_K = fresh((B, G, C, rows, KEY_CHUNK))
+    chunks_B_G_C_M_K = weights_B_G_M_W.view(B, G, M, C, KEY_CHUNK).transpose(2, 3)
+    sums_B_G_1_M_1 = sums_B_G_M[:, :, None, :, None]
+    if weights_B_G_M_W.requires_grad:  # autograd takes no out=
+        probs_B_G_C_M_K[:, :, :, :M] = chunks_B_G_C_M_K / sums_B_G_1_M_1
+    else:  # divided in fp32, rounded to V's dtype as it is stored
+        torch.div(chunks_B_G_C_M_K, sums_B_G_1_M_1, out=probs_B_G_C_M_K[:, :, :, :M])
+    out_N_M_D = torch.bmm(
+        probs_B_G_C_M_K.view(B * G * C, rows, KEY_CHUNK),
+        v_B_G_W_D.reshape(B * G * C, KEY_CHUNK, D),
+    )
+    out_B_G_M_D = _left_to_right(out_N_M_D.view(B, G, C, rows, D)[:, :, :, :M].unbind(2))
     return out_B_G_M_D.view(B, G, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
@@ -206,38 +243,6 @@ def heads_first(x_B_S_G_D: torch.Tensor) -> torch.Tensor:
     out_B_G_W_D[:, :, :S].copy_(x_B_S_G_D.transpose(1, 2))
     out_B_G_W_D[:, :, S:].zero_()
     return out_B_G_W_D
-
-
-def _value_sum(probs_B_G_M_W: torch.Tensor, v_B_G_W_D: torch.Tensor) -> torch.Tensor:
-    """probs @ v [B, G, M, D]: on the CPU a GEMM per chunk of KEY_CHUNK keys, all in one call
-    (of `_gemm_rows` rows), then the chunks added left to right; on CUDA one invariant GEMM
-    over every key."""
-    if probs_B_G_M_W.is_cuda:
-        return invariant_cuda.matmul(probs_B_G_M_W.contiguous(), v_B_G_W_D)
-    B, G, M, W = probs_B_G_M_W.shape
-    C = W // KEY_CHUNK
-    # [B, G, C, M, KEY_CHUNK] @ [B, G, C, KEY_CHUNK, D] in one call, summed over the chunks;
-    # the rows padded with zeros in the same copy that lays the chunks out
-    rows = _gemm_rows(M)
-    fresh = probs_B_G_M_W.new_zeros if M < rows else probs_B_G_M_W.new_empty
-    probs_B_G_C_M_K = fresh((B, G, C, rows, KEY_CHUNK))
-    probs_B_G_C_M_K[:, :, :, :M] = probs_B_G_M_W.unflatten(-1, (C, KEY_CHUNK)).transpose(2, 3)
-    v_N_K_D = v_B_G_W_D.reshape(B * G * C, KEY_CHUNK, -1)  # N = B·G·C matrices
-    out_N_M_D = torch.bmm(probs_B_G_C_M_K.view(B * G * C, rows, KEY_CHUNK), v_N_K_D)
-    out_B_G_C_M_D = out_N_M_D.view(B, G, C, rows, -1)
-    return _left_to_right(out_B_G_C_M_D[:, :, :, :M].unbind(2))
-
-
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return invariant_cuda.matmul(a, b) if a.is_cuda else torch.matmul(a, b)
-
-
-def _pad_rows(x_X_M_K: torch.Tensor) -> torch.Tensor:
-    """x with zero rows appended up to `_gemm_rows`: a CPU GEMM of fewer rows runs another
-    kernel (CUDA's invariant GEMM does not)."""
-    M = x_X_M_K.shape[-2]
-    rows = M if x_X_M_K.is_cuda else _gemm_rows(M)
-    return x_X_M_K if rows == M else F.pad(x_X_M_K, (0, 0, 0, rows - M))
 
 
 def _gemm_rows(M: int) -> int:
