@@ -14,7 +14,7 @@ One update, in order:
 An engine that joins (or rejoins) gets a full push before it serves: `add_engine`.
 
 A transport that can run steps 1-6 in one request to an engine (`WholeUpdates`: the colocated
-transport, to `verst serve` engines) is given those engines first; the report's calls then read
+and broadcast transports, to `verst serve` engines) is given those engines first; the report's calls then read
 `update` for them, and the others go through the steps above. The engine runs that request
 between two scheduler steps and answers the new version, so it keeps every guarantee of the
 steps (`WeightUpdates.update_weights_from_buffers` says why).
