@@ -43,6 +43,7 @@ def profile_batch(model, preset: dict, batch: int, args: argparse.Namespace) -> 
     cold_generate(scheduler, prompts, new)
     sync()
     wall = time.perf_counter() - started
+    host = host_profile(scheduler, prompts, new, sync, args.top) if args.host_profile else None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         cold_generate(scheduler, prompts, args.profile_tokens)
@@ -70,7 +71,31 @@ def profile_batch(model, preset: dict, batch: int, args: argparse.Namespace) -> 
             }
             for e in top
         ],
+        "host_functions": host,
     }
+
+
+def host_profile(scheduler, prompts, new: int, sync, top: int) -> list[dict]:
+    """One more run under cProfile: the Python functions by their own host time per step."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    cold_generate(scheduler, prompts, new)
+    sync()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, calls, tottime, cumtime, _)
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return [
+        {
+            "function": f"{Path(file).name}:{line} {name}",
+            "calls_per_step": calls / new,
+            "own_ms_per_step": tottime / new * 1e3,
+            "cumulative_ms_per_step": cumtime / new * 1e3,
+        }
+        for (file, line, name), (_, calls, tottime, cumtime, _) in rows
+    ]
 
 
 def report(row: dict) -> None:
@@ -81,6 +106,11 @@ def report(row: dict) -> None:
     )
     for op in row["top_ops"]:
         print(f"  {op['self_ms_per_step']:8.4f} ms/step  {op['calls']:6d} calls  {op['name']}")
+    for fn in row["host_functions"] or []:
+        print(
+            f"  host {fn['own_ms_per_step']:8.4f} ms/step own, {fn['cumulative_ms_per_step']:8.4f}"
+            f" cumulative, {fn['calls_per_step']:6.1f} calls/step  {fn['function']}"
+        )
 
 
 def main() -> None:
@@ -92,6 +122,11 @@ def main() -> None:
     parser.add_argument("--profile-tokens", type=int, default=32, help="new tokens profiled")
     parser.add_argument("--top", type=int, default=20, help="operators listed per batch")
     parser.add_argument("--traces", action="store_true", help="save a Chrome trace per batch")
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="one more run per batch under cProfile: Python functions by own host time",
+    )
     parser.add_argument("--out", default="bench/results/engine_profile.json")
     args = parser.parse_args()
     preset = PRESETS[args.preset]
