@@ -195,7 +195,6 @@ class ModelRunner:
         with contextlib.ExitStack() as scope:
             if self.packed is not None:
                 scope.enter_context(self.packed.swapped())
-            scope.enter_context(shape_free_attention(self.device))
             if sampled_B is not None:
                 return self._decode(rows, sampled_B), {}
             return self._forward_rows(rows)
@@ -454,22 +453,27 @@ class ModelRunner:
         trim_keys: bool = True,
     ) -> torch.Tensor:
         """Final-norm hidden states [B, T, E]; `key_lens_B`: each row's tokens in the pool once
-        this step's are written (read by the true on-policy forward)."""
-        if self.invariant is not None:
-            assert key_lens_B is not None
-            keys = self._pool_keys(step, key_lens_B, trim_keys)
-            return self.invariant.hidden(ids_B_T, positions_B_T, keys)
-        if self.lean is not None:
-            return self.lean.hidden(ids_B_T, positions_B_T, step, adapters)
-        self._step_slots_N = step.slots_N
-        try:
-            with paged_attention_mode(self.model), fused_norms(self.fused):
-                out = self.decoder(
-                    input_ids=ids_B_T, position_ids=positions_B_T, use_cache=False, verst_paged=step
-                )
-        finally:
-            self._step_slots_N = None
-        return out.last_hidden_state
+        this step's are written (read by the true on-policy forward). SDPA's backends are
+        chosen here, not around a graph's replay, which runs no SDPA call."""
+        with shape_free_attention(self.device):
+            if self.invariant is not None:
+                assert key_lens_B is not None
+                keys = self._pool_keys(step, key_lens_B, trim_keys)
+                return self.invariant.hidden(ids_B_T, positions_B_T, keys)
+            if self.lean is not None:
+                return self.lean.hidden(ids_B_T, positions_B_T, step, adapters)
+            self._step_slots_N = step.slots_N
+            try:
+                with paged_attention_mode(self.model), fused_norms(self.fused):
+                    out = self.decoder(
+                        input_ids=ids_B_T,
+                        position_ids=positions_B_T,
+                        use_cache=False,
+                        verst_paged=step,
+                    )
+            finally:
+                self._step_slots_N = None
+            return out.last_hidden_state
 
     def _record_routing(self, layer: int, router: torch.nn.Module, output: tuple) -> None:
         # the trainer may run the very same modules (embedded mode): only the runner's records

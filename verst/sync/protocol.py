@@ -14,10 +14,10 @@ One update, in order:
 An engine that joins (or rejoins) gets a full push before it serves: `add_engine`.
 
 A transport that can run steps 1-6 in one request to an engine (`WholeUpdates`: the colocated
-and broadcast transports, to `verst serve` engines) is given those engines first; the report's calls then read
-`update` for them, and the others go through the steps above. The engine runs that request
-between two scheduler steps and answers the new version, so it keeps every guarantee of the
-steps (`WeightUpdates.update_weights_from_buffers` says why).
+and broadcast transports, to `verst serve` engines) is given those engines first; the report's
+calls then read `update` for them, and the others go through the steps above. The engine runs
+that request between two scheduler steps and answers the new version, so it keeps every
+guarantee of the steps (`WeightUpdates.update_weights_from_buffers` says why).
 
 With LoRA the weights of a push are adapters (`AdapterUpdate`s): the frozen base never moves,
 and step 3 sends each adapter in turn, addressed to the engines' adapter registry.
