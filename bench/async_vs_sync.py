@@ -202,16 +202,14 @@ def main() -> None:
                     f"{100 * d['truncated_ratio']:.1f}% at max_new_tokens",
                     flush=True,
                 )
-    if set(results) != {"sync", "fully_async"}:
-        return
-    speedup = (
-        results["sync"]["seconds_per_1k_trajectories"]
-        / results["fully_async"]["seconds_per_1k_trajectories"]
-    )
-    token_speedup = (
-        results["fully_async"]["trained_tokens_per_s"] / results["sync"]["trained_tokens_per_s"]
-    )
-    print(f"speedup fully_async / sync: {speedup:.2f}x trajectories, {token_speedup:.2f}x tokens")
+    speedup = token_speedup = None
+    if set(results) == {"sync", "fully_async"}:
+        sync, fully_async = results["sync"], results["fully_async"]
+        speedup = sync["seconds_per_1k_trajectories"] / fully_async["seconds_per_1k_trajectories"]
+        token_speedup = fully_async["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
+        print(
+            f"speedup fully_async / sync: {speedup:.2f}x trajectories, {token_speedup:.2f}x tokens"
+        )
     print(f"load average at the end: {os.getloadavg()}")
     device_name = (
         torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor()
