@@ -10,13 +10,21 @@ waits for its longest trajectory while the asynchronous worker keeps `max_inflig
     python bench/async_vs_sync.py --device cuda --engine-devices cuda:0 --hidden 1024 ...
 
 Prints both times and the speedup, and writes bench/results/async_vs_sync_<device>.json.
-The first `--skip` steps of each run (start-up, first compilation) are left out.
+The first `--skip` steps of each run (start-up, first compilation) are left out of the times.
+
+Length bias: each mode reports the response-length distribution (mean, p50, p90, max, and the
+share truncated at `max_new_tokens`) of the samples trained, read from `samples.jsonl` (every
+sample of every step is recorded), and of the samples generated (the buffer's count of every
+scored group put, fully async; what was trained, sync), both over the whole run. Fully async
+drops stale groups, and the long ones span the most weight versions: a trained distribution
+shorter than the generated one is that bias.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -27,16 +35,44 @@ import torch
 
 from verst.config import load_config
 from verst.loop import train
+from verst.monitor.samples import read_samples
+from verst.rollout.buffer import Lengths
+from verst.types import Status
 
 BREAKDOWN = (
     "perf/rollout_time_s",
     "perf/wait_time_s",
+    "buffer/due_wait_s",
+    "buffer/take_wait_s",
     "perf/train_time_s",
     "perf/sync_time_s",
     "sync/update_s",
     "rollout/inflight_mean",
     "rollout/max_inflight",
 )
+
+
+def trained_lengths(run_dir: Path) -> Lengths:
+    """Every trained sample's response length (samples.jsonl holds every sample of a step)."""
+    lengths = Lengths()
+    for steps in read_samples(run_dir)[0].values():
+        for row in steps:
+            if row["status"] in (Status.COMPLETED.value, Status.TRUNCATED.value):
+                lengths.add_length(
+                    len(row["response_tokens"]), row["status"] == Status.TRUNCATED.value
+                )
+    return lengths
+
+
+def generated_lengths(last: dict[str, float], trained: dict[str, float]) -> dict[str, float]:
+    """The buffer's cumulative count of what was generated (fully async); sync trains all it
+    generates."""
+    if "buffer/generated_response_len_p50" not in last:
+        return trained
+    keys = ("mean", "p50", "p90", "max")
+    return {key: last[f"buffer/generated_response_len_{key}"] for key in keys} | {
+        "truncated_ratio": last["buffer/generated_truncated_ratio"]
+    }
 
 
 def run_mode(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, float]:
@@ -63,7 +99,12 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, fl
         "eval.interval_steps=0",
         "checkpoint.interval_steps=0",
         "warm_start.enabled=false",
+        f"monitor.samples_per_step={args.prompts * args.n}",  # every sample: trained lengths
     ]
+    if mode == "fully_async" and args.max_inflight:
+        overrides.append(f"rollout.max_inflight={args.max_inflight}")
+    if mode == "fully_async" and args.no_wait_for_due:
+        overrides.append("rollout.wait_for_due=false")
     if args.trainer_threads:
         overrides.append(f"num_threads={args.trainer_threads}")
     if args.engine_threads:
@@ -80,8 +121,10 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, fl
     trained_tokens = sum(lengths) * args.prompts * args.n
     # every step trains the same number of samples: the mean of the steps' means is the run's
     trained_mean = statistics.fmean(lengths)
+    trained = trained_lengths(run_dir).summary()
     return {
         "seconds_per_1k_trajectories": 1000 * seconds / trajectories,
+        "trajectories_per_s": trajectories / seconds,
         "trained_tokens_per_s": trained_tokens / seconds,
         "measured_steps": len(steps),
         "measured_seconds": seconds,
@@ -95,7 +138,11 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, fl
         "dropped_stale_response_len_mean": rows[-1].get(
             "buffer/dropped_stale_response_len_mean", 0.0
         ),
+        # whole run, every step: what training got and what the engines produced
+        "trained_lengths": trained,
+        "generated_lengths": generated_lengths(rows[-1], trained),
         "staleness_max": max((r.get("buffer/staleness_max", 0.0) for r in steps), default=0.0),
+        "staleness_mean": statistics.fmean(r.get("buffer/staleness_mean", 0.0) for r in steps),
         "dropped_stale": max((r.get("buffer/dropped_stale", 0.0) for r in steps), default=0.0),
         # where a step's time goes (means over the measured steps, where the mode logs them)
         "step_means": {
@@ -125,6 +172,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trainer-threads", type=int, default=1)
     parser.add_argument("--engine-threads", type=int, default=1)
+    parser.add_argument(
+        "--max-inflight", type=int, default=None, help="fully async: rollout.max_inflight"
+    )
+    parser.add_argument(
+        "--no-wait-for-due",
+        action="store_true",
+        help="fully async: rollout.wait_for_due=false (stale long groups are dropped)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--modes", nargs="+", default=["sync", "fully_async"])
     args = parser.parse_args()
@@ -132,25 +187,30 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
-            results[mode] = run_mode(mode, args, Path(tmp) / mode)
+            results[mode] = r = run_mode(mode, args, Path(tmp) / mode)
             print(
-                f"{mode:>11}: {results[mode]['seconds_per_1k_trajectories']:.1f} s / 1k traj, "
-                f"{results[mode]['trained_tokens_per_s']:.0f} trained tokens/s (mean length "
-                f"trained {results[mode]['response_len_mean']:.1f}, generated "
-                f"{results[mode]['generated_response_len_mean']:.1f}, dropped as stale "
-                f"{results[mode]['dropped_stale_response_len_mean']:.1f})",
+                f"{mode:>11}: {r['seconds_per_1k_trajectories']:.1f} s / 1k traj, "
+                f"{r['trained_tokens_per_s']:.0f} trained tokens/s; {r['dropped_stale']:.0f} "
+                f"groups dropped stale (mean length {r['dropped_stale_response_len_mean']:.1f})",
                 flush=True,
             )
-    if set(results) != {"sync", "fully_async"}:
-        return
-    speedup = (
-        results["sync"]["seconds_per_1k_trajectories"]
-        / results["fully_async"]["seconds_per_1k_trajectories"]
-    )
-    token_speedup = (
-        results["fully_async"]["trained_tokens_per_s"] / results["sync"]["trained_tokens_per_s"]
-    )
-    print(f"speedup fully_async / sync: {speedup:.2f}x trajectories, {token_speedup:.2f}x tokens")
+            for what in ("trained", "generated"):
+                d = r[f"{what}_lengths"]
+                print(
+                    f"{'':>11}  {what:>9} length mean {d['mean']:.1f}, p50 {d['p50']:.0f}, "
+                    f"p90 {d['p90']:.0f}, max {d['max']:.0f}, "
+                    f"{100 * d['truncated_ratio']:.1f}% at max_new_tokens",
+                    flush=True,
+                )
+    speedup = token_speedup = None
+    if set(results) == {"sync", "fully_async"}:
+        sync, fully_async = results["sync"], results["fully_async"]
+        speedup = sync["seconds_per_1k_trajectories"] / fully_async["seconds_per_1k_trajectories"]
+        token_speedup = fully_async["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
+        print(
+            f"speedup fully_async / sync: {speedup:.2f}x trajectories, {token_speedup:.2f}x tokens"
+        )
+    print(f"load average at the end: {os.getloadavg()}")
     device_name = (
         torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor()
     )
@@ -161,6 +221,7 @@ def main() -> None:
         "results": results,
         "speedup": speedup,
         "speedup_trained_tokens": token_speedup,
+        "load_average_at_end": os.getloadavg(),
     }
     tag = "cpu" if args.device == "cpu" else "cuda"
     out = args.out or Path(__file__).parent / "results" / f"async_vs_sync_{tag}.json"

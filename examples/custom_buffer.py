@@ -8,7 +8,9 @@ in which waiting groups are served, through `select`.
 
 This one serves the freshest groups first (those whose oldest token came from the newest
 weights), so the trainer sees the least off-policy data available; older groups wait and are
-eventually dropped as stale. FIFO (the default) instead wastes less generation.
+eventually dropped as stale, the long ones most (they span the most versions), which biases
+training toward short responses. The default serves the oldest first instead, so that, with the
+rollout worker waiting for due groups, none goes stale.
 """
 
 from __future__ import annotations

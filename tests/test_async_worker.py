@@ -553,6 +553,92 @@ def test_no_group_starts_that_would_be_stale_before_a_take_reached_it() -> None:
     assert AsyncConfig(max_staleness=None).ahead_limit(16) is None
 
 
+def long_group_worker(wait_for_due: bool) -> tuple[RolloutWorker, FakeEngine]:
+    """max_staleness 2, batches of one group, two groups ahead at most: one group a take."""
+    source, engine = FakeSource(1), FakeEngine()
+    worker = RolloutWorker(
+        source,
+        DataBuffer(2, max_staleness=2),
+        engine,
+        reward,
+        n_samples_per_prompt=1,
+        max_inflight=4,
+        max_ahead=2,
+        max_staleness=2 if wait_for_due else None,
+    )
+    return worker, engine
+
+
+async def take_at_2_while_group_0_generates(worker: RolloutWorker, engine: FakeEngine):
+    """Group 0 (long) starts at version 0 and is still generating at the take at 2, its last
+    chance; groups 1, 2 and 3 are short and served in turn. Returns the take at 2, started."""
+    await settle()
+    assert started_groups(engine) == {0, 1}
+    for version, short in ((0, 1), (1, 2)):
+        engine.version = version
+        engine.release((short, 0))
+        await settle()
+        # at 1, groups 0 and 2 are both due by 2 and two takes remain: the one in hand will do
+        [served] = await worker.take(1, version)
+        assert served[0].group_index == short
+        await settle()  # the next group starts
+    engine.version = 2
+    engine.release((3, 0))
+    await settle()
+    return asyncio.ensure_future(worker.take(1, 2))
+
+
+@pytest.mark.parametrize("wait_for_due", [True, False])
+def test_a_long_group_is_waited_for_at_its_last_take_not_dropped(wait_for_due) -> None:
+    """The take at 2 waits for group 0 (started at 0) and serves it at staleness 2. Without the
+    due wait (the old rule), it serves the short group 3, and group 0 arrives stale."""
+
+    async def main() -> None:
+        worker, engine = long_group_worker(wait_for_due)
+        async with worker:
+            taking = await take_at_2_while_group_0_generates(worker, engine)
+            await asyncio.sleep(0.02)
+            if wait_for_due:
+                assert not taking.done()
+                engine.release((0, 0))
+                [served] = await asyncio.wait_for(taking, 1)
+                assert served[0].group_index == 0 and served[0].weight_versions == [0]
+                m = worker.metrics()
+                assert m["buffer/due_groups"] == 1 and m["buffer/due_wait_s"] >= 0.02
+                assert m["buffer/staleness_max"] == 2 and m["buffer/dropped_stale"] == 0
+                return
+            [served] = await asyncio.wait_for(taking, 1)
+            assert served[0].group_index == 3
+            engine.release((0, 0), (4, 0))
+            await settle()
+            [served] = await worker.take(1, 3)
+            m = worker.metrics()
+            assert served[0].group_index == 4 and m["buffer/dropped_stale"] == 1
+            assert m["buffer/due_groups"] == 0 and m["buffer/dropped_stale_response_len_mean"] > 0
+
+    run(main())
+
+
+def test_a_take_waiting_for_a_due_group_can_be_cancelled_or_stopped() -> None:
+    async def main() -> None:
+        worker, engine = long_group_worker(True)
+        await worker.start()
+        taking = await take_at_2_while_group_0_generates(worker, engine)
+        await settle()
+        taking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await taking
+        again = asyncio.ensure_future(worker.take(1, 2))  # a cancelled take changed nothing
+        await settle()
+        assert not again.done() and len(worker.buffer) == 1
+        await asyncio.wait_for(worker.stop(), 1)
+        with pytest.raises(RolloutWorkerError, match="stopped"):
+            await asyncio.wait_for(again, 1)
+        assert engine.cancelled == 1  # group 0 (group 3 is buffered: two ahead, none more)
+
+    run(main())
+
+
 def test_stop_is_prompt_even_while_the_trainer_waits() -> None:
     async def main() -> None:
         source, engine = FakeSource(1), FakeEngine()
@@ -607,6 +693,16 @@ def test_constructor_checks() -> None:
             max_inflight=3,
             replacement="trajectory",
         )
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        RolloutWorker(
+            FakeSource(1),
+            DataBuffer(2),
+            FakeEngine(),
+            None,
+            n_samples_per_prompt=1,
+            max_inflight=3,
+            max_staleness=-1,
+        )
     with pytest.raises(ValueError, match="max_ahead must be >= 1"):
         RolloutWorker(
             FakeSource(1),
@@ -627,6 +723,16 @@ def test_async_config() -> None:
     assert AsyncConfig(buffer_factor=1.5).buffer_capacity(3) == 5
     assert AsyncConfig(buffer_factor=1.0).buffer_capacity(3) == 3
     assert AsyncConfig(max_inflight=10).inflight_limit(16, 8) == 10
+    assert cfg.wait_for_due and cfg.max_staleness == 4
+    worker = build_rollout_worker(
+        cfg, FakeSource(1), FakeEngine(), reward, prompts_per_step=2, n_samples_per_prompt=1
+    )
+    assert worker.max_staleness == 4
+    off = AsyncConfig(wait_for_due=False)
+    worker = build_rollout_worker(
+        off, FakeSource(1), FakeEngine(), reward, prompts_per_step=2, n_samples_per_prompt=1
+    )
+    assert worker.max_staleness is None and worker.buffer.max_staleness == 4
     for name, info in AsyncConfig.model_fields.items():
         assert info.description, name
     with pytest.raises(ValidationError, match="module 'nope' not found"):

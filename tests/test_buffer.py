@@ -13,6 +13,7 @@ from verst.rollout.buffer import (
     DEFAULT_BUFFER,
     Buffer,
     DataBuffer,
+    Lengths,
     load_buffer_class,
     make_buffer,
 )
@@ -148,6 +149,86 @@ def test_stale_groups_dropped_at_take_pessimistically() -> None:
     run(main())
 
 
+def test_oldest_group_served_first_so_a_long_one_is_not_dropped() -> None:
+    """A long group started at version 0 finishes after two short ones from version 2: FIFO
+    by completion served the short ones first and dropped the long one at version 3; the
+    default order serves it at version 2, its last chance (staleness 2, the bound)."""
+
+    async def main() -> None:
+        back = Recorder()
+        buffer = DataBuffer(4, max_staleness=2, give_back=back)
+        await buffer.put(group(2, tag="short1"))
+        await buffer.put(group(2, tag="short2"))
+        await buffer.put(group(0, [0, 1, 2], tag="long"))
+        assert [g[0].prompt for g in await buffer.take(1, current_version=2)] == ["long"]
+        assert buffer.metrics()["buffer/staleness_max"] == 2
+        # then put order among equal versions; unknown versions last
+        await buffer.put([Sample(prompt="unknown", status=Status.COMPLETED)])
+        await buffer.put(group(1, tag="v1"))
+        taken = await buffer.take(3, current_version=3)
+        assert [g[0].prompt for g in taken] == ["v1", "short1", "short2"]
+        assert back.groups == [] and buffer.metrics()["buffer/dropped_stale"] == 0
+
+    run(main())
+
+
+def test_a_take_serves_a_group_blocked_at_put() -> None:
+    """A group that finished once the buffer was full is not hidden from a take: the oldest is
+    served from its blocked put (which returns), stale ones there are dropped, and a blocked
+    put cancelled adds nothing."""
+
+    async def main() -> None:
+        back = Recorder()
+        buffer = DataBuffer(2, max_staleness=2, give_back=back)
+        await buffer.put(group(2, tag="a"))
+        await buffer.put(group(2, tag="b"))
+        late = asyncio.ensure_future(buffer.put(group(0, tag="long")))
+        stale = asyncio.ensure_future(buffer.put(group(-1, tag="stale")))
+        cancelled = asyncio.ensure_future(buffer.put(group(2, tag="cancelled")))
+        await settle()
+        assert not late.done() and len(buffer) == 2
+        cancelled.cancel()
+        await settle()
+        assert [g[0].prompt for g in await buffer.take(1, current_version=2)] == ["long"]
+        await asyncio.wait_for(asyncio.gather(late, stale), 1)
+        assert [g[0].prompt for g in back.groups] == ["stale"]
+        assert cancelled.cancelled() and len(buffer) == 2
+        m = buffer.metrics()
+        assert m["buffer/put_groups"] == 4 and m["buffer/taken_groups"] == 1
+        assert m["buffer/dropped_stale"] == 1
+        assert [g[0].prompt for g in await buffer.take(2, current_version=2)] == ["a", "b"]
+
+    run(main())
+
+
+def test_lengths_quantiles_closed_form() -> None:
+    lengths = Lengths()
+    assert lengths.summary() == {
+        "mean": 0.0,
+        "p50": 0.0,
+        "p90": 0.0,
+        "max": 0.0,
+        "truncated_ratio": 0.0,
+        "samples": 0.0,
+    }
+    for n in range(1, 11):  # 1..10, the two longest truncated
+        lengths.add_length(n, truncated=n > 8)
+    assert lengths.summary() == {
+        "mean": 5.5,
+        "p50": 5.0,
+        "p90": 9.0,
+        "max": 10.0,
+        "truncated_ratio": 0.2,
+        "samples": 10.0,
+    }
+    g = group(0, 0, 0)
+    g[0].response_length, g[1].response_length, g[2].response_length = 3, 7, 100
+    g[1].status, g[2].status = Status.TRUNCATED, Status.ABORTED  # aborted: not counted
+    lengths = Lengths()
+    lengths.add(g)
+    assert lengths.summary()["p50"] == 3 and lengths.summary()["truncated_ratio"] == 0.5
+
+
 def test_generated_and_dropped_stale_lengths_are_counted() -> None:
     """What the engines generated, beside what the stale rule dropped: a length bias shows."""
 
@@ -164,6 +245,10 @@ def test_generated_and_dropped_stale_lengths_are_counted() -> None:
         await buffer.take(1, current_version=3)
         m = buffer.metrics()
         assert m["buffer/generated_response_len_mean"] == 20.0
+        assert m["buffer/generated_response_len_p50"] == 10.0
+        assert m["buffer/generated_response_len_p90"] == 30.0
+        assert m["buffer/generated_response_len_max"] == 30.0
+        assert m["buffer/generated_truncated_ratio"] == 0.0
         assert m["buffer/dropped_stale_response_len_mean"] == 30.0
 
     run(main())
@@ -177,10 +262,12 @@ def test_stale_check_covers_every_waiting_group_and_frees_room() -> None:
         blocked = asyncio.ensure_future(buffer.put(group(1, tag="new")))
         await asyncio.sleep(0.01)
         assert not blocked.done()
-        # both old groups are stale at version 1: dropped, which lets the blocked put in
+        # both old groups are stale at version 1: dropped; the take serves the blocked group,
+        # and its put returns
         taken = await buffer.take(1, current_version=1)
         assert [g[0].prompt for g in taken] == ["new"]
-        assert blocked.done()
+        await asyncio.wait_for(blocked, 1)
+        assert len(buffer) == 0
         assert buffer.metrics()["buffer/dropped_stale"] == 2
         # exactly at the limit is kept; unknown versions are never stale
         edge = DataBuffer(2, max_staleness=2)

@@ -54,6 +54,13 @@ def test_fully_async_run_on_two_engine_processes(tmp_path: Path) -> None:
         assert row["sync/resent_engines"] == 0
     # generation ran ahead of the trainer: some consumed groups came from older weights
     assert max(r["buffer/staleness_max"] for r in rows[1:]) >= 1
+    # and none went stale: a take waits for the groups due at it (rollout.wait_for_due)
+    assert rows[-1]["buffer/dropped_stale"] == 0
+    assert all(r["buffer/due_wait_s"] >= 0 and r["buffer/due_groups"] >= 0 for r in rows[1:])
+    assert (
+        rows[-1]["buffer/generated_response_len_max"]
+        >= rows[-1]["buffer/generated_response_len_p50"]
+    )
     assert "eval/accuracy" in rows[-1]
     # the last checkpoint was saved while groups were generating or buffered: their prompts
     # are in its data state, to be served first by a resumed run

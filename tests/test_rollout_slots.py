@@ -287,3 +287,112 @@ def test_invariants_hold_on_random_walks(replacement, max_ahead) -> None:
         assert max_ahead is None or s.ahead <= max_ahead
     assert peak == (6 if replacement == "group" else max_inflight)  # two groups of 3 fit in 7
     assert s.groups_started > 300
+
+
+def test_due_groups_closed_form() -> None:
+    """max_staleness 2, batches of 2: a group started at version w must be served by the take
+    at w + 2; the take at V must serve max_j(#{deadline <= V + j} - 2j) of them."""
+    s = slots(n=1, max_inflight=8, max_ahead=4)
+    a, b, c, d = (s.start() for _ in range(4))  # before any take: stamped at the first
+    assert s.start_version(a) is None
+    s.see_version(0)
+    assert [s.start_version(k) for k in (a, b, c, d)] == [0, 0, 0, 0]
+    # 4 groups due by version 2, and the takes at 0, 1, 2 serve 6: nothing due yet
+    assert s.due(0, 2, 2) == []
+    buffered(s, c)
+    buffered(s, d)
+    s.forget(c)
+    s.forget(d)  # the take at 0 served the two short ones
+    s.see_version(1)
+    e, f = s.start(), s.start()  # deadline 3
+    # at 1: a, b due by 2 (takes 1 and 2 serve 4), e, f by 3: still nothing due
+    assert s.due(1, 2, 2) == []
+    buffered(s, e)
+    buffered(s, f)
+    s.forget(e)
+    s.forget(f)  # the take at 1 served the next short ones
+    s.see_version(2)
+    g = s.start()
+    assert s.due(2, 2, 2) == [a, b]  # their last chance: the take waits for both
+    buffered(s, a)
+    assert s.due(2, 2, 2) == [b]  # handed over: no longer waited for, still counted
+    generated(s, b)
+    s.put_begin(b)  # blocked at put: handed over too
+    assert s.due(2, 2, 2) == []
+    # a group whose deadline has passed is lost already and not waited for; a batch of 1
+    # must serve only the first of two equal deadlines, one already handed over if any
+    assert s.due(3, 2, 2) == [] and s.start_version(g) == 2
+    t = slots(n=1, max_inflight=8, max_ahead=4)
+    t.see_version(5)
+    x, y, z = t.start(), t.start(), t.start()
+    assert t.due(7, 2, 1) == [x]  # three due by 7, one batch left: the first of them
+    assert t.due(6, 2, 1) == [x]  # due by 7 and two takes left (6, 7): one now
+    assert t.due(5, 2, 1) == [x]  # three takes (5, 6, 7) for three: one now
+    buffered(t, y)
+    assert t.due(7, 2, 1) == []  # y (handed over) meets the count
+    assert t.due(7, 2, 2) == [x]
+    assert z == x + 2
+
+
+def simulate(seed: int, max_staleness: int, batch: int, wait_for_due: bool):
+    """A long-tailed engine under Slots, takes at versions 0..59: groups finish after 1 tick
+    (most) or 6-20 (some); between takes the trainer trains for 0-4 ticks. With `wait_for_due`
+    a take first waits for `due` and serves the oldest buffered groups; without, it serves in
+    the order they finished (the old rule). Returns (served staleness, (stale, all) lengths)."""
+    rng = random.Random(seed)
+    s = slots(n=2, max_inflight=12, max_ahead=max(max_staleness, 1) * batch)
+    remaining: dict[int, int] = {}
+    length: dict[int, int] = {}
+    finished: list[int] = []  # buffered, in the order they finished
+
+    def tick() -> None:
+        while s.may_start():
+            key = s.start()
+            remaining[key] = length[key] = 1 if rng.random() < 0.7 else rng.randint(6, 20)
+        for key in [k for k in remaining if s.phase(k) is Phase.GENERATING]:
+            remaining[key] -= 1
+            if remaining[key] == 0:
+                buffered(s, key)
+                finished.append(key)
+
+    served, stale_lengths = [], []
+    for version in range(60):
+        s.see_version(version)
+        while wait_for_due and s.due(version, max_staleness, batch):
+            tick()
+        while True:  # the buffer's take: drop what is stale, wait for a batch
+            for key in [k for k in finished if version - s.start_version(k) > max_staleness]:
+                finished.remove(key)
+                stale_lengths.append(length[key])
+                s.forget(key)
+            if len(finished) >= batch:
+                break
+            tick()
+        order = sorted(finished, key=lambda k: (s.start_version(k), k))
+        for key in (order if wait_for_due else finished)[:batch]:
+            served.append(version - s.start_version(key))
+            finished.remove(key)
+            s.forget(key)
+        for _ in range(rng.randint(0, 4)):
+            tick()
+    return served, (stale_lengths, list(length.values()))
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_no_group_goes_stale_when_takes_wait_for_due_groups(max_staleness, batch) -> None:
+    """The rule's promise on a long-tailed engine: every group is served within max_staleness,
+    none is dropped; the old rule (serve what finished first, wait for nothing) drops groups,
+    and the ones it drops are the long ones."""
+    dropped = []
+    for seed in range(3):
+        served, (stale, _) = simulate(seed, max_staleness, batch, wait_for_due=True)
+        assert stale == [] and max(served) <= max_staleness
+        assert len(served) == 60 * batch
+        served, (stale, _) = simulate(seed, max_staleness, batch, wait_for_due=False)
+        assert max(served) <= max_staleness
+        dropped += stale
+    if max_staleness == 1:  # one batch ahead at most: every take serves all that was drawn
+        assert dropped == []
+    else:
+        assert len(dropped) >= 10 and min(dropped) >= 6  # only long groups went stale

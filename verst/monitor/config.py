@@ -47,7 +47,7 @@ class MonitorConfig(ConfigBase):
     samples_per_step: int = Field(
         4,
         ge=0,
-        le=64,
+        le=1024,
         description="samples of each step written to RUN_DIR/samples.jsonl (prompt, response, "
         "per-token log-probs, loss mask, reward, weight versions) for verst dashboard; 0 = none",
     )

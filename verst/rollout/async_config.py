@@ -38,6 +38,11 @@ class AsyncConfig(ConfigBase):
         description="drop a group at take when current version − its oldest token's version "
         "exceeds this, and start none while this many batches wait untrained; null = never",
     )
+    wait_for_due: bool = Field(
+        True,
+        description="fully async: a take waits for groups still generating that would be stale "
+        "after it (long ones), so none is dropped; false = drop them when they arrive stale",
+    )
     unused: Literal["drop", "retry"] = Field(
         "retry",
         description="fully async: aborted, stale and too-few-scored groups: discard them, or "

@@ -38,6 +38,14 @@ only be served stale and dropped. `build_rollout_worker` sets it to `max_stalene
 (at least one), the rule AReaL uses to keep asynchronous generation from running ahead of the
 trainer.
 
+Due groups: with `max_staleness`, a take at version V first waits for the groups it must serve
+for none to go stale (`Slots.due`: those that started max_staleness versions ago, and as many
+more of the oldest as the next takes could not fit) while they are still generating, then
+takes from the buffer, whose default order serves the oldest groups first. Long trajectories
+span the most versions, so a rule that dropped whatever went stale would drop mostly long
+ones and bias training toward short responses; waiting for them instead costs the trainer
+the time they still need (`buffer/due_wait_s`).
+
 Checkpoints: `unconsumed_prompts()` lists the prompts the worker has drawn that no take has
 served yet (generating, or waiting in the buffer), so a checkpoint can hand them back to the
 DataSource in its saved state and a resumed run serves them again instead of losing them. The
@@ -147,7 +155,9 @@ class RolloutWorker:
       when `generate_sample` sets rewards itself;
     - `min_scored_samples`: a scored group with fewer samples neither ABORTED nor FAILED goes
       to `set_aside(groups, reason)` instead of the buffer (the default: `give_back`, or drop);
-    - `give_back`: where the prompts of groups aborted by `stop()` go; None drops them.
+    - `give_back`: where the prompts of groups aborted by `stop()` go; None drops them;
+    - `max_staleness`: a take waits for the due groups still generating (module docstring);
+      None waits for none (the buffer's stale rule alone then drops what comes too late).
 
     Run it inside an event loop: `await start()`, then `await take(n, version)` per step,
     `metrics()` any time, `await stop()` at the end (or `async with worker:`).
@@ -170,7 +180,10 @@ class RolloutWorker:
         min_scored_samples: int = 1,
         set_aside: SetAside | None = None,
         group_reward_fn: GroupRewardFunction | None = None,
+        max_staleness: int | None = None,
     ) -> None:
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
         self._slots = Slots(
             n_samples_per_prompt=n_samples_per_prompt,
             max_inflight=max_inflight,
@@ -186,6 +199,7 @@ class RolloutWorker:
             else None
         )
         self.min_scored_samples = min_scored_samples
+        self.max_staleness = max_staleness
         self.give_back = give_back
         self.set_aside = set_aside or self._give_back_or_drop
         self.max_consecutive_errors = max_consecutive_errors or 2 * max_inflight
@@ -200,6 +214,9 @@ class RolloutWorker:
         self._surfaced = False
         self._main: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        self._moved: asyncio.Event | None = None  # a group changed phase: a due wait rechecks
+        self._due_wait_s = 0.0  # the last take's wait for due groups
+        self._due_groups = 0  # the due groups the last take waited for
         self._stopped = False
         self._paused = False
 
@@ -210,6 +227,7 @@ class RolloutWorker:
         if self._main is not None:
             raise RuntimeError("the rollout worker was already started")
         self._wake = asyncio.Event()
+        self._moved = asyncio.Event()
         self._gauge.restart()
         self._main = asyncio.ensure_future(self._run())
 
@@ -261,7 +279,8 @@ class RolloutWorker:
             raise RuntimeError("the rollout worker is not running (start it first)")
         if self._main.done():
             self._raise_dead()
-        taking = asyncio.ensure_future(self.buffer.take(n_groups, current_version))
+        self._slots.see_version(current_version)
+        taking = asyncio.ensure_future(self._take(n_groups, current_version))
         try:
             await asyncio.wait({taking, self._main}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -272,6 +291,25 @@ class RolloutWorker:
             self.forget(served)
             return served
         self._raise_dead()
+
+    async def _take(self, n_groups: int, version: int) -> list[Group]:
+        await self._wait_for_due(n_groups, version)
+        return await self.buffer.take(n_groups, version)
+
+    async def _wait_for_due(self, n_groups: int, version: int) -> None:
+        """Return once no group the take at `version` must serve is still generating."""
+        started = time.monotonic()
+        waited_for: set[int] = set()
+        while self.max_staleness is not None:
+            due = self._slots.due(version, self.max_staleness, n_groups)
+            if not due:
+                break
+            waited_for.update(due)
+            assert self._moved is not None
+            self._moved.clear()
+            await self._moved.wait()
+        self._due_wait_s = time.monotonic() - started
+        self._due_groups = len(waited_for)
 
     def forget(self, groups: list[Group]) -> None:
         """These groups left the buffer (served, or dropped by its rules): not unconsumed."""
@@ -289,7 +327,9 @@ class RolloutWorker:
         return generating + [prompts for _, prompts in self._in_buffer.values()]
 
     def metrics(self) -> dict[str, Any]:
-        """The buffer's metrics and `rollout/*`: `inflight` (trajectories generating now),
+        """The buffer's metrics; `buffer/due_wait_s` and `buffer/due_groups`, how long the last
+        take waited for due groups (module docstring) and for how many; and `rollout/*`:
+        `inflight` (trajectories generating now),
         `inflight_mean` and `inflight_peak` (time-weighted mean and peak since the previous
         call), `inflight_groups` (started, not yet in the buffer), `max_inflight`, `put_blocked`
         (1 when a finished group waits for room), cumulative `groups_started`, `groups_put`,
@@ -298,6 +338,8 @@ class RolloutWorker:
         mean, peak = self._gauge.read()
         slots = self._slots
         return self.buffer.metrics() | {
+            "buffer/due_wait_s": self._due_wait_s,
+            "buffer/due_groups": float(self._due_groups),
             "rollout/inflight": float(slots.generating),
             "rollout/inflight_mean": mean,
             "rollout/inflight_peak": peak,
@@ -397,6 +439,7 @@ class RolloutWorker:
             traced = _traced("group reward", traced, key)
         self._in_buffer[id(flight.group)] = (key, flight.prompts)  # a drop at put forgets it
         self._slots.put_begin(key)
+        self._poke()  # handed over: a take waiting for it as due may go on, even if put blocks
         if scored_count(flight.group) < self.min_scored_samples:
             self.set_aside([flight.group], TOO_FEW_SCORED)
         else:
@@ -472,6 +515,8 @@ class RolloutWorker:
     def _poke(self) -> None:
         if self._wake is not None:
             self._wake.set()
+        if self._moved is not None:
+            self._moved.set()
 
     def _raise_dead(self) -> None:
         assert self._main is not None
@@ -531,6 +576,7 @@ def build_rollout_worker(
         min_scored_samples=min_scored_samples,
         set_aside=fates.set_aside,
         group_reward_fn=group_reward_fn,
+        max_staleness=cfg.max_staleness if cfg.wait_for_due else None,
     )
     fates.worker = worker
     return worker

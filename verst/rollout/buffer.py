@@ -9,7 +9,8 @@ A buffer has exactly three operations (the `verst.plugins.Buffer` contract):
 - `metrics()`: a flat dict of `buffer/*` values for the step's log line.
 
 `DataBuffer` is the built-in one: bounded (capacity in groups, typically a factor × the train
-batch), first in first out, and it drops groups at three points:
+batch), serving the oldest groups first (those whose oldest token is from the oldest weights,
+the first to go stale; in put order among equals), and it drops groups at three points:
 
 - **aborted** (checked at put): no sample can be trained, every one ABORTED (its trajectory
   incomplete) or FAILED (its reward failed). A group with some such samples and enough others
@@ -21,7 +22,14 @@ batch), first in first out, and it drops groups at three points:
 - **stale** (checked at take): staleness = `current_version` − the oldest weight version of any
   token in the group (pessimistic, `verst.types.group_staleness`); a group is dropped when its
   staleness exceeds `max_staleness`. Every waiting group is checked at each take, not just the
-  ones served: versions only grow, so a stale group never becomes fresh again.
+  ones served: versions only grow, so a stale group never becomes fresh again. This rule is
+  the safety net: the rollout worker makes a take wait for the groups still generating that
+  would otherwise go stale (`verst.rollout.async_worker`, due groups), so with the default
+  order it seldom drops one.
+
+A put blocked on a full buffer does not hide its group from a take: a take chooses among the
+waiting groups and then those blocked at put (a group served or dropped there returns its put),
+so the oldest group is served even when it finished after the buffer filled up.
 
 Aborted and stale groups go to `give_back` (the DataSource's, when `unused: retry`) so their
 prompts are served again; with `give_back=None` (`unused: drop`) they are discarded.
@@ -31,21 +39,25 @@ the keyword arguments of `DataBuffer.__init__` (see `BUFFER_KWARGS`). The simple
 one is to subclass `DataBuffer` and override `select` (which waiting groups a take serves);
 `examples/custom_buffer.py` serves the freshest groups first.
 
+`Lengths` counts response lengths (mean, quantiles, truncated share) for the `buffer/generated_*`
+metrics, and for anyone comparing them with what was trained.
+
 All methods are meant to be called from one event loop (the rollout worker's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
 from verst.plugin_loader import PluginError, check_plugin, load_plugin
 from verst.plugins import Buffer
-from verst.types import Group, group_staleness
+from verst.types import Group, Status, group_staleness
 
 GiveBack = Callable[[list[Group]], None]
 GroupFilter = Callable[[Group], bool]
@@ -62,7 +74,8 @@ def is_aborted(group: Group) -> bool:
 
 
 class DataBuffer:
-    """Bounded FIFO of groups with the aborted / filtered / stale drop rules (module docstring).
+    """Bounded queue of groups, oldest first, with the aborted / filtered / stale drop rules
+    (module docstring).
 
     Metrics (`metrics()`):
 
@@ -71,9 +84,10 @@ class DataBuffer:
       (the per-step count is the difference between consecutive steps); also cumulative
       `buffer/put_groups` (accepted at put) and `buffer/taken_groups`;
     - `buffer/staleness_{mean,max}`: over the groups served by the last take;
-    - `buffer/generated_response_len_mean`, `buffer/dropped_stale_response_len_mean`: mean
-      response tokens of every scored sample put so far, and of those dropped as stale (the
-      trained ones are `rollout/response_len_mean`);
+    - `buffer/generated_response_len_{mean,p50,p90,max}`, `buffer/generated_truncated_ratio`:
+      response tokens of every scored sample put so far, and the share TRUNCATED (at
+      max_new_tokens or max_seq_len); `buffer/dropped_stale_response_len_mean`: of those
+      dropped as stale (the trained ones are `rollout/response_len_mean`);
     - `buffer/waiting_staleness_{mean,max}`: over the groups still waiting, at the last take's
       version (0 when none wait);
     - `buffer/take_wait_s`: how long the last take waited for groups;
@@ -107,6 +121,7 @@ class DataBuffer:
         self.group_filter = group_filter
         self.advisory_window = advisory_window
         self._waiting: list[Group] = []
+        self._blocked: list[Group] = []  # groups whose put waits for room, in put order
         self._changed = asyncio.Condition()
         self.dropped_aborted = 0
         self.dropped_filtered = 0
@@ -115,8 +130,8 @@ class DataBuffer:
         self.taken_groups = 0
         # response tokens and samples of every scored group that arrived, and of the stale ones
         # dropped: what the engines generated, beside what training got (a length bias shows)
-        self._generated = _Lengths()
-        self._stale = _Lengths()
+        self._generated = Lengths()
+        self._stale = Lengths()
         self._last_version: int | None = None
         self._last_staleness: list[int] = []
         self._last_wait_s = 0.0
@@ -140,10 +155,25 @@ class DataBuffer:
             self.dropped_filtered += 1
             return
         async with self._changed:
-            await self._changed.wait_for(lambda: len(self._waiting) < self.capacity)
-            # No await between here and the end of the block: a cancelled put adds nothing.
-            self._waiting.append(group)
             self.put_groups += 1
+            if len(self._waiting) >= self.capacity:
+                # a take may serve (or drop) it from here while the put waits for room
+                self._blocked.append(group)
+                try:
+                    await self._changed.wait_for(
+                        lambda: (
+                            not _holds(self._blocked, group) or len(self._waiting) < self.capacity
+                        )
+                    )
+                except asyncio.CancelledError:  # a cancelled put adds nothing
+                    if _holds(self._blocked, group):
+                        self._blocked.pop(_index(self._blocked, group))
+                        self.put_groups -= 1
+                    raise
+                if not _holds(self._blocked, group):
+                    return  # a take served it or dropped it
+                self._blocked.pop(_index(self._blocked, group))
+            self._waiting.append(group)
             self._changed.notify_all()
 
     async def take(self, n_groups: int, current_version: int) -> list[Group]:
@@ -158,12 +188,13 @@ class DataBuffer:
             while True:
                 if self._drop_stale(current_version):
                     self._changed.notify_all()  # room for blocked puts
-                if len(self._waiting) >= n_groups:
+                if len(self._waiting) + len(self._blocked) >= n_groups:
                     break
                 waited = True
                 await self._changed.wait()
-            indices = self.select(list(self._waiting), n_groups, current_version)
-            chosen = self._remove(indices, n_groups)
+            candidates = self._waiting + self._blocked
+            indices = self.select(candidates, n_groups, current_version)
+            chosen = self._remove(candidates, indices, n_groups)
             self.taken_groups += n_groups
             self._changed.notify_all()
         self._last_wait_s = time.monotonic() - start
@@ -193,6 +224,10 @@ class DataBuffer:
             "buffer/waiting_staleness_max": float(max(waiting, default=0)),
             "buffer/take_wait_s": self._last_wait_s,
             "buffer/generated_response_len_mean": self._generated.mean(),
+            "buffer/generated_response_len_p50": float(self._generated.quantile(0.5)),
+            "buffer/generated_response_len_p90": float(self._generated.quantile(0.9)),
+            "buffer/generated_response_len_max": float(self._generated.quantile(1.0)),
+            "buffer/generated_truncated_ratio": self._generated.truncated_ratio(),
             "buffer/dropped_stale_response_len_mean": self._stale.mean(),
             "buffer/rollout_bound": float(rollout_bound),
             "buffer/trainer_bound": float(trainer_bound),
@@ -214,39 +249,48 @@ class DataBuffer:
     # -- hooks and helpers ---------------------------------------------------------------------
 
     def select(self, waiting: list[Group], n_groups: int, current_version: int) -> list[int]:
-        """Indices into `waiting` (oldest put first, none stale) of the `n_groups` to serve.
+        """Indices into `waiting` of the `n_groups` to serve. `waiting` holds the groups in put
+        order (none stale), those still blocked at put last.
 
-        The default is first in, first out; override to change the order.
+        The default serves the oldest first: the smallest oldest weight version (the group
+        that goes stale first), in put order among equals, groups of unknown version last.
+        Override to change the order.
         """
-        return list(range(n_groups))
 
-    def _remove(self, indices: list[int], n_groups: int) -> list[Group]:
+        def oldest(i: int) -> float:
+            versions = [v for sample in waiting[i] for v in sample.weight_versions]
+            return min(versions) if versions else float("inf")
+
+        return sorted(range(len(waiting)), key=lambda i: (oldest(i), i))[:n_groups]
+
+    def _remove(self, candidates: list[Group], indices: list[int], n_groups: int) -> list[Group]:
         if (
             len(set(indices)) != n_groups
             or len(indices) != n_groups
-            or not all(0 <= i < len(self._waiting) for i in indices)
+            or not all(0 <= i < len(candidates) for i in indices)
         ):
             raise RuntimeError(
                 f"select returned {indices}, expected {n_groups} distinct indices "
-                f"below {len(self._waiting)}"
+                f"below {len(candidates)}"
             )
-        chosen = [self._waiting[i] for i in indices]
-        keep = set(range(len(self._waiting))) - set(indices)
-        self._waiting = [g for i, g in enumerate(self._waiting) if i in keep]
+        chosen = [candidates[i] for i in indices]
+        self._waiting = [g for g in self._waiting if not _holds(chosen, g)]
+        self._blocked = [g for g in self._blocked if not _holds(chosen, g)]
         return chosen
 
     def _drop_stale(self, current_version: int) -> bool:
         if self.max_staleness is None:
             return False
-        fresh, stale = [], []
-        for group in self._waiting:
+
+        def is_stale(group: Group) -> bool:
             staleness = group_staleness(group, current_version)
-            (stale if staleness is not None and staleness > self.max_staleness else fresh).append(
-                group
-            )
+            return staleness is not None and staleness > self.max_staleness
+
+        stale = [g for g in self._waiting + self._blocked if is_stale(g)]
         if not stale:
             return False
-        self._waiting = fresh
+        self._waiting = [g for g in self._waiting if not is_stale(g)]
+        self._blocked = [g for g in self._blocked if not is_stale(g)]
         self.dropped_stale += len(stale)
         for group in stale:
             self._stale.add(group)
@@ -263,20 +307,60 @@ class DataBuffer:
         return all(w for w, _ in self._recent), all(f for _, f in self._recent)
 
 
-class _Lengths:
-    """Response tokens and samples of the scored samples of the groups added (cumulative)."""
+class Lengths:
+    """The response lengths of the scored samples added (cumulative): a count per length, so
+    quantiles are exact and memory is bounded by the distinct lengths."""
 
     def __init__(self) -> None:
+        self.counts: Counter[int] = Counter()
         self.tokens = 0
         self.samples = 0
+        self.truncated = 0
 
     def add(self, group: Group) -> None:
-        scored = [sample for sample in group if sample.scored]
-        self.tokens += sum(sample.response_length for sample in scored)
-        self.samples += len(scored)
+        for sample in group:
+            if sample.scored:
+                self.add_length(sample.response_length, sample.status == Status.TRUNCATED)
+
+    def add_length(self, length: int, truncated: bool = False) -> None:
+        self.counts[length] += 1
+        self.tokens += length
+        self.samples += 1
+        self.truncated += truncated
 
     def mean(self) -> float:
         return self.tokens / self.samples if self.samples else 0.0
+
+    def quantile(self, q: float) -> int:
+        """The smallest length with at least a share `q` of the samples at or below it (nearest
+        rank: 0.5 the median, 1.0 the longest); 0 when empty."""
+        need, seen = max(1, math.ceil(q * self.samples - 1e-9)), 0
+        for length in sorted(self.counts):
+            seen += self.counts[length]
+            if seen >= need:
+                return length
+        return 0
+
+    def truncated_ratio(self) -> float:
+        return self.truncated / self.samples if self.samples else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "mean": self.mean(),
+            "p50": float(self.quantile(0.5)),
+            "p90": float(self.quantile(0.9)),
+            "max": float(self.quantile(1.0)),
+            "truncated_ratio": self.truncated_ratio(),
+            "samples": float(self.samples),
+        }
+
+
+def _holds(groups: list[Group], group: Group) -> bool:
+    return any(g is group for g in groups)
+
+
+def _index(groups: list[Group], group: Group) -> int:
+    return next(i for i, g in enumerate(groups) if g is group)
 
 
 def _known_staleness(groups: list[Group], version: int) -> list[int]:

@@ -33,6 +33,20 @@ and, with `max_ahead`, fewer than `max_ahead` groups are ahead: drawn and not ye
 `put_begin` frees a group's last places and marks its put in progress in one transition, so no
 observer sees the places free while the put is not yet counted.
 
+Deadlines (`due`): each group remembers the weight version it started at, the version of the
+latest take (`see_version`): the loop pushes a version to the engines before it takes at it, so
+every token of the group is at least that new, and a group started at version w can be served
+stale-free by the takes at w … w + max_staleness (its deadline). Each take serves
+`n_groups`; for every group ahead to make its deadline, the takes at V … V + j can serve at most
+(j + 1) × n_groups of the groups due by V + j, so the take at V must serve
+max_j(#{deadline ≤ V + j} − j × n_groups) of them, the earliest deadlines first (earliest
+deadline first is optimal for this). `due` names those not yet handed to the buffer: the take
+waits for them. With at most max(max_staleness, 1) batches ahead the count starts at most one
+batch, and a take that serves the groups it must (the buffer's default order, oldest first,
+does) leaves it so for the next take: by induction over takes, no group goes stale. The start
+version is a lower bound (a group started between a push and the next take is a version
+newer), so a deadline is never later than the true one: at worst a take waits early.
+
 Invariants, true after every transition (`check()` recomputes them from the groups):
 
 - places held ≤ `max_inflight`, and groups ahead ≤ `max_ahead`;
@@ -76,6 +90,7 @@ ABORTABLE = BEFORE_PUT | IN_PUT
 class _Group:
     phase: Phase
     generating: int  # its trajectories inside generate_sample
+    start_version: int | None  # the latest take's version when it started; None before any
 
 
 class Slots:
@@ -111,6 +126,7 @@ class Slots:
         self._in_phase = dict.fromkeys(Phase, 0)
         self._generating = 0
         self._next_key = 0
+        self.version: int | None = None  # the latest take's version
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -154,7 +170,39 @@ class Slots:
             return False
         return self.max_inflight - self.occupied >= self.n_samples_per_prompt
 
+    def start_version(self, key: int) -> int | None:
+        """The version the group started at (`see_version`); None before the first take."""
+        group = self._groups.get(key)
+        return None if group is None else group.start_version
+
+    def due(self, version: int, max_staleness: int, n_groups: int) -> list[int]:
+        """Keys of the groups still generating or scored (not yet handed to the buffer) that
+        the take at `version`, serving `n_groups`, must serve for every group ahead to be
+        served by its deadline (module docstring), earliest deadline first."""
+        # among equal deadlines, the groups already handed over first: serving any of them
+        # meets the count, and those need no wait
+        deadlines = sorted(
+            (group.start_version + max_staleness, group.phase in BEFORE_PUT, key)
+            for key, group in self._groups.items()
+            if group.phase in AHEAD
+            and group.start_version is not None
+            and group.start_version + max_staleness >= version  # else lost already
+        )
+        must = 0
+        for i, (deadline, _, _) in enumerate(deadlines):
+            must = max(must, i + 1 - (deadline - version) * n_groups)
+        return [key for _, before_put, key in deadlines[: min(must, n_groups)] if before_put]
+
     # -- transitions ---------------------------------------------------------------------------
+
+    def see_version(self, version: int) -> None:
+        """A take at `version` began: groups started from now on carry it as their start
+        version, and those started before the first take get it too (the engines hold the
+        first take's version from the start)."""
+        if self.version is None:
+            for group in self._groups.values():
+                group.start_version = version
+        self.version = version if self.version is None else max(self.version, version)
 
     def start(self) -> int:
         """A new group starts generating its `n_samples_per_prompt` trajectories; its key."""
@@ -167,7 +215,7 @@ class Slots:
         key = self._next_key
         self._next_key += 1
         n = self.n_samples_per_prompt
-        self._groups[key] = _Group(Phase.GENERATING, n)
+        self._groups[key] = _Group(Phase.GENERATING, n, self.version)
         self._in_phase[Phase.GENERATING] += 1
         self._generating += n
         self.groups_started += 1
