@@ -358,20 +358,21 @@ class BroadcastTransport:
     def _send_whole(self, tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
         """Rank 0's side of a whole update: each bucket's header, then its bytes, then the end
         (or, when walking the tensors failed, an abort, so no engine waits for more)."""
-        assert self.group is not None
+        group = self.group  # the update's, even if a failed engine makes `update_whole` drop it
+        assert group is not None
         device = None
         try:
             for bucket in bucketed(tensors(), self.bucket_bytes):
-                device = device or header_device(self.group, bucket[0][1].device)
+                device = device or header_device(group, bucket[0][1].device)
                 specs = [TensorSpec.of(name, t) for name, t in bucket]
-                send_header(self.group, specs, device)
-                send_bucket(self.group, [t for _, t in bucket], flattened=True)
+                send_header(group, specs, device)
+                send_bucket(group, [t for _, t in bucket], flattened=True)
                 self.buckets_sent.append(sum(s.nbytes for s in specs))
         except Exception:
             with contextlib.suppress(Exception):  # the group itself may be what failed
-                send_header(self.group, None, device or self._first_device(), aborted=True)
+                send_header(group, None, device or self._first_device(), aborted=True)
             raise
-        send_header(self.group, None, device or self._first_device())
+        send_header(group, None, device or self._first_device())
 
     def _first_device(self) -> torch.device:
         """Where headers go when no tensor has said (nothing to send, or the walk failed)."""
