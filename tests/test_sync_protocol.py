@@ -266,7 +266,8 @@ def test_broadcast_over_http(model_dir: Path) -> None:
         client = HttpEngineClient(f"http://127.0.0.1:{runner.addresses[0][1]}")
         transport = BroadcastTransport(master_port=free_port(), bucket_bytes=1 << 20)
         await transport.connect([client])
-        await WeightSync([client], transport).push(lambda: weights.items(), version=9)
+        report = await WeightSync([client], transport).push(lambda: weights.items(), version=9)
+        assert report.calls == ["update"]  # verst's own route, one request
         params = dict(serving.scheduler.model.named_parameters())
         assert all(torch.equal(params[n].detach(), t) for n, t in weights.items())
         assert await client.get_weight_version() == "9"
