@@ -371,7 +371,11 @@ class WeightUpdates:
             refusal = None
             if flush_cache and not self.scheduler.flush_cache():
                 refusal = "flush_cache refused: paused in place, requests hold KV pages"
-            while (specs := receive_header(group, header_device(group, device))) is not None:
+            last = False
+            while not last:
+                specs, last = receive_header(group, header_device(group, device))
+                if not specs:
+                    continue
                 received = receive_bucket(group, specs, device, flattened=True)
                 if refusal is None:
                     try:

@@ -12,9 +12,10 @@ at most `bucket_bytes` (a single larger tensor travels alone).
 A `verst serve` engine is updated in one request instead (`BroadcastTransport.update_whole`):
 `POST /verst/update_weights_from_distributed` carries the pause mode, the flush, the version and
 the continue, and every bucket travels through the group behind a header that also travels
-through it (its length, then the JSON of its names, dtypes and shapes; a zero length ends the
-update). So the tensors are walked once, as they are sent, and one HTTP round trip serves the
-whole update whatever the number of buckets.
+through it (`send_header`: the JSON of its names, dtypes and shapes and whether it is the
+last, in one broadcast of HEADER_BYTES unless the JSON is longer). So the tensors are walked
+once, as they are sent (one bucket ahead), and one HTTP round trip serves the whole update
+whatever the number of buckets.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,7 +37,10 @@ from verst.plugins import AdapterUpdate, EngineClient
 from verst.sync.buckets import adapter_fields, bucket_limit, bucketed
 
 WHOLE_UPDATE_PATH = "/verst/update_weights_from_distributed"
-ABORTED = -1  # a header's length when the trainer's side failed
+# a whole update's header: its JSON's length and flags (int64 each), then the JSON
+HEADER_BYTES = 1 << 16
+_HEAD = 16
+LAST, ABORTED = 1, 2  # flags: the last bucket; the trainer's side failed
 
 
 @dataclass(frozen=True)
@@ -138,19 +143,25 @@ def spec_fields(specs: list[TensorSpec]) -> dict[str, list]:
 
 def send_header(
     group: dist.Backend,
-    specs: list[TensorSpec] | None,
+    specs: list[TensorSpec],
     device: torch.device,
     *,
+    last: bool = False,
     aborted: bool = False,
 ) -> None:
-    """Rank 0 announces the next bucket of a whole update; None: the update ends (`aborted`:
-    the trainer failed, install nothing more)."""
-    payload = b"" if specs is None else json.dumps(spec_fields(specs)).encode()
-    length = ABORTED if aborted else len(payload)
-    group.broadcast(torch.tensor([length], dtype=torch.int64, device=device), 0).wait()
-    if payload:
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-        group.broadcast(raw, 0).wait()
+    """Rank 0 announces the next bucket of a whole update (`specs`; none: no bucket follows),
+    and whether it is the `last`; `aborted`: the trainer failed, install nothing more. One
+    broadcast of HEADER_BYTES, a second for the JSON that does not fit."""
+    payload = json.dumps(spec_fields(specs)).encode() if specs else b""
+    flags = (LAST if last else 0) | (ABORTED if aborted else 0)
+    head = bytearray(HEADER_BYTES)
+    head[:_HEAD] = struct.pack("<qq", len(payload), flags)
+    fits = payload[: HEADER_BYTES - _HEAD]
+    head[_HEAD : _HEAD + len(fits)] = fits
+    group.broadcast(torch.frombuffer(head, dtype=torch.uint8).to(device), 0).wait()
+    if len(payload) > len(fits):
+        rest = bytearray(payload[len(fits) :])
+        group.broadcast(torch.frombuffer(rest, dtype=torch.uint8).to(device), 0).wait()
 
 
 def header_device(group: dist.Backend, device: torch.device) -> torch.device:
@@ -163,19 +174,22 @@ class TrainerAborted(RuntimeError):
     """The trainer's side of a whole update failed before its end."""
 
 
-def receive_header(group: dist.Backend, device: torch.device) -> list[TensorSpec] | None:
-    """An engine's side of `send_header`: the next bucket's specs, or None at the end
-    (`TrainerAborted` when the trainer gave up)."""
-    length = torch.empty(1, dtype=torch.int64, device=device)
-    group.broadcast(length, 0).wait()
-    size = int(length.item())
-    if size == ABORTED:
+def receive_header(group: dist.Backend, device: torch.device) -> tuple[list[TensorSpec], bool]:
+    """An engine's side of `send_header`: the next bucket's specs (none: no bucket follows) and
+    whether it is the last (`TrainerAborted` when the trainer gave up)."""
+    head = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
+    group.broadcast(head, 0).wait()
+    raw = head.cpu().numpy().tobytes()
+    size, flags = struct.unpack("<qq", raw[:_HEAD])
+    if flags & ABORTED:
         raise TrainerAborted("the trainer's side of the weight update failed")
-    if size == 0:
-        return None
-    raw = torch.empty(size, dtype=torch.uint8, device=device)
-    group.broadcast(raw, 0).wait()
-    return bucket_specs(json.loads(raw.cpu().numpy().tobytes()))
+    payload = raw[_HEAD : _HEAD + size]
+    if size > len(payload):
+        rest = torch.empty(size - len(payload), dtype=torch.uint8, device=device)
+        group.broadcast(rest, 0).wait()
+        payload += rest.cpu().numpy().tobytes()
+    specs = bucket_specs(json.loads(payload)) if size else []
+    return specs, bool(flags & LAST)
 
 
 def send_bucket(group: dist.Backend, tensors: list[torch.Tensor], *, flattened: bool) -> None:
@@ -356,23 +370,29 @@ class BroadcastTransport:
         }
 
     def _send_whole(self, tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
-        """Rank 0's side of a whole update: each bucket's header, then its bytes, then the end
-        (or, when walking the tensors failed, an abort, so no engine waits for more)."""
+        """Rank 0's side of a whole update: each bucket's header, then its bytes; the walk runs
+        one bucket ahead so the last header says so (or, when walking the tensors failed, an
+        abort, so no engine waits for more)."""
         group = self.group  # the update's, even if a failed engine makes `update_whole` drop it
         assert group is not None
         device = None
         try:
-            for bucket in bucketed(tensors(), self.bucket_bytes):
+            buckets = bucketed(tensors(), self.bucket_bytes)
+            bucket = next(buckets, None)
+            if bucket is None:
+                send_header(group, [], self._first_device(), last=True)
+            while bucket is not None:
                 device = device or header_device(group, bucket[0][1].device)
+                following = next(buckets, None)
                 specs = [TensorSpec.of(name, t) for name, t in bucket]
-                send_header(group, specs, device)
+                send_header(group, specs, device, last=following is None)
                 send_bucket(group, [t for _, t in bucket], flattened=True)
                 self.buckets_sent.append(sum(s.nbytes for s in specs))
+                bucket = following
         except Exception:
             with contextlib.suppress(Exception):  # the group itself may be what failed
-                send_header(group, None, device or self._first_device(), aborted=True)
+                send_header(group, [], device or self._first_device(), aborted=True)
             raise
-        send_header(group, None, device or self._first_device())
 
     def _first_device(self) -> torch.device:
         """Where headers go when no tensor has said (nothing to send, or the walk failed)."""
