@@ -84,13 +84,28 @@ def per_round_ms(seconds: dict[str, list[float]], rounds: int) -> dict[str, dict
     }
 
 
+def raw_rounds(group, buffers: list[torch.Tensor], device: torch.device, barrier) -> list[float]:
+    """ROUNDS bare broadcasts of `buffers` (rank 0 sends them, rank 1 receives into them), the
+    same bytes as a whole update's buckets: the link's figure between these two processes."""
+    sync, times = synchronizer(device), []
+    for _ in range(ROUNDS):
+        barrier.wait()
+        sync()
+        start = time.perf_counter()
+        for buffer in buffers:
+            group.broadcast(buffer, 0).wait()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def synchronizer(device: torch.device):
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
 
 
-def engine_side(model_dir: str, port: int, barrier, queue, on_cuda: bool) -> None:
+def engine_side(model_dir: str, port: int, barrier, queue, sizes, on_cuda: bool) -> None:
     from verst.engine.serving import ServingEngine
     from verst.fleet.loop_thread import LoopThread
 
@@ -138,18 +153,21 @@ def engine_side(model_dir: str, port: int, barrier, queue, on_cuda: bool) -> Non
 
     rounds: list[float] = []
     table = profiled(rounds, run, synchronizer(device))
+    group = serving._groups["weight_update_group"]
+    buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes.get()]
+    raw = raw_rounds(group, buffers, device, barrier)
     loop.run(serving.stop())
     loop.close()
     calls = per_round_ms(seconds, ROUNDS + PROFILED)
-    queue.put(
-        ("engine", {"rounds_ms": [r * 1e3 for r in rounds], "operators": table, "calls": calls})
-    )
+    ms = {"rounds_ms": [r * 1e3 for r in rounds], "raw_ms": [r * 1e3 for r in raw]}
+    queue.put(("engine", {**ms, "operators": table, "calls": calls}))
 
 
-def trainer_side(model_dir: str, port: int, barrier, queue, on_cuda: bool) -> None:
+def trainer_side(model_dir: str, port: int, barrier, queue, sizes, on_cuda: bool) -> None:
     from weight_sync import trained_weights
 
     from verst.sync.broadcast import BroadcastTransport, create_group
+    from verst.sync.buckets import bucketed
 
     device, backend = ("cuda:0", "nccl") if on_cuda else ("cpu", "gloo")
     if on_cuda:
@@ -170,10 +188,15 @@ def trainer_side(model_dir: str, port: int, barrier, queue, on_cuda: bool) -> No
         transport._send_whole(lambda: named.items())
 
     table = profiled(rounds, run, synchronizer(torch.device(device)))
+    flats = [
+        torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
+        for bucket in bucketed(named.items(), transport.bucket_bytes)
+    ]
+    sizes.put([flat.numel() for flat in flats])
+    raw = raw_rounds(transport.group, flats, torch.device(device), barrier)
     calls = per_round_ms(seconds, ROUNDS + PROFILED)
-    queue.put(
-        ("trainer", {"rounds_ms": [r * 1e3 for r in rounds], "operators": table, "calls": calls})
-    )
+    ms = {"rounds_ms": [r * 1e3 for r in rounds], "raw_ms": [r * 1e3 for r in raw]}
+    queue.put(("trainer", {**ms, "operators": table, "calls": calls}))
 
 
 def main() -> None:
@@ -193,9 +216,9 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="verst-broadcast-phases-"))
     model_dir, _ = random_model_dir(root, args.device, 0.05)
     ctx = mp.get_context("spawn")
-    barrier, queue, port = ctx.Barrier(2), ctx.Queue(), free_port()
+    barrier, queue, sizes, port = ctx.Barrier(2), ctx.Queue(), ctx.Queue(), free_port()
     procs = [
-        ctx.Process(target=side, args=(str(model_dir), port, barrier, queue, on_cuda))
+        ctx.Process(target=side, args=(str(model_dir), port, barrier, queue, sizes, on_cuda))
         for side in (engine_side, trainer_side)
     ]
     for p in procs:
@@ -206,7 +229,11 @@ def main() -> None:
     for side, result in results.items():
         rounds = result["rounds_ms"]
         median, best = statistics.median(rounds), min(rounds)
-        print(f"{side}: whole update {median:.2f} ms median, {best:.2f} best")
+        raw = statistics.median(result["raw_ms"])
+        print(
+            f"{side}: whole update {median:.2f} ms median, {best:.2f} best; the same bytes "
+            f"broadcast bare {raw:.2f} ms median ({raw / median:.2f} of the update)"
+        )
         for name, row in result["calls"].items():
             print(f"  {row['host_ms_per_round']:8.3f} host ms {row['calls']:5.1f}x  {name}")
         for row in result["operators"][:15]:

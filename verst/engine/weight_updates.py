@@ -26,6 +26,7 @@ from verst.engine.weight_loading import checkpoint_files, checkpoint_tensors, lo
 from verst.engine.weight_paths import allowed_weight_path, load_quietly
 from verst.engine.weight_paths import refusal as weight_path_refusal
 from verst.sync.broadcast import (
+    FlatBuffer,
     TrainerAborted,
     create_group,
     header_device,
@@ -63,6 +64,7 @@ class WeightUpdates:
     group_join_timeout_s: float = GROUP_JOIN_TIMEOUT_S  # `init_weights_update_group`'s limit
     _joins: BoundedJoins | None = None
     _layouts: LayoutRegistry | None = None  # the trainer's staging-buffer layouts, by id
+    _received: FlatBuffer | None = None  # every broadcast bucket of model weights lands here
 
     def _group_joins(self) -> BoundedJoins:
         if self._joins is None:
@@ -251,6 +253,11 @@ class WeightUpdates:
             await self.resume()
         return ok, message
 
+    def _receive_buffer(self) -> FlatBuffer:
+        if self._received is None:
+            self._received = FlatBuffer()
+        return self._received
+
     def _layout_registry(self) -> LayoutRegistry:
         if self._layouts is None:
             self._layouts = LayoutRegistry()
@@ -334,7 +341,9 @@ class WeightUpdates:
 
         def load() -> tuple[bool, str]:
             # received whatever its names: the trainer's side of the broadcast is under way
-            received = receive_bucket(group, specs, device, flattened=flattened)
+            # an adapter's tensors are kept as they arrive: a buffer of their own
+            into = self._receive_buffer() if lora_name is None else None
+            received = receive_bucket(group, specs, device, flattened=flattened, into=into)
             if lora_name is not None:
                 return self._load_adapter(lora_name, lora_config, dict(received), "tensors")
             self.scheduler.update_weights_from_tensors(received, self.scheduler.weight_version)
@@ -376,7 +385,9 @@ class WeightUpdates:
                 specs, last = receive_header(group, header_device(group, device))
                 if not specs:
                     continue
-                received = receive_bucket(group, specs, device, flattened=True)
+                received = receive_bucket(
+                    group, specs, device, flattened=True, into=self._receive_buffer()
+                )
                 if refusal is None:
                     try:
                         self.scheduler.update_weights_from_tensors(

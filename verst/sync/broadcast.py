@@ -192,20 +192,53 @@ def receive_header(group: dist.Backend, device: torch.device) -> tuple[list[Tens
     return specs, bool(flags & LAST)
 
 
-def send_bucket(group: dist.Backend, tensors: list[torch.Tensor], *, flattened: bool) -> None:
-    """Rank 0's side of one bucket."""
+class FlatBuffer:
+    """One flat byte buffer that every bucket reuses (grown to the largest), so no bucket
+    allocates (or, on the CPU, pages in) its bytes. A bucket overwrites it only once the last
+    collective on it is done: gloo's finish on return; on CUDA each collective's `wait` makes
+    the current stream wait for it, and the next bucket is written on that stream."""
+
+    def __init__(self) -> None:
+        self._bytes: torch.Tensor | None = None
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self._bytes is None or self._bytes.numel() < nbytes or self._bytes.device != device:
+            self._bytes = None  # the old one goes before the new one is made
+            self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._bytes[:nbytes]
+
+
+def send_bucket(
+    group: dist.Backend,
+    tensors: list[torch.Tensor],
+    *,
+    flattened: bool,
+    staging: FlatBuffer | None = None,
+) -> None:
+    """Rank 0's side of one bucket (flattened: copied into `staging`, or a new buffer)."""
     if not flattened:
         for tensor in tensors:
             group.broadcast(tensor.contiguous(), 0).wait()
         return
-    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    if staging is None:
+        flat = torch.cat(parts)
+    else:
+        flat = staging.take(sum(p.numel() for p in parts), tensors[0].device)
+        torch._foreach_copy_(list(flat.split([p.numel() for p in parts])), parts)
     group.broadcast(flat, 0).wait()
 
 
 def receive_bucket(
-    group: dist.Backend, specs: list[TensorSpec], device: torch.device, *, flattened: bool
+    group: dist.Backend,
+    specs: list[TensorSpec],
+    device: torch.device,
+    *,
+    flattened: bool,
+    into: FlatBuffer | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """An engine's side of one bucket: the tensors, by name."""
+    """An engine's side of one bucket: the tensors, by name (flattened: views into `into`,
+    valid until its next bucket, or into a new buffer)."""
     if not flattened:
         received = []
         for spec in specs:
@@ -213,7 +246,11 @@ def receive_bucket(
             group.broadcast(tensor, 0).wait()
             received.append((spec.name, tensor))
         return received
-    flat = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=device)
+    nbytes = sum(s.nbytes for s in specs)
+    if into is None:
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    else:
+        flat = into.take(nbytes, device)
     group.broadcast(flat, 0).wait()
     received, offset = [], 0
     for spec in specs:
@@ -254,6 +291,7 @@ class BroadcastTransport:
         self.connects = 0
         self.buckets_sent: list[int] = []  # bytes of each bucket of the last send
         self.whole_updates = whole_updates  # `update_whole` to verst engines; False: SGLang's calls
+        self.staging = FlatBuffer()  # every flattened bucket's bytes, on the tensors' device
 
     async def connect(self, engines: list[EngineClient]) -> None:
         if self.connects:  # the old group's store may still hold the port
@@ -317,7 +355,13 @@ class BroadcastTransport:
             **fields,
         }
         await asyncio.gather(
-            asyncio.to_thread(send_bucket, self.group, [t for _, t in bucket], flattened=True),
+            asyncio.to_thread(
+                send_bucket,
+                self.group,
+                [t for _, t in bucket],
+                flattened=True,
+                staging=self.staging,
+            ),
             *(e.update_weights_from_distributed(body) for e in engines),
         )
         self.buckets_sent.append(sum(s.nbytes for s in specs))
@@ -386,7 +430,7 @@ class BroadcastTransport:
                 following = next(buckets, None)
                 specs = [TensorSpec.of(name, t) for name, t in bucket]
                 send_header(group, specs, device, last=following is None)
-                send_bucket(group, [t for _, t in bucket], flattened=True)
+                send_bucket(group, [t for _, t in bucket], flattened=True, staging=self.staging)
                 self.buckets_sent.append(sum(s.nbytes for s in specs))
                 bucket = following
         except Exception:
