@@ -201,7 +201,7 @@ def test_qkv_as_one_gemm_gives_the_bits_of_three(family, dtype):
         positions = torch.randint(0, 60, (B, T))
         rotary = bi.rotary_tables(positions, decoder.inv_freq_D2, 1.0, dtype)
         with torch.no_grad():
-            together = decoder._qkv_together(1, attn, h, rotary)
+            together = decoder._qkv_together(attn, h, rotary)
             apart = decoder._qkv_apart(attn, h, rotary)
         assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
 

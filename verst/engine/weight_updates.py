@@ -376,13 +376,15 @@ class WeightUpdates:
         if pause_mode is not None:
             await self.pause(pause_mode)
 
+        headers = header_device(group, device)
+
         def load() -> tuple[bool, str]:
             refusal = None
             if flush_cache and not self.scheduler.flush_cache():
                 refusal = "flush_cache refused: paused in place, requests hold KV pages"
             last = False
             while not last:
-                specs, last = receive_header(group, header_device(group, device))
+                specs, last = receive_header(group, headers)
                 if not specs:
                     continue
                 received = receive_bucket(

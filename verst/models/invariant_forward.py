@@ -124,7 +124,7 @@ class InvariantDecoder:
         if h_B_T_E.is_cuda:
             q, k, v = self._qkv_apart(attn, h_B_T_E, rotary)
         else:
-            q, k, v = self._qkv_together(index, attn, h_B_T_E, rotary)
+            q, k, v = self._qkv_together(attn, h_B_T_E, rotary)
         k_B_G_W_D, v_B_G_W_D = keys(index, k, v)
         unseen_B_1_M_W = unseen(k_B_G_W_D.shape[2])
         out = bi.attention(q, k_B_G_W_D, v_B_G_W_D, unseen_B_1_M_W, attn.scaling)
@@ -143,11 +143,7 @@ class InvariantDecoder:
         return bi.apply_rotary(q, *rotary), bi.apply_rotary(k, *rotary), v
 
     def _qkv_together(
-        self,
-        index: int,
-        attn: torch.nn.Module,
-        h_B_T_E: torch.Tensor,
-        rotary: tuple[torch.Tensor, ...],
+        self, attn: torch.nn.Module, h_B_T_E: torch.Tensor, rotary: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`_qkv_apart`'s results from one GEMM of the three weights, Q and K then normed and
         rotated as one tensor: a row's bits do not depend on its neighbours in either (the

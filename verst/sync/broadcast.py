@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from verst.plugins import AdapterUpdate, EngineClient
 from verst.sync.buckets import adapter_fields, bucket_limit, bucketed
+from verst.sync.protocol import takes_whole_updates
 
 WHOLE_UPDATE_PATH = "/verst/update_weights_from_distributed"
 # a whole update's header: its JSON's length and flags (int64 each), then the JSON
@@ -374,8 +375,7 @@ class BroadcastTransport:
         off."""
         if not self.whole_updates or not engines:
             return []
-        answers = await asyncio.gather(*(_takes_whole(e) for e in engines), return_exceptions=True)
-        return list(engines) if all(a is True for a in answers) else []
+        return list(engines) if all(await takes_whole_updates(engines)) else []
 
     async def update_whole(
         self,
@@ -457,11 +457,6 @@ class BroadcastTransport:
             self.group = None
             return error
         return None
-
-
-async def _takes_whole(engine: EngineClient) -> bool:
-    ask = getattr(engine, "takes_whole_updates", None)
-    return ask is not None and bool(await ask())
 
 
 def _whole_failure(

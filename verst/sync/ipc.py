@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from verst.plugins import AdapterUpdate
 from verst.sync.buckets import adapter_fields, bucket_limit
 from verst.sync.buffer_layouts import UNKNOWN_LAYOUT_STATUS, new_layout_id
+from verst.sync.protocol import takes_whole_updates
 from verst.sync.shared_tensors import (
     LOAD_FORMATS,
     FlattenedTensorMetadata,
@@ -327,13 +328,8 @@ class IpcBucketSender:
         with `whole_updates` off. An engine that cannot say is left to the stepwise protocol."""
         if not self.whole_updates:
             return []
-
-        async def takes(engine: Any) -> bool:
-            ask = getattr(engine, "takes_whole_updates", None)
-            return ask is not None and bool(await ask())
-
-        answers = await asyncio.gather(*(takes(e) for e in engines), return_exceptions=True)
-        return [e for e, ok in zip(engines, answers, strict=True) if ok is True]
+        answers = await takes_whole_updates(engines)
+        return [e for e, ok in zip(engines, answers, strict=True) if ok]
 
     async def update_whole(
         self,

@@ -105,6 +105,18 @@ class WholeUpdates(Protocol):
         ...
 
 
+async def takes_whole_updates(engines: list[EngineClient]) -> list[bool]:
+    """Whether each engine takes verst's whole-update requests (its `takes_whole_updates`); one
+    that cannot say (no such call, or the call failed) is left to the stepwise protocol."""
+
+    async def takes(engine: EngineClient) -> bool:
+        ask = getattr(engine, "takes_whole_updates", None)
+        return ask is not None and bool(await ask())
+
+    answers = await asyncio.gather(*(takes(e) for e in engines), return_exceptions=True)
+    return [answer is True for answer in answers]
+
+
 class WeightSync:
     def __init__(
         self,
