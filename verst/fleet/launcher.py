@@ -73,7 +73,10 @@ class LocalEngine:
 
 
 PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LISTEN_PORTS_FROM = 15000  # the lowest port `free_port` picks outside the ephemeral range
+# the lowest port `free_port` picks outside the ephemeral range: above Ray's default worker
+# ports (10002-19999), which a Ray node refuses to share with its GCS port and which its
+# workers may take at any time
+LISTEN_PORTS_FROM = 20000
 # the OS's randomness, not `random`'s: runs seed `random` alike, and two processes seeded the
 # same would draw the same ports
 _PORT_DRAWS = random.SystemRandom()
