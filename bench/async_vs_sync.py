@@ -49,6 +49,7 @@ BREAKDOWN = (
     "sync/update_s",
     "rollout/inflight_mean",
     "rollout/max_inflight",
+    "rollout/loop_cpu_s",
 )
 
 
@@ -122,8 +123,11 @@ def run_mode(mode: str, args: argparse.Namespace, run_dir: Path) -> dict[str, fl
     # every step trains the same number of samples: the mean of the steps' means is the run's
     trained_mean = statistics.fmean(lengths)
     trained = trained_lengths(run_dir).summary()
+    loop_cpu = [r["rollout/loop_cpu_s"] for r in steps if "rollout/loop_cpu_s" in r]
     return {
         "seconds_per_1k_trajectories": 1000 * seconds / trajectories,
+        # fully async: the trainer process's rollout thread, per trajectory trained
+        "loop_cpu_ms_per_trajectory": 1000 * sum(loop_cpu) / trajectories if loop_cpu else None,
         "trajectories_per_s": trajectories / seconds,
         "trained_tokens_per_s": trained_tokens / seconds,
         "measured_steps": len(steps),
@@ -194,6 +198,12 @@ def main() -> None:
                 f"groups dropped stale (mean length {r['dropped_stale_response_len_mean']:.1f})",
                 flush=True,
             )
+            if r["loop_cpu_ms_per_trajectory"] is not None:
+                print(
+                    f"{'':>11}  rollout loop thread: {r['loop_cpu_ms_per_trajectory']:.2f} ms CPU "
+                    f"a trajectory, {r['step_means']['rollout/loop_cpu_s']:.3f} s a step",
+                    flush=True,
+                )
             for what in ("trained", "generated"):
                 d = r[f"{what}_lengths"]
                 print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -674,6 +675,30 @@ def test_inflight_mean_is_time_weighted() -> None:
             assert 1.2 < m["rollout/inflight_mean"] < 1.8
             assert m["rollout/max_inflight"] == 2 and m["rollout/groups_started"] == 1
             assert "buffer/queue_size" in m
+
+    run(main())
+
+
+def test_loop_cpu_counts_the_loop_threads_work_not_its_waits() -> None:
+    engine = FakeEngine(manual=False)
+
+    async def busy(sample: Sample) -> Sample:
+        ends = time.thread_time() + 0.05  # 50 ms of this thread's CPU per trajectory
+        while time.thread_time() < ends:
+            pass
+        return await engine(sample)
+
+    async def main() -> None:
+        worker = RolloutWorker(
+            FakeSource(2), DataBuffer(8), busy, None, n_samples_per_prompt=2, max_inflight=2
+        )
+        async with worker:
+            await worker.take(2, 0)
+            busy_cpu = worker.metrics()["rollout/loop_cpu_s"]
+            time.sleep(0.1)  # the thread waits: no CPU
+            idle_cpu = worker.metrics()["rollout/loop_cpu_s"]
+        assert 0.2 <= busy_cpu < 2.0  # 4 trajectories of 50 ms
+        assert idle_cpu < 0.05
 
     run(main())
 

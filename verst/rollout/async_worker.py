@@ -217,6 +217,7 @@ class RolloutWorker:
         self._moved: asyncio.Event | None = None  # a group changed phase: a due wait rechecks
         self._due_wait_s = 0.0  # the last take's wait for due groups
         self._due_groups = 0  # the due groups the last take waited for
+        self._loop_cpu_s = 0.0  # the loop thread's CPU time at start or the last metrics
         self._stopped = False
         self._paused = False
 
@@ -229,6 +230,7 @@ class RolloutWorker:
         self._wake = asyncio.Event()
         self._moved = asyncio.Event()
         self._gauge.restart()
+        self._loop_cpu_s = time.thread_time()
         self._main = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
@@ -333,9 +335,13 @@ class RolloutWorker:
         `inflight_mean` and `inflight_peak` (time-weighted mean and peak since the previous
         call), `inflight_groups` (started, not yet in the buffer), `max_inflight`, `put_blocked`
         (1 when a finished group waits for room), cumulative `groups_started`, `groups_put`,
-        `generate_errors`, and `reward_errors` (samples whose reward failed since the previous
-        call)."""
+        `generate_errors`, `reward_errors` (samples whose reward failed since the previous
+        call), and `loop_cpu_s`: CPU seconds the worker's event-loop thread used since the
+        previous call (the fleet's requests and control calls run there too); called on that
+        thread. In the trainer's process that thread competes with the trainer for the GIL."""
         mean, peak = self._gauge.read()
+        now = time.thread_time()
+        loop_cpu_s, self._loop_cpu_s = now - self._loop_cpu_s, now
         slots = self._slots
         return self.buffer.metrics() | {
             "buffer/due_wait_s": self._due_wait_s,
@@ -350,6 +356,7 @@ class RolloutWorker:
             "rollout/groups_put": float(slots.groups_put),
             "rollout/generate_errors": float(self.generate_errors),
             "rollout/reward_errors": float(self.rewards.take_failed() if self.rewards else 0),
+            "rollout/loop_cpu_s": loop_cpu_s,
         }
 
     @property
