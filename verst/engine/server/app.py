@@ -2,10 +2,10 @@
 (`run_server`).
 
 The app only moves JSON in and out: parsing, validation and the response bodies live in
-`verst.engine.server.sglang_api` (shared with the in-process client), and the app answers its
-`ProtocolError` with the status and envelope it carries. This module owns the route table; the
-handlers live in `verst.engine.server.handlers`, imported with aiohttp only when an app is
-built, so importing this module does not need the `serve` extra.
+`verst.engine.server.sglang_api` (shared with the in-process client), and the app answers a
+`ProtocolError` (`protocol_errors`) with the status and envelope it carries. This module owns
+the route table; the handlers live in `verst.engine.server.handlers`, imported with aiohttp
+only when an app is built, so importing this module does not need the `serve` extra.
 """
 
 from __future__ import annotations

@@ -43,15 +43,13 @@ from verst.engine.server.control_api import (
 )
 from verst.engine.server.openai_api import prepare_openai, run_openai
 from verst.engine.server.openai_stream import openai_chunks
+from verst.engine.server.protocol_errors import ProtocolError, validation_error, value_error
 from verst.engine.server.sglang_api import (
     CONTINUE_OK,
     FLUSH_CACHE_TEXT,
-    ProtocolError,
     check_job,
     parse_generate,
     run_job,
-    validation_error,
-    value_error,
 )
 from verst.engine.server.stream_api import error_event, generate_chunks
 from verst.engine.server.tokenize_api import detokenize_body, tokenize_body

@@ -16,12 +16,11 @@ from typing import Any
 from verst.chat.families import template_messages
 from verst.engine.server.openai_logprobs import chat_logprobs, completion_logprobs
 from verst.engine.server.openai_tools import ChatTools, chat_tools, tool_message
+from verst.engine.server.protocol_errors import ProtocolError, openai_error
 from verst.engine.server.sglang_api import (
     GenerateItem,
     GenerateJob,
-    ProtocolError,
     check_job,
-    openai_error,
     parse_sampling_params,
     run_job,
     sample_params,

@@ -1,14 +1,13 @@
 """SGLang's native HTTP protocol as plain functions over a `ServingEngine`: request body in,
 response body out (the OpenAI-compatible routes build on it in `openai_protocol.py`).
 
-Owns request parsing and validation (`parse_generate`, `parse_sampling_params`),
-the body → response functions (`run_generate`, `run_pause`, `run_abort`,
+Owns request parsing and validation (`parse_generate`, `parse_sampling_params`) and the
+body → response functions (`run_generate`, `run_pause`, `run_abort`,
 `run_update_weights_from_disk`, `run_update_weight_version`, `loads_body`, `model_info_body`,
-`server_info_body`) and SGLang's error envelopes (`ProtocolError` carries the status and body to
-answer with). Both transports call these functions: the aiohttp app in `http_server.py` only
-moves JSON, and the in-process `EngineClient` calls them directly, so the HTTP and in-process
-dicts cannot drift. Nothing here imports aiohttp, so the in-process path works without the
-`serve` extra.
+`server_info_body`); their errors are `protocol_errors.ProtocolError`. Both transports call
+these functions: the aiohttp app in `http_server.py` only moves JSON, and the in-process
+`EngineClient` calls them directly, so the HTTP and in-process dicts cannot drift. Nothing here
+imports aiohttp, so the in-process path works without the `serve` extra.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from verst.engine import request_checks
 from verst.engine.grammar import GRAMMAR_FIELDS, Constraint
 from verst.engine.results import DetokenizeParams
 from verst.engine.sampling import SEED_LIMIT, SamplingParams
+from verst.engine.server.protocol_errors import contract_error, validation_error, value_error
 from verst.engine.serving import ServingEngine
 from verst.engine.stop_strings import MAX_STOPS, compile_stop_regex
 
@@ -96,36 +96,6 @@ GENERATE_OFF: dict[str, Any] = {
     "extra_key": None,
     "cache_salt": None,
 }
-
-
-class ProtocolError(Exception):
-    """A request the server answers with `status` and `body` (SGLang's envelope for the case)."""
-
-    def __init__(self, status: int, body: Any) -> None:
-        super().__init__(f"{status}: {body}")
-        self.status = status
-        self.body = body
-
-
-def contract_error(message: str) -> ProtocolError:
-    """S23 contract violations (wrong type, unknown sampling key): `{"error": "<text>"}`."""
-    return ProtocolError(400, {"error": message})
-
-
-def value_error(message: str, status: int = 400) -> ProtocolError:
-    """SGLang's native ValueError envelope: `{"error": {"message": ...}}`."""
-    return ProtocolError(status, {"error": {"message": message}})
-
-
-def validation_error(message: str, *, err_type: str = "Bad Request") -> ProtocolError:
-    """FastAPI validation (bad JSON, missing field) and OpenAI errors: the full envelope."""
-    return ProtocolError(
-        400, {"object": "error", "message": message, "type": err_type, "param": None, "code": 400}
-    )
-
-
-def openai_error(message: str) -> ProtocolError:
-    return validation_error(message, err_type="BadRequestError")
 
 
 # ---- /generate -------------------------------------------------------------------------------
