@@ -14,8 +14,15 @@ from typing import Any
 
 from verst.engine.sampling import SamplingParams
 from verst.engine.server.protocol_errors import validation_error, value_error
-from verst.engine.server.sglang_api import PAUSE_OK
 from verst.engine.serving import PAUSE_MODES, ServingEngine
+
+# SGLang's fixed answers to pause, continue and a cache flush
+FLUSH_CACHE_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)
+PAUSE_OK = {"message": "Generation paused successfully.", "status": "ok"}
+CONTINUE_OK = {"message": "Generation continued successfully.", "status": "ok"}
 
 # ---- control ---------------------------------------------------------------------------------
 

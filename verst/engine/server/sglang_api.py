@@ -4,11 +4,11 @@ out (the OpenAI routes in `openai_api.py` build on it).
 Owns the `/generate` body's parsing and validation (`parse_generate` into a `GenerateJob`, one
 `GenerateItem` per prompt and sample, each sample's params from `sample_params`; the
 `sampling_params` inside it are `sampling_api`'s), the checks that refuse a whole job before any
-item is queued (`check_job`), and running it (`run_job`, `run_generate`); also the fixed bodies
-of the pause / continue and flush-cache answers. Errors are `protocol_errors.ProtocolError`.
-Both transports call these functions: the aiohttp handlers only move JSON, and the in-process
-`EngineClient` calls them directly, so the HTTP and in-process dicts cannot drift. Nothing here
-imports aiohttp, so the in-process path works without the `serve` extra.
+item is queued (`check_job`), and running it (`run_job`, `run_generate`). Errors are
+`protocol_errors.ProtocolError`. Both transports call these functions: the aiohttp handlers
+only move JSON, and the in-process `EngineClient` calls them directly, so the HTTP and
+in-process dicts cannot drift. Nothing here imports aiohttp, so the in-process path works
+without the `serve` extra.
 """
 
 from __future__ import annotations
@@ -24,13 +24,6 @@ from verst.engine.sampling import SEED_LIMIT, SamplingParams
 from verst.engine.server.protocol_errors import contract_error, validation_error, value_error
 from verst.engine.server.sampling_api import flag, is_token, parse_sampling_params
 from verst.engine.serving import ServingEngine
-
-FLUSH_CACHE_TEXT = (
-    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-    "waiting requests, the operation will not be performed.)\n"
-)
-PAUSE_OK = {"message": "Generation paused successfully.", "status": "ok"}
-CONTINUE_OK = {"message": "Generation continued successfully.", "status": "ok"}
 
 # Top-level /generate fields the engine cannot honour yet: a non-null value is a 400.
 GENERATE_UNSUPPORTED = (
