@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from verst.auth import ApiKeys
 from verst.engine.server import control_api as control
-from verst.engine.server import sglang_api as protocol
 from verst.engine.server.app import CONTROL_PATHS
+from verst.engine.server.protocol_errors import ProtocolError
+from verst.engine.server.sglang_api import run_generate
 from verst.engine.serving import ServingEngine
 from verst.sync.broadcast import WHOLE_UPDATE_PATH
 from verst.sync.buffer_layouts import BUFFERS_PATH
@@ -56,8 +57,8 @@ class InProcessEngineClient:
     async def generate(self, payload: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         _refuse_stream(payload)
         try:
-            return await protocol.run_generate(self.serving, self.serving.tokenizer, payload)
-        except protocol.ProtocolError as error:
+            return await run_generate(self.serving, self.serving.tokenizer, payload)
+        except ProtocolError as error:
             raise EngineError(error.status, error.body) from error
 
     async def health(self) -> bool:
@@ -69,7 +70,7 @@ class InProcessEngineClient:
     async def pause_generation(self, mode: str = "abort") -> None:
         try:
             await control.run_pause(self.serving, {"mode": mode})
-        except protocol.ProtocolError as error:
+        except ProtocolError as error:
             raise EngineError(error.status, error.body) from error
 
     async def continue_generation(self) -> None:
@@ -120,7 +121,7 @@ class InProcessEngineClient:
     async def _control_call(self, run: Any, body: dict[str, Any]) -> dict[str, Any]:
         try:
             status, reply = await run(self.serving, body)
-        except protocol.ProtocolError as error:
+        except ProtocolError as error:
             raise EngineError(error.status, error.body) from error
         if status != 200:
             raise EngineError(status, reply)

@@ -2,10 +2,10 @@
 (`run_server`).
 
 The app only moves JSON in and out: parsing, validation and the response bodies live in
-`verst.engine.server.sglang_api` (shared with the in-process client), and the app answers its
-`ProtocolError` with the status and envelope it carries. This module owns the route table; the
-handlers live in `verst.engine.server.handlers`, imported with aiohttp only when an app is
-built, so importing this module does not need the `serve` extra.
+`verst.engine.server.sglang_api` (shared with the in-process client), and the app answers a
+`ProtocolError` (`protocol_errors`) with the status and envelope it carries. This module owns
+the route table; the handlers live in `verst.engine.server.handlers`, imported with aiohttp
+only when an app is built, so importing this module does not need the `serve` extra.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def make_app(
         raise ImportError(
             "the verst HTTP server needs aiohttp: pip install 'verst[serve]'"
         ) from error
-    from verst.engine.server.handlers import EngineHandlers, protocol_errors
+    from verst.engine.server.handlers import EngineHandlers, protocol_error_middleware
     from verst.engine.server.metrics_api import metrics_handler
 
     h = EngineHandlers(
@@ -104,7 +104,7 @@ def make_app(
         max_n=max_n,
         tool_call_parser=tool_call_parser,
     )
-    middlewares: list[Any] = [protocol_errors]
+    middlewares: list[Any] = [protocol_error_middleware]
     if api_keys is not None and api_keys.enabled:
         middlewares.insert(0, auth_middleware(api_keys, is_control_request))
     limits = limits or HttpLimits()

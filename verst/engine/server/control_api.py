@@ -1,8 +1,8 @@
 """SGLang's control routes as plain functions over a `ServingEngine`: model, server and load
 information, pause / continue / abort, and every weight update (from disk, tensors, a
 torch.distributed group, the version alone), request body in, response body out. The request
-path (`/generate`) and the error envelopes are in `sglang_api`; the aiohttp app and the
-in-process client both call these, so their answers cannot drift.
+path (`/generate`) is in `sglang_api`, the error envelopes in `protocol_errors`; the aiohttp
+app and the in-process client both call these, so their answers cannot drift.
 """
 
 from __future__ import annotations
@@ -13,8 +13,16 @@ import uuid
 from typing import Any
 
 from verst.engine.sampling import SamplingParams
-from verst.engine.server.sglang_api import PAUSE_OK, validation_error, value_error
+from verst.engine.server.protocol_errors import validation_error, value_error
 from verst.engine.serving import PAUSE_MODES, ServingEngine
+
+# SGLang's fixed answers to pause, continue and a cache flush
+FLUSH_CACHE_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)
+PAUSE_OK = {"message": "Generation paused successfully.", "status": "ok"}
+CONTINUE_OK = {"message": "Generation continued successfully.", "status": "ok"}
 
 # ---- control ---------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """The engine server's HTTP handlers: `EngineHandlers`, one method per SGLang / OpenAI route over
-a `ServingEngine`, and the `protocol_errors` middleware that answers a `ProtocolError` with the
+a `ServingEngine`, and the `protocol_error_middleware` that answers a `ProtocolError` with the
 status and envelope it carries.
 
 `verst.engine.server.app.make_app` builds one `EngineHandlers` per app and registers its
@@ -23,6 +23,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from verst.engine.server.control_api import (
+    CONTINUE_OK,
+    FLUSH_CACHE_TEXT,
     loads_body,
     model_info_body,
     probe_generation,
@@ -43,16 +45,8 @@ from verst.engine.server.control_api import (
 )
 from verst.engine.server.openai_api import prepare_openai, run_openai
 from verst.engine.server.openai_stream import openai_chunks
-from verst.engine.server.sglang_api import (
-    CONTINUE_OK,
-    FLUSH_CACHE_TEXT,
-    ProtocolError,
-    check_job,
-    parse_generate,
-    run_job,
-    validation_error,
-    value_error,
-)
+from verst.engine.server.protocol_errors import ProtocolError, validation_error, value_error
+from verst.engine.server.sglang_api import check_job, parse_generate, run_job
 from verst.engine.server.stream_api import error_event, generate_chunks
 from verst.engine.server.tokenize_api import detokenize_body, tokenize_body
 from verst.engine.serving import ServingEngine
@@ -149,7 +143,7 @@ def check_n(payload: Any, max_n: int) -> None:
 
 
 @web.middleware
-async def protocol_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def protocol_error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
     except ProtocolError as error:

@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes (`/v1/completions`, `/v1/chat/completions`) over a
-`ServingEngine`, built on the native protocol in `protocol.py`: OpenAI bodies are translated to
+`ServingEngine`, built on the native protocol in `sglang_api.py`: OpenAI bodies are translated to
 `/generate` jobs (chat prompts through the tokenizer's chat template, with the request's tools:
 `openai_tools`) and the results back to OpenAI's response and streaming-chunk shapes, with
 OpenAI's error envelope.
@@ -16,13 +16,12 @@ from typing import Any
 from verst.chat.families import template_messages
 from verst.engine.server.openai_logprobs import chat_logprobs, completion_logprobs
 from verst.engine.server.openai_tools import ChatTools, chat_tools, tool_message
+from verst.engine.server.protocol_errors import ProtocolError, openai_error
+from verst.engine.server.sampling_api import parse_sampling_params
 from verst.engine.server.sglang_api import (
     GenerateItem,
     GenerateJob,
-    ProtocolError,
     check_job,
-    openai_error,
-    parse_sampling_params,
     run_job,
     sample_params,
 )

@@ -27,7 +27,7 @@ from verst.chat.tool_parsers import (
     parse_tool_calls,
     parser_text,
 )
-from verst.engine.server.sglang_api import openai_error
+from verst.engine.server.protocol_errors import openai_error
 from verst.engine.streaming import REPLACEMENT
 
 logger = logging.getLogger(__name__)

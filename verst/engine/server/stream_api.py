@@ -17,7 +17,8 @@ from typing import Any
 
 from verst.engine.requests import GenerateRequest
 from verst.engine.results import GenerateResult
-from verst.engine.server.sglang_api import GenerateItem, GenerateJob, ProtocolError, value_error
+from verst.engine.server.protocol_errors import ProtocolError, value_error
+from verst.engine.server.sglang_api import GenerateItem, GenerateJob
 from verst.engine.serving import ServingEngine
 
 _END = object()  # a merged stream's marker: that item's stream has ended

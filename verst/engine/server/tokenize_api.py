@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verst.engine.server.sglang_api import openai_error
+from verst.engine.server.protocol_errors import openai_error
 
 
 def _body(payload: Any) -> dict[str, Any]:
