@@ -1,5 +1,6 @@
-"""A whole broadcast update's headers over a real gloo group: specs, the last flag, the abort,
-and JSON longer than one header broadcast."""
+"""A whole broadcast update's headers and tagged buckets over a real gloo group: specs, the last
+flag, the tag, the abort, JSON longer than one header broadcast, and a bucket whose bytes are
+not the bucket's; and the trainer's side sending nothing more once a collective failed."""
 
 from __future__ import annotations
 
@@ -11,10 +12,16 @@ import torch
 
 from verst.sync.broadcast import (
     HEADER_BYTES,
+    BroadcastTransport,
+    BucketOutOfStep,
+    FlatBuffer,
+    Header,
     TensorSpec,
     TrainerAborted,
     create_group,
+    receive_bucket,
     receive_header,
+    send_bucket,
     send_header,
 )
 
@@ -48,16 +55,17 @@ def exchange(sends: list[dict], receives: int) -> list[object]:
     return got
 
 
-def test_headers_carry_specs_and_the_last_flag() -> None:
+def test_headers_carry_specs_the_last_flag_and_the_tag() -> None:
     specs = [TensorSpec("a.weight", "bfloat16", (4, 8)), TensorSpec("b", "float32", ())]
-    got = exchange([{"specs": specs}, {"specs": specs[:1], "last": True}, {"specs": []}], 3)
-    assert got == [(specs, False), (specs[:1], True), ([], False)]
+    sends = [{"specs": specs, "tag": 7}, {"specs": specs[:1], "last": True}, {"specs": []}]
+    got = exchange(sends, 3)
+    assert got == [Header(specs, False, 7), Header(specs[:1], True, 0), Header([], False, 0)]
 
 
 def test_a_header_longer_than_one_broadcast_arrives_whole() -> None:
     specs = [TensorSpec(f"model.layers.{i}.mlp.weight", "bfloat16", (i, 7)) for i in range(3000)]
     (got,) = exchange([{"specs": specs, "last": True}], 1)
-    assert got == (specs, True)
+    assert got == Header(specs, True, 0)
     assert len(str([s.name for s in specs])) > HEADER_BYTES  # it did need the second one
 
 
@@ -66,3 +74,86 @@ def test_an_aborted_header_raises_on_the_engine() -> None:
     assert isinstance(got, TrainerAborted)
     with pytest.raises(TrainerAborted, match="trainer's side"):
         raise got
+
+
+def test_a_tagged_bucket_arrives_and_a_short_message_in_its_place_is_refused() -> None:
+    """gloo takes a shorter message into a larger buffer without a word: an engine that got a
+    bucket's header and then another header (an abort sent to a group out of step) in the
+    bucket's place must not install those bytes, whatever its reused buffer held before."""
+    port, got = free_port(), []
+    cpu = torch.device("cpu")
+    weight = torch.arange(40_000, dtype=torch.float32)  # 160 kB: longer than a header
+    specs = [TensorSpec.of("w", weight)]
+
+    def engine() -> None:
+        group = create_group(master_address="127.0.0.1", master_port=port, rank=1, world_size=2)
+        into = FlatBuffer()
+        for _ in range(2):
+            header = receive_header(group, cpu)
+            try:
+                received = receive_bucket(
+                    group, header.specs, cpu, flattened=True, into=into, tag=header.tag
+                )
+                got.append(received[0][1].clone())
+            except BucketOutOfStep as error:
+                got.append(error)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    group = create_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2)
+    send_header(group, specs, cpu, tag=11)
+    send_bucket(group, [weight], flattened=True, staging=FlatBuffer(), tag=11)
+    send_header(group, specs, cpu, tag=12)
+    send_header(group, [], cpu, aborted=True)  # in the bucket's place
+    thread.join(timeout=60)
+    assert torch.equal(got[0], weight)
+    assert isinstance(got[1], BucketOutOfStep)
+
+
+class BrokenGroup:
+    """A gloo group whose every collective fails (a member died): counts what was sent."""
+
+    def __init__(self) -> None:
+        self.broadcasts = 0
+
+    def name(self) -> str:
+        return "gloo"
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        self.broadcasts += 1
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_the_trainer_sends_nothing_more_once_a_collective_failed() -> None:
+    transport = BroadcastTransport(master_port=free_port())
+    transport.group = broken = BrokenGroup()
+    with pytest.raises(RuntimeError, match="reset by peer"):
+        transport._send_whole(lambda: iter([("w", torch.ones(4))]))
+    assert broken.broadcasts == 1  # the failed header, and no abort behind it
+
+
+def test_a_failed_walk_is_announced_with_an_abort() -> None:
+    def tensors():
+        yield "a", torch.ones(4)
+        raise ValueError("gather failed")
+
+    port, got = free_port(), []
+    cpu = torch.device("cpu")
+
+    def engine() -> None:
+        group = create_group(master_address="127.0.0.1", master_port=port, rank=1, world_size=2)
+        try:
+            receive_header(group, cpu)
+        except TrainerAborted as error:
+            got.append(error)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    transport = BroadcastTransport(master_port=port, bucket_bytes=1)  # a bucket a tensor
+    transport.group = create_group(
+        master_address="127.0.0.1", master_port=port, rank=0, world_size=2
+    )
+    with pytest.raises(ValueError, match="gather failed"):
+        transport._send_whole(tensors)
+    thread.join(timeout=60)
+    assert len(got) == 1  # the walk failed before the first header: the engine got the abort

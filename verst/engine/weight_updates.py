@@ -26,6 +26,7 @@ from verst.engine.weight_loading import checkpoint_files, checkpoint_tensors, lo
 from verst.engine.weight_paths import allowed_weight_path, load_quietly
 from verst.engine.weight_paths import refusal as weight_path_refusal
 from verst.sync.broadcast import (
+    BucketOutOfStep,
     FlatBuffer,
     TrainerAborted,
     create_group,
@@ -368,7 +369,9 @@ class WeightUpdates:
         Every bucket is received whatever happens, so the trainer's broadcasts always complete:
         a bucket with unknown names or other shapes (or a refused flush) is received and
         dropped, the rest of the update too, and the answer is False with the engine still
-        paused and its version unchanged (the buckets before it are installed)."""
+        paused and its version unchanged (the buckets before it are installed). A bucket that
+        does not end with its header's tag (`BucketOutOfStep`: this engine and the trainer fell
+        out of step) ends the update there, answered the same way, none of it installed."""
         group = self._groups.get(group_name)
         if group is None:
             return False, f"no weights update group {group_name!r}: call init first"
@@ -384,11 +387,11 @@ class WeightUpdates:
                 refusal = "flush_cache refused: paused in place, requests hold KV pages"
             last = False
             while not last:
-                specs, last = receive_header(group, headers)
+                specs, last, tag = receive_header(group, headers)
                 if not specs:
                     continue
                 received = receive_bucket(
-                    group, specs, device, flattened=True, into=self._receive_buffer()
+                    group, specs, device, flattened=True, into=self._receive_buffer(), tag=tag
                 )
                 if refusal is None:
                     try:
@@ -403,7 +406,7 @@ class WeightUpdates:
 
         try:
             ok, message = await self._update_weights(load, weight_version)
-        except TrainerAborted as error:
+        except (TrainerAborted, BucketOutOfStep) as error:
             return False, str(error)
         if ok and continue_generation:
             await self.resume()

@@ -16,6 +16,14 @@ through it (`send_header`: the JSON of its names, dtypes and shapes and whether 
 last, in one broadcast of HEADER_BYTES unless the JSON is longer). So the tensors are walked
 once, as they are sent (one bucket ahead), and one HTTP round trip serves the whole update
 whatever the number of buckets.
+
+A broadcast only completes when every member posts one of the same size, and gloo takes a
+shorter message into a larger buffer without a word: a member that fell out of step (it got a
+header the others did not) would install whatever landed in its buffer. So the trainer sends
+nothing more on a group once one of its collectives failed (an abort header only when walking
+the tensors failed, when every engine waits for a header), and each bucket of a whole update
+ends with the random tag its header announced: an engine whose bucket does not end with it
+refuses the update (`BucketOutOfStep`) instead of installing the bytes.
 """
 
 from __future__ import annotations
@@ -23,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import socket
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,9 +47,11 @@ from verst.sync.buckets import adapter_fields, bucket_limit, bucketed
 from verst.sync.protocol import takes_whole_updates
 
 WHOLE_UPDATE_PATH = "/verst/update_weights_from_distributed"
-# a whole update's header: its JSON's length and flags (int64 each), then the JSON
+# a whole update's header: its JSON's length, flags and the bucket's tag (int64 each), then
+# the JSON
 HEADER_BYTES = 1 << 16
-_HEAD = 16
+_HEAD = 24
+TAG_BYTES = 8  # a whole update's bucket ends with its tag, an int64
 LAST, ABORTED = 1, 2  # flags: the last bucket; the trainer's side failed
 
 
@@ -149,14 +160,16 @@ def send_header(
     *,
     last: bool = False,
     aborted: bool = False,
+    tag: int = 0,
 ) -> None:
     """Rank 0 announces the next bucket of a whole update (`specs`; none: no bucket follows),
-    and whether it is the `last`; `aborted`: the trainer failed, install nothing more. One
-    broadcast of HEADER_BYTES, a second for the JSON that does not fit."""
+    whether it is the `last`, and the `tag` its bytes end with; `aborted`: the trainer failed,
+    install nothing more. One broadcast of HEADER_BYTES, a second for the JSON that does not
+    fit."""
     payload = json.dumps(spec_fields(specs)).encode() if specs else b""
     flags = (LAST if last else 0) | (ABORTED if aborted else 0)
     head = bytearray(HEADER_BYTES)
-    head[:_HEAD] = struct.pack("<qq", len(payload), flags)
+    head[:_HEAD] = struct.pack("<qqq", len(payload), flags, tag)
     fits = payload[: HEADER_BYTES - _HEAD]
     head[_HEAD : _HEAD + len(fits)] = fits
     group.broadcast(torch.frombuffer(head, dtype=torch.uint8).to(device), 0).wait()
@@ -175,13 +188,23 @@ class TrainerAborted(RuntimeError):
     """The trainer's side of a whole update failed before its end."""
 
 
-def receive_header(group: dist.Backend, device: torch.device) -> tuple[list[TensorSpec], bool]:
-    """An engine's side of `send_header`: the next bucket's specs (none: no bucket follows) and
-    whether it is the last (`TrainerAborted` when the trainer gave up)."""
+class BucketOutOfStep(RuntimeError):
+    """A whole update's bucket did not end with its header's tag: this engine's broadcasts
+    and the trainer's fell out of step, and the bytes are not the bucket's."""
+
+
+class Header(NamedTuple):
+    specs: list[TensorSpec]  # the next bucket's tensors; none: no bucket follows
+    last: bool
+    tag: int  # what the bucket's bytes end with
+
+
+def receive_header(group: dist.Backend, device: torch.device) -> Header:
+    """An engine's side of `send_header` (`TrainerAborted` when the trainer gave up)."""
     head = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
     group.broadcast(head, 0).wait()
     raw = head.cpu().numpy().tobytes()
-    size, flags = struct.unpack("<qq", raw[:_HEAD])
+    size, flags, tag = struct.unpack("<qqq", raw[:_HEAD])
     if flags & ABORTED:
         raise TrainerAborted("the trainer's side of the weight update failed")
     payload = raw[_HEAD : _HEAD + size]
@@ -190,7 +213,7 @@ def receive_header(group: dist.Backend, device: torch.device) -> tuple[list[Tens
         group.broadcast(rest, 0).wait()
         payload += rest.cpu().numpy().tobytes()
     specs = bucket_specs(json.loads(payload)) if size else []
-    return specs, bool(flags & LAST)
+    return Header(specs, bool(flags & LAST), tag)
 
 
 class FlatBuffer:
@@ -215,19 +238,28 @@ def send_bucket(
     *,
     flattened: bool,
     staging: FlatBuffer | None = None,
+    tag: int | None = None,
 ) -> None:
-    """Rank 0's side of one bucket (flattened: copied into `staging`, or a new buffer)."""
+    """Rank 0's side of one bucket (flattened: copied into `staging`, or a new buffer, and
+    ended with `tag` when given)."""
     if not flattened:
         for tensor in tensors:
             group.broadcast(tensor.contiguous(), 0).wait()
         return
+    device = tensors[0].device
     parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    if tag is not None:
+        parts.append(_tag_bytes(tag).to(device, non_blocking=True))
     if staging is None:
         flat = torch.cat(parts)
     else:
-        flat = staging.take(sum(p.numel() for p in parts), tensors[0].device)
+        flat = staging.take(sum(p.numel() for p in parts), device)
         torch._foreach_copy_(list(flat.split([p.numel() for p in parts])), parts)
     group.broadcast(flat, 0).wait()
+
+
+def _tag_bytes(tag: int) -> torch.Tensor:
+    return torch.tensor([tag], dtype=torch.int64).view(torch.uint8)
 
 
 def receive_bucket(
@@ -237,9 +269,11 @@ def receive_bucket(
     *,
     flattened: bool,
     into: FlatBuffer | None = None,
+    tag: int | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """An engine's side of one bucket: the tensors, by name (flattened: views into `into`,
-    valid until its next bucket, or into a new buffer)."""
+    valid until its next bucket, or into a new buffer; with `tag`, `BucketOutOfStep` unless
+    the bytes end with it)."""
     if not flattened:
         received = []
         for spec in specs:
@@ -248,11 +282,17 @@ def receive_bucket(
             received.append((spec.name, tensor))
         return received
     nbytes = sum(s.nbytes for s in specs)
+    tail = 0 if tag is None else TAG_BYTES
     if into is None:
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        flat = torch.empty(nbytes + tail, dtype=torch.uint8, device=device)
     else:
-        flat = into.take(nbytes, device)
+        flat = into.take(nbytes + tail, device)
     group.broadcast(flat, 0).wait()
+    if tag is not None and not torch.equal(flat[nbytes:].cpu(), _tag_bytes(tag)):
+        raise BucketOutOfStep(
+            f"a bucket of {nbytes} bytes did not end with its header's tag: this engine's "
+            "broadcasts and the trainer's fell out of step, so nothing of it is installed"
+        )
     received, offset = [], 0
     for spec in specs:
         chunk = flat[offset : offset + spec.nbytes]
@@ -419,24 +459,21 @@ class BroadcastTransport:
         abort, so no engine waits for more)."""
         group = self.group  # the update's, even if a failed engine makes `update_whole` drop it
         assert group is not None
-        device = None
-        try:
-            buckets = bucketed(tensors(), self.bucket_bytes)
-            bucket = next(buckets, None)
-            if bucket is None:
-                send_header(group, [], self._first_device(), last=True)
-            while bucket is not None:
-                device = device or header_device(group, bucket[0][1].device)
-                following = next(buckets, None)
-                specs = [TensorSpec.of(name, t) for name, t in bucket]
-                send_header(group, specs, device, last=following is None)
-                send_bucket(group, [t for _, t in bucket], flattened=True, staging=self.staging)
-                self.buckets_sent.append(sum(s.nbytes for s in specs))
-                bucket = following
-        except Exception:
-            with contextlib.suppress(Exception):  # the group itself may be what failed
-                send_header(group, [], device or self._first_device(), aborted=True)
-            raise
+        walk = _Walk(group, lambda: bucketed(tensors(), self.bucket_bytes), self._first_device())
+        bucket = walk.next()
+        if bucket is None:
+            send_header(group, [], walk.device, last=True)
+        while bucket is not None:
+            walk.device = header_device(group, bucket[0][1].device)
+            following = walk.next()
+            specs = [TensorSpec.of(name, t) for name, t in bucket]
+            tag = secrets.randbits(63)
+            send_header(group, specs, walk.device, last=following is None, tag=tag)
+            send_bucket(
+                group, [t for _, t in bucket], flattened=True, staging=self.staging, tag=tag
+            )
+            self.buckets_sent.append(sum(s.nbytes for s in specs))
+            bucket = following
 
     def _first_device(self) -> torch.device:
         """Where headers go when no tensor has said (nothing to send, or the walk failed)."""
@@ -457,6 +494,31 @@ class BroadcastTransport:
             self.group = None
             return error
         return None
+
+
+class _Walk:
+    """The tensors' walk, a bucket at a time. When walking fails, every engine waits for a
+    header: it gets an abort before the error is raised. A failed collective is raised as it
+    is, with nothing more sent: its members may each wait for a different broadcast."""
+
+    def __init__(
+        self,
+        group: dist.Backend,
+        buckets: Callable[[], Iterable[list[tuple[str, torch.Tensor]]]],
+        device: torch.device,
+    ) -> None:
+        self.group, self._start, self._buckets = group, buckets, None
+        self.device = device  # where headers travel
+
+    def next(self) -> list[tuple[str, torch.Tensor]] | None:
+        try:
+            if self._buckets is None:
+                self._buckets = iter(self._start())
+            return next(self._buckets, None)
+        except Exception:
+            with contextlib.suppress(Exception):
+                send_header(self.group, [], self.device, aborted=True)
+            raise
 
 
 def _whole_failure(
