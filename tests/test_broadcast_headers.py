@@ -4,6 +4,7 @@ not the bucket's; and the trainer's side sending nothing more once a collective 
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 
@@ -157,3 +158,13 @@ def test_a_failed_walk_is_announced_with_an_abort() -> None:
         transport._send_whole(tensors)
     thread.join(timeout=60)
     assert len(got) == 1  # the walk failed before the first header: the engine got the abort
+
+
+def test_each_group_stages_in_a_buffer_of_its_own() -> None:
+    """A send left behind on a dropped group (its thread still in a collective) must not write
+    into the buffer the next group's update broadcasts from."""
+    transport = BroadcastTransport(master_port=free_port())
+    asyncio.run(transport.connect([]))
+    first = transport.staging
+    asyncio.run(transport.connect([]))
+    assert transport.staging is not first

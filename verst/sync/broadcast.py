@@ -332,13 +332,15 @@ class BroadcastTransport:
         self.connects = 0
         self.buckets_sent: list[int] = []  # bytes of each bucket of the last send
         self.whole_updates = whole_updates  # `update_whole` to verst engines; False: SGLang's calls
-        self.staging = FlatBuffer()  # every flattened bucket's bytes, on the tensors' device
+        # every flattened bucket's bytes, on the tensors' device; one per group, so a send
+        # left behind on a dropped group never writes into the buffer of the next one's
+        self.staging = FlatBuffer()
 
     async def connect(self, engines: list[EngineClient]) -> None:
         if self.connects:  # the old group's store may still hold the port
             self.master_port = _free_port(self.master_address)
         self.connects += 1
-        self.group, self.members = None, []
+        self.group, self.members, self.staging = None, [], FlatBuffer()
         world_size = 1 + len(engines)
         joins = [
             e.init_weights_update_group(
@@ -457,7 +459,8 @@ class BroadcastTransport:
         """Rank 0's side of a whole update: each bucket's header, then its bytes; the walk runs
         one bucket ahead so the last header says so (or, when walking the tensors failed, an
         abort, so no engine waits for more)."""
-        group = self.group  # the update's, even if a failed engine makes `update_whole` drop it
+        # the update's group and buffer, even if a failed engine makes `update_whole` drop them
+        group, staging = self.group, self.staging
         assert group is not None
         walk = _Walk(group, lambda: bucketed(tensors(), self.bucket_bytes), self._first_device())
         bucket = walk.next()
@@ -469,9 +472,7 @@ class BroadcastTransport:
             specs = [TensorSpec.of(name, t) for name, t in bucket]
             tag = secrets.randbits(63)
             send_header(group, specs, walk.device, last=following is None, tag=tag)
-            send_bucket(
-                group, [t for _, t in bucket], flattened=True, staging=self.staging, tag=tag
-            )
+            send_bucket(group, [t for _, t in bucket], flattened=True, staging=staging, tag=tag)
             self.buckets_sent.append(sum(s.nbytes for s in specs))
             bucket = following
 
