@@ -111,6 +111,25 @@ def test_a_tagged_bucket_arrives_and_a_short_message_in_its_place_is_refused() -
     assert isinstance(got[1], BucketOutOfStep)
 
 
+def test_a_bucket_in_a_headers_place_is_refused() -> None:
+    port, got = free_port(), []
+    cpu = torch.device("cpu")
+
+    def engine() -> None:
+        group = create_group(master_address="127.0.0.1", master_port=port, rank=1, world_size=2)
+        try:
+            receive_header(group, cpu)
+        except BucketOutOfStep as error:
+            got.append(error)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    group = create_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2)
+    send_bucket(group, [torch.ones(64)], flattened=True)  # 256 bytes where a header belongs
+    thread.join(timeout=60)
+    assert len(got) == 1 and "magic number" in str(got[0])
+
+
 class BrokenGroup:
     """A gloo group whose every collective fails (a member died): counts what was sent."""
 

@@ -47,10 +47,11 @@ from verst.sync.buckets import adapter_fields, bucket_limit, bucketed
 from verst.sync.protocol import takes_whole_updates
 
 WHOLE_UPDATE_PATH = "/verst/update_weights_from_distributed"
-# a whole update's header: its JSON's length, flags and the bucket's tag (int64 each), then
-# the JSON
+# a whole update's header: a magic number, its JSON's length, flags and the bucket's tag
+# (int64 each), then the JSON
 HEADER_BYTES = 1 << 16
-_HEAD = 24
+_HEAD = 32
+HEADER_MAGIC = 0x7665727374484452  # "verstHDR"
 TAG_BYTES = 8  # a whole update's bucket ends with its tag, an int64
 LAST, ABORTED = 1, 2  # flags: the last bucket; the trainer's side failed
 
@@ -169,7 +170,7 @@ def send_header(
     payload = json.dumps(spec_fields(specs)).encode() if specs else b""
     flags = (LAST if last else 0) | (ABORTED if aborted else 0)
     head = bytearray(HEADER_BYTES)
-    head[:_HEAD] = struct.pack("<qqq", len(payload), flags, tag)
+    head[:_HEAD] = struct.pack("<qqqq", HEADER_MAGIC, len(payload), flags, tag)
     fits = payload[: HEADER_BYTES - _HEAD]
     head[_HEAD : _HEAD + len(fits)] = fits
     group.broadcast(torch.frombuffer(head, dtype=torch.uint8).to(device), 0).wait()
@@ -189,8 +190,9 @@ class TrainerAborted(RuntimeError):
 
 
 class BucketOutOfStep(RuntimeError):
-    """A whole update's bucket did not end with its header's tag: this engine's broadcasts
-    and the trainer's fell out of step, and the bytes are not the bucket's."""
+    """A whole update's bucket did not end with its header's tag, or a header did not start
+    with the magic number: this engine's broadcasts and the trainer's fell out of step, and
+    the bytes are not what they should be."""
 
 
 class Header(NamedTuple):
@@ -204,7 +206,12 @@ def receive_header(group: dist.Backend, device: torch.device) -> Header:
     head = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=device)
     group.broadcast(head, 0).wait()
     raw = head.cpu().numpy().tobytes()
-    size, flags, tag = struct.unpack("<qqq", raw[:_HEAD])
+    magic, size, flags, tag = struct.unpack("<qqqq", raw[:_HEAD])
+    if magic != HEADER_MAGIC:
+        raise BucketOutOfStep(
+            "a weight update's header did not start with its magic number: this engine's "
+            "broadcasts and the trainer's fell out of step"
+        )
     if flags & ABORTED:
         raise TrainerAborted("the trainer's side of the weight update failed")
     payload = raw[_HEAD : _HEAD + size]
