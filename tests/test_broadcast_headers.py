@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -33,27 +35,49 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def exchange(sends: list[dict], receives: int) -> list[object]:
-    """Rank 0 sends each header of `sends` (send_header's arguments); rank 1 receives
-    `receives` of them: what it got, or the exception it raised."""
-    port, got = free_port(), []
-    cpu = torch.device("cpu")
+CPU = torch.device("cpu")
+
+
+def group_of(port: int, rank: int) -> Any:
+    return create_group(master_address="127.0.0.1", master_port=port, rank=rank, world_size=2)
+
+
+def engine_side(port: int, receives: list[Callable[[Any], object]]) -> Callable[[], list]:
+    """Rank 1 on a thread of its own runs each of `receives` on the group in turn; the call
+    returned waits for it and gives what each returned, or the exception it raised."""
+    got: list[object] = []
 
     def engine() -> None:
-        group = create_group(master_address="127.0.0.1", master_port=port, rank=1, world_size=2)
-        for _ in range(receives):
+        group = group_of(port, 1)
+        for receive in receives:
             try:
-                got.append(receive_header(group, cpu))
-            except TrainerAborted as error:
+                got.append(receive(group))
+            except (TrainerAborted, BucketOutOfStep) as error:
                 got.append(error)
 
     thread = threading.Thread(target=engine)
     thread.start()
-    group = create_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2)
+
+    def results() -> list:
+        thread.join(timeout=60)
+        return got
+
+    return results
+
+
+def header(group: Any) -> object:
+    return receive_header(group, CPU)
+
+
+def exchange(sends: list[dict], receives: int) -> list[object]:
+    """Rank 0 sends each header of `sends` (send_header's arguments); rank 1 receives
+    `receives` of them: what it got, or the exception it raised."""
+    port = free_port()
+    results = engine_side(port, [header] * receives)
+    group = group_of(port, 0)
     for kwargs in sends:
-        send_header(group, device=cpu, **kwargs)
-    thread.join(timeout=60)
-    return got
+        send_header(group, device=CPU, **kwargs)
+    return results()
 
 
 def test_headers_carry_specs_the_last_flag_and_the_tag() -> None:
@@ -81,53 +105,32 @@ def test_a_tagged_bucket_arrives_and_a_short_message_in_its_place_is_refused() -
     """gloo takes a shorter message into a larger buffer without a word: an engine that got a
     bucket's header and then another header (an abort sent to a group out of step) in the
     bucket's place must not install those bytes, whatever its reused buffer held before."""
-    port, got = free_port(), []
-    cpu = torch.device("cpu")
+    port, into = free_port(), FlatBuffer()
     weight = torch.arange(40_000, dtype=torch.float32)  # 160 kB: longer than a header
     specs = [TensorSpec.of("w", weight)]
 
-    def engine() -> None:
-        group = create_group(master_address="127.0.0.1", master_port=port, rank=1, world_size=2)
-        into = FlatBuffer()
-        for _ in range(2):
-            header = receive_header(group, cpu)
-            try:
-                received = receive_bucket(
-                    group, header.specs, cpu, flattened=True, into=into, tag=header.tag
-                )
-                got.append(received[0][1].clone())
-            except BucketOutOfStep as error:
-                got.append(error)
+    def bucket(group: Any) -> torch.Tensor:
+        specs, _, tag = receive_header(group, CPU)
+        received = receive_bucket(group, specs, CPU, flattened=True, into=into, tag=tag)
+        return received[0][1].clone()
 
-    thread = threading.Thread(target=engine)
-    thread.start()
-    group = create_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2)
-    send_header(group, specs, cpu, tag=11)
+    results = engine_side(port, [bucket, bucket])
+    group = group_of(port, 0)
+    send_header(group, specs, CPU, tag=11)
     send_bucket(group, [weight], flattened=True, staging=FlatBuffer(), tag=11)
-    send_header(group, specs, cpu, tag=12)
-    send_header(group, [], cpu, aborted=True)  # in the bucket's place
-    thread.join(timeout=60)
+    send_header(group, specs, CPU, tag=12)
+    send_header(group, [], CPU, aborted=True)  # in the bucket's place
+    got = results()
     assert torch.equal(got[0], weight)
     assert isinstance(got[1], BucketOutOfStep)
 
 
 def test_a_bucket_in_a_headers_place_is_refused() -> None:
-    port, got = free_port(), []
-    cpu = torch.device("cpu")
-
-    def engine() -> None:
-        group = create_group(master_address="127.0.0.1", master_port=port, rank=1, world_size=2)
-        try:
-            receive_header(group, cpu)
-        except BucketOutOfStep as error:
-            got.append(error)
-
-    thread = threading.Thread(target=engine)
-    thread.start()
-    group = create_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2)
-    send_bucket(group, [torch.ones(64)], flattened=True)  # 256 bytes where a header belongs
-    thread.join(timeout=60)
-    assert len(got) == 1 and "magic number" in str(got[0])
+    port = free_port()
+    results = engine_side(port, [header])
+    send_bucket(group_of(port, 0), [torch.ones(64)], flattened=True)  # where a header belongs
+    (got,) = results()
+    assert isinstance(got, BucketOutOfStep) and "magic number" in str(got)
 
 
 class BrokenGroup:
@@ -157,26 +160,15 @@ def test_a_failed_walk_is_announced_with_an_abort() -> None:
         yield "a", torch.ones(4)
         raise ValueError("gather failed")
 
-    port, got = free_port(), []
-    cpu = torch.device("cpu")
-
-    def engine() -> None:
-        group = create_group(master_address="127.0.0.1", master_port=port, rank=1, world_size=2)
-        try:
-            receive_header(group, cpu)
-        except TrainerAborted as error:
-            got.append(error)
-
-    thread = threading.Thread(target=engine)
-    thread.start()
+    port = free_port()
+    results = engine_side(port, [header])
     transport = BroadcastTransport(master_port=port, bucket_bytes=1)  # a bucket a tensor
-    transport.group = create_group(
-        master_address="127.0.0.1", master_port=port, rank=0, world_size=2
-    )
+    transport.group = group_of(port, 0)
     with pytest.raises(ValueError, match="gather failed"):
         transport._send_whole(tensors)
-    thread.join(timeout=60)
-    assert len(got) == 1  # the walk failed before the first header: the engine got the abort
+    # the walk failed before the first header: the engine got the abort
+    (got,) = results()
+    assert isinstance(got, TrainerAborted)
 
 
 def test_each_group_stages_in_a_buffer_of_its_own() -> None:
