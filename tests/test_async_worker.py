@@ -12,13 +12,10 @@ from pydantic import ValidationError
 
 from verst.loop import only_scored
 from verst.rollout.async_config import AsyncConfig
-from verst.rollout.async_worker import (
-    RolloutWorker,
-    RolloutWorkerError,
-    build_rollout_worker,
-)
+from verst.rollout.async_worker import RolloutWorker, RolloutWorkerError
 from verst.rollout.buffer import DataBuffer
 from verst.rollout.ledger import DROPPED, RETRIED, Ledger, read_ledger
+from verst.rollout.worker_build import build_rollout_worker
 from verst.types import Group, Sample, Status
 
 

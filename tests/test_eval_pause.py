@@ -14,8 +14,8 @@ from tests.test_eval_modes import ASYNC_ONE_ENGINE, NO_WARM, step_rows
 from tests.test_loop import SMALL
 from verst.cli import main
 from verst.rollout.async_config import AsyncConfig
-from verst.rollout.async_worker import build_rollout_worker
 from verst.rollout.ledger import LEDGER_FILE, TRAINED, check_exactly_once, read_ledger
+from verst.rollout.worker_build import build_rollout_worker
 
 
 def test_pause_finishes_the_groups_in_flight_into_the_buffer_and_starts_none() -> None:

@@ -26,7 +26,8 @@ from verst.diffusion.requests import draw_captions, request, train_steps
 from verst.diffusion.rewards import ImageReward
 from verst.diffusion.server import DiffusionClient
 from verst.fleet.loop_thread import LoopThread
-from verst.rollout.async_worker import RolloutWorker, build_rollout_worker
+from verst.rollout.async_worker import RolloutWorker
+from verst.rollout.worker_build import build_rollout_worker
 from verst.types import Group, Sample, Status
 
 TRAJECTORY = "trajectory"

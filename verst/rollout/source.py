@@ -52,7 +52,7 @@ from verst.rollout.agent import (
     run_agent_groups,
     run_agent_sample,
 )
-from verst.rollout.async_worker import RolloutWorker, build_rollout_worker
+from verst.rollout.async_worker import RolloutWorker
 from verst.rollout.dynamic import fill_batch
 from verst.rollout.generate import RolloutConfig, fill_sample, generate_groups
 from verst.rollout.generate_fn import generate_groups_with, generate_one
@@ -69,6 +69,7 @@ from verst.rollout.ledger import (
 )
 from verst.rollout.metrics import rollout_metrics
 from verst.rollout.rewards import RewardScorer
+from verst.rollout.worker_build import build_rollout_worker
 from verst.types import Group, Sample, scored_count
 
 
