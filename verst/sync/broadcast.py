@@ -466,8 +466,9 @@ class BroadcastTransport:
         """Rank 0's side of a whole update: each bucket's header, then its bytes; the walk runs
         one bucket ahead so the last header says so (or, when walking the tensors failed, an
         abort, so no engine waits for more)."""
-        # the update's group and buffer, even if a failed engine makes `update_whole` drop them
-        group, staging = self.group, self.staging
+        # the update's group, buffer and count, even if a failed engine makes `update_whole`
+        # drop them and a later update make its own
+        group, staging, sent = self.group, self.staging, self.buckets_sent
         assert group is not None
         walk = _Walk(group, lambda: bucketed(tensors(), self.bucket_bytes), self._first_device())
         bucket = walk.next()
@@ -480,7 +481,7 @@ class BroadcastTransport:
             tag = secrets.randbits(63)
             send_header(group, specs, walk.device, last=following is None, tag=tag)
             send_bucket(group, [t for _, t in bucket], flattened=True, staging=staging, tag=tag)
-            self.buckets_sent.append(sum(s.nbytes for s in specs))
+            sent.append(sum(s.nbytes for s in specs))
             bucket = following
 
     def _first_device(self) -> torch.device:
